@@ -1,0 +1,110 @@
+//! Session ids and what `inspect` reports.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use crate::{FencingToken, LockName};
+
+/// A session's id, naming the process like the seeds' `config.lockpings`:
+/// `host:pid:start:random` (plus `:label` if one was set).
+///
+/// Only characters valid in lock names, so adapters may embed it in keys and
+/// paths.
+///
+/// ```
+/// use dlock_core::SessionId;
+/// let id = SessionId::generate(Some("cron"));
+/// assert_eq!(id.as_str().split(':').count(), 5);
+/// ```
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SessionId(Arc<str>);
+
+impl SessionId {
+    /// A fresh id for this process.
+    pub fn generate(label: Option<&str>) -> Self {
+        let host: String = gethostname::gethostname()
+            .to_string_lossy()
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || matches!(c, '-' | '.' | '_') {
+                    c
+                } else {
+                    '_'
+                }
+            })
+            .take(64)
+            .collect();
+        let host = if host.is_empty() { "host".into() } else { host };
+        let start = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0);
+        let random: u32 = rand::random();
+        let mut id = format!("{host}:{}:{start}:{random:08x}", std::process::id());
+        if let Some(label) = label {
+            id.push(':');
+            id.push_str(label);
+        }
+        Self(id.into())
+    }
+
+    /// Wraps an id read back from a store.
+    pub fn from_stored(id: impl Into<Arc<str>>) -> Self {
+        Self(id.into())
+    }
+
+    /// The id as text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for SessionId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&*self.0, f)
+    }
+}
+
+impl fmt::Display for SessionId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// What [`Backend::inspect`](crate::Backend::inspect) reports about a held lock.
+///
+/// Times are by the store's clock where the store keeps one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct LockInfo {
+    /// The lock.
+    pub name: LockName,
+    /// The holder's session id.
+    pub holder: String,
+    /// The holder's fencing token.
+    pub token: FencingToken,
+    /// The reason given at acquisition (the seeds' `why`).
+    pub why: Option<String>,
+    /// When it was acquired, by the store's clock.
+    pub acquired_at: Option<SystemTime>,
+    /// When the store will free it unless renewed.
+    pub expires_at: Option<SystemTime>,
+    /// How many clients wait for it, where the store can tell.
+    pub waiters: Option<usize>,
+}
+
+impl LockInfo {
+    /// A record with the required fields; adapters fill in the rest.
+    pub fn new(name: LockName, holder: impl Into<String>, token: FencingToken) -> Self {
+        Self {
+            name,
+            holder: holder.into(),
+            token,
+            why: None,
+            acquired_at: None,
+            expires_at: None,
+            waiters: None,
+        }
+    }
+}

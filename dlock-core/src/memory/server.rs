@@ -1,0 +1,430 @@
+//! The in-memory "server": lock table, sessions, FIFO queues, expiry by its own
+//! clock, per-waiter notifications. All operations are atomic under one mutex,
+//! as a store's single-key transactions are.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use crate::backend::{Busy, Hold, Take};
+use crate::{Error, FencingToken, LockInfo, LockName};
+
+/// The server's clock: monotonic, with a wall-clock anchor for reports.
+#[derive(Debug)]
+struct Clock {
+    start: Instant,
+    wall: SystemTime,
+}
+
+impl Clock {
+    fn wall(&self, at: Instant) -> SystemTime {
+        self.wall + at.saturating_duration_since(self.start)
+    }
+}
+
+#[derive(Debug)]
+struct SessionRec {
+    ttl: Duration,
+    expires_at: Instant,
+}
+
+#[derive(Debug)]
+struct Holder {
+    ticket: u64,
+    session: Arc<str>,
+    token: u64,
+    why: Option<String>,
+    acquired_at: Instant,
+    expires_at: Instant,
+}
+
+#[derive(Debug)]
+struct Waiter {
+    ticket: u64,
+    session: Arc<str>,
+    notify: Arc<Notify>,
+}
+
+#[derive(Debug, Default)]
+struct Entry {
+    holder: Option<Holder>,
+    queue: VecDeque<Waiter>,
+}
+
+impl Entry {
+    fn is_empty(&self) -> bool {
+        self.holder.is_none() && self.queue.is_empty()
+    }
+}
+
+#[derive(Debug, Default)]
+struct State {
+    /// One counter for all names: strictly increasing per name too, and no
+    /// per-name state outlives its lock (etcd revisions and ZooKeeper zxids
+    /// work the same way).
+    last_token: u64,
+    next_ticket: u64,
+    sessions: HashMap<Arc<str>, SessionRec>,
+    locks: BTreeMap<LockName, Entry>,
+}
+
+/// One in-memory lock service, shared by every backend handle that names it.
+#[derive(Debug)]
+pub(crate) struct Server {
+    state: Mutex<State>,
+    clock: Clock,
+}
+
+pub(crate) const BACKEND: &str = "memory";
+
+impl Server {
+    pub(crate) fn new() -> Self {
+        Self {
+            state: Mutex::new(State::default()),
+            clock: Clock {
+                start: Instant::now(),
+                wall: SystemTime::now(),
+            },
+        }
+    }
+
+    fn now(&self) -> Instant {
+        Instant::now()
+    }
+
+    pub(crate) fn open_session(&self, id: &str, ttl: Duration) -> Arc<str> {
+        let id: Arc<str> = id.into();
+        let expires_at = self.now() + ttl;
+        self.state
+            .lock()
+            .unwrap()
+            .sessions
+            .insert(id.clone(), SessionRec { ttl, expires_at });
+        id
+    }
+
+    pub(crate) fn new_ticket(&self) -> u64 {
+        let mut st = self.state.lock().unwrap();
+        st.next_ticket += 1;
+        st.next_ticket
+    }
+
+    /// Takes `name` for `ticket` if free (or expired) and `ticket` is first in
+    /// line; otherwise queues `ticket` (once) and reports how long until the
+    /// holder or the first waiter ahead expires.
+    pub(crate) fn try_take(
+        &self,
+        name: &LockName,
+        session: &Arc<str>,
+        ticket: u64,
+        why: Option<&str>,
+        notify: &Arc<Notify>,
+        fair: bool,
+    ) -> Result<Take, Error> {
+        let now = self.now();
+        let mut guard = self.state.lock().unwrap();
+        let st = &mut *guard;
+        let ttl = live_session(&st.sessions, session, now)?.ttl;
+        let entry = st.locks.entry(name.clone()).or_default();
+        purge(entry, &st.sessions, now, name);
+        if let Some(h) = &entry.holder
+            && h.ticket == ticket {
+                return Ok(Take::Granted(hold_of(name, h)));
+            }
+        let position = entry.queue.iter().position(|w| w.ticket == ticket);
+        let first_in_line = match position {
+            Some(p) => p == 0,
+            None => entry.queue.is_empty() || !fair,
+        };
+        if entry.holder.is_none() && first_in_line {
+            if let Some(p) = position {
+                entry.queue.remove(p);
+            }
+            st.last_token += 1;
+            let holder = Holder {
+                ticket,
+                session: session.clone(),
+                token: st.last_token,
+                why: why.map(str::to_owned),
+                acquired_at: now,
+                expires_at: now + ttl,
+            };
+            let hold = hold_of(name, &holder);
+            entry.holder = Some(holder);
+            return Ok(Take::Granted(hold));
+        }
+        if position.is_none() && fair {
+            entry.queue.push_back(Waiter {
+                ticket,
+                session: session.clone(),
+                notify: notify.clone(),
+            });
+        }
+        // Wake when the holder, or the waiter ahead of us, would expire.
+        let ahead = entry
+            .queue
+            .iter()
+            .take_while(|w| w.ticket != ticket)
+            .filter_map(|w| st.sessions.get(&w.session).map(|s| s.expires_at));
+        let next_expiry = entry.holder.iter().map(|h| h.expires_at).chain(ahead).min();
+        Ok(Take::Busy(Busy {
+            retry_after: next_expiry.map(|t| t.saturating_duration_since(now)),
+        }))
+    }
+
+    /// Removes `ticket`'s queue entry and its hold, if any.
+    pub(crate) fn abandon(&self, name: &LockName, ticket: u64) {
+        let mut st = self.state.lock().unwrap();
+        if let Some(entry) = st.locks.get_mut(name) {
+            entry.queue.retain(|w| w.ticket != ticket);
+            if entry.holder.as_ref().is_some_and(|h| h.ticket == ticket) {
+                entry.holder = None;
+            }
+            wake_next(entry);
+            if entry.is_empty() {
+                st.locks.remove(name);
+            }
+        }
+    }
+
+    pub(crate) fn release(&self, session: &Arc<str>, hold: &Hold, ticket: u64) -> Result<(), Error> {
+        let now = self.now();
+        let mut guard = self.state.lock().unwrap();
+        let st = &mut *guard;
+        let Some(entry) = st.locks.get_mut(&hold.name) else {
+            return Err(not_held(&hold.name));
+        };
+        purge(entry, &st.sessions, now, &hold.name);
+        let ours = entry.holder.as_ref().is_some_and(|h| {
+            h.ticket == ticket && &h.session == session && h.token == hold.token.get()
+        });
+        let result = if ours {
+            entry.holder = None;
+            wake_next(entry);
+            Ok(())
+        } else {
+            Err(not_held(&hold.name))
+        };
+        if entry.is_empty() {
+            st.locks.remove(&hold.name);
+        }
+        result
+    }
+
+    pub(crate) fn renew(
+        &self,
+        session: &Arc<str>,
+        holds: &[(Hold, u64)],
+    ) -> Result<Vec<bool>, Error> {
+        let now = self.now();
+        let mut guard = self.state.lock().unwrap();
+        let st = &mut *guard;
+        let rec = live_session_mut(&mut st.sessions, session, now)?;
+        rec.expires_at = now + rec.ttl;
+        let ttl = rec.ttl;
+        let mut out = Vec::with_capacity(holds.len());
+        for (hold, ticket) in holds {
+            let ok = match st.locks.get_mut(&hold.name).and_then(|e| e.holder.as_mut()) {
+                Some(h)
+                    if h.ticket == *ticket
+                        && &h.session == session
+                        && h.token == hold.token.get()
+                        && h.expires_at > now =>
+                {
+                    h.expires_at = now + ttl;
+                    true
+                }
+                _ => false,
+            };
+            out.push(ok);
+        }
+        Ok(out)
+    }
+
+    /// Ends a session: frees its holds and queue entries.
+    pub(crate) fn close_session(&self, session: &Arc<str>) {
+        let mut guard = self.state.lock().unwrap();
+        let st = &mut *guard;
+        st.sessions.remove(session);
+        st.locks.retain(|_, entry| {
+            entry.queue.retain(|w| &w.session != session);
+            if entry.holder.as_ref().is_some_and(|h| &h.session == session) {
+                entry.holder = None;
+            }
+            wake_next(entry);
+            !entry.is_empty()
+        });
+    }
+
+    pub(crate) fn inspect(&self, name: &LockName) -> Option<LockInfo> {
+        let now = self.now();
+        let mut guard = self.state.lock().unwrap();
+        let st = &mut *guard;
+        let entry = st.locks.get_mut(name)?;
+        purge(entry, &st.sessions, now, name);
+        self.info(name, entry)
+    }
+
+    fn info(&self, name: &LockName, entry: &Entry) -> Option<LockInfo> {
+        let h = entry.holder.as_ref()?;
+        let mut info = LockInfo::new(name.clone(), &*h.session, FencingToken::new(h.token));
+        info.why = h.why.clone();
+        info.acquired_at = Some(self.clock.wall(h.acquired_at));
+        info.expires_at = Some(self.clock.wall(h.expires_at));
+        info.waiters = Some(entry.queue.len());
+        Some(info)
+    }
+
+    pub(crate) fn list(&self, prefix: &str) -> Vec<LockInfo> {
+        let now = self.now();
+        let mut guard = self.state.lock().unwrap();
+        let st = &mut *guard;
+        sweep(st, now);
+        st.locks
+            .iter()
+            .filter(|(name, _)| name.as_str().starts_with(prefix))
+            .filter_map(|(name, entry)| self.info(name, entry))
+            .collect()
+    }
+
+    pub(crate) fn validate(&self, name: &LockName, token: FencingToken) -> bool {
+        let now = self.now();
+        let st = self.state.lock().unwrap();
+        st.locks
+            .get(name)
+            .and_then(|e| e.holder.as_ref())
+            .is_some_and(|h| {
+                h.token == token.get()
+                    && h.expires_at > now
+                    && st.sessions.get(&h.session).is_some_and(|s| s.expires_at > now)
+            })
+    }
+
+    pub(crate) fn force_release(&self, name: &LockName) -> bool {
+        let now = self.now();
+        let mut guard = self.state.lock().unwrap();
+        let st = &mut *guard;
+        let Some(entry) = st.locks.get_mut(name) else {
+            return false;
+        };
+        purge(entry, &st.sessions, now, name);
+        let held = entry.holder.take();
+        if let Some(h) = &held {
+            tracing::info!(lock = %name, holder = %h.session, token = h.token, "force-released");
+        }
+        wake_next(entry);
+        if entry.is_empty() {
+            st.locks.remove(name);
+        }
+        held.is_some()
+    }
+
+    /// Store objects (lock entries and queue entries) under `prefix`, after
+    /// expiring what is due: the conformance suite's leak check.
+    pub(crate) fn objects(&self, prefix: &str) -> usize {
+        let now = self.now();
+        let mut guard = self.state.lock().unwrap();
+        let st = &mut *guard;
+        sweep(st, now);
+        st.locks
+            .iter()
+            .filter(|(name, _)| name.as_str().starts_with(prefix))
+            .map(|(_, e)| usize::from(e.holder.is_some()) + e.queue.len())
+            .sum()
+    }
+
+    /// Loses every lock, session and queue, but keeps the token counter, as a
+    /// store restarted from durable storage would.
+    pub(crate) fn restart(&self) {
+        let mut st = self.state.lock().unwrap();
+        st.sessions.clear();
+        for entry in st.locks.values() {
+            for w in &entry.queue {
+                w.notify.notify_one();
+            }
+        }
+        st.locks.clear();
+    }
+}
+
+fn live_session<'a>(
+    sessions: &'a HashMap<Arc<str>, SessionRec>,
+    id: &Arc<str>,
+    now: Instant,
+) -> Result<&'a SessionRec, Error> {
+    match sessions.get(id) {
+        Some(rec) if rec.expires_at > now => Ok(rec),
+        _ => Err(Error::SessionLost {
+            session: id.to_string(),
+        }),
+    }
+}
+
+fn live_session_mut<'a>(
+    sessions: &'a mut HashMap<Arc<str>, SessionRec>,
+    id: &Arc<str>,
+    now: Instant,
+) -> Result<&'a mut SessionRec, Error> {
+    match sessions.get_mut(id) {
+        Some(rec) if rec.expires_at > now => Ok(rec),
+        _ => Err(Error::SessionLost {
+            session: id.to_string(),
+        }),
+    }
+}
+
+/// Drops an expired holder and dead waiters (server time only, S6); wakes the
+/// new first waiter if that changed anything.
+fn purge(entry: &mut Entry, sessions: &HashMap<Arc<str>, SessionRec>, now: Instant, name: &LockName) {
+    let alive = |s: &Arc<str>| sessions.get(s).is_some_and(|r| r.expires_at > now);
+    let mut changed = false;
+    if let Some(h) = &entry.holder
+        && (h.expires_at <= now || !alive(&h.session)) {
+            tracing::info!(lock = %name, holder = %h.session, token = h.token, "holder expired");
+            entry.holder = None;
+            changed = true;
+        }
+    let before = entry.queue.len();
+    entry.queue.retain(|w| alive(&w.session));
+    changed |= entry.queue.len() != before;
+    if changed {
+        wake_next(entry);
+    }
+}
+
+/// Expires everything that is due, and forgets dead sessions.
+fn sweep(st: &mut State, now: Instant) {
+    let State {
+        sessions, locks, ..
+    } = st;
+    locks.retain(|name, entry| {
+        purge(entry, sessions, now, name);
+        !entry.is_empty()
+    });
+    sessions.retain(|_, s| s.expires_at > now);
+}
+
+/// Wakes the first waiter (only it: no herd, invariant L6) if the lock is free.
+fn wake_next(entry: &Entry) {
+    if entry.holder.is_none()
+        && let Some(first) = entry.queue.front() {
+            first.notify.notify_one();
+        }
+}
+
+fn hold_of(name: &LockName, h: &Holder) -> Hold {
+    Hold {
+        name: name.clone(),
+        token: FencingToken::new(h.token),
+        key: format!("{}#{}", h.session, h.ticket),
+    }
+}
+
+fn not_held(name: &LockName) -> Error {
+    Error::NotHeld {
+        name: name.to_string(),
+    }
+}

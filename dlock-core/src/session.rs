@@ -1,0 +1,462 @@
+//! [`Session`]: one client's liveness context, its holds and its background work.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::future::Future;
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::runtime::Handle;
+use tokio::task::JoinHandle;
+use tokio::time::{Instant, sleep, timeout};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::backend::{ExpiryModel, Hold, RawSession};
+use crate::guard::{HeldState, nanos_since};
+use crate::{Backend, Error, Lock, LockName, LostReason, SessionId, SessionOptions};
+
+const ALIVE: u8 = 0;
+const LOST: u8 = 1;
+const CLOSED: u8 = 2;
+
+/// The timing a session runs with, derived once from its options and the
+/// store's effective TTL.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Timing {
+    pub(crate) ttl: Duration,
+    pub(crate) renew_every: Duration,
+    pub(crate) drift: Duration,
+    pub(crate) poll_fallback: Duration,
+    pub(crate) request_timeout: Duration,
+}
+
+impl Timing {
+    fn from(options: &SessionOptions) -> Self {
+        Self {
+            ttl: options.ttl_value(),
+            renew_every: options.renew_every_or_default(),
+            drift: options.drift_or_default(),
+            poll_fallback: options.poll_fallback_or_default(),
+            request_timeout: options.request_timeout_or_default(),
+        }
+    }
+
+    /// The local validity deadline of a grant or renewal sent at `sent` (S4).
+    pub(crate) fn valid_until(&self, sent: Instant) -> Instant {
+        sent + self.ttl - self.drift
+    }
+}
+
+/// Counters of what a session did; cheap to read, for tests and benchmarks.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SessionStats {
+    /// `try_take` calls sent to the store (a herd shows up here).
+    pub take_attempts: u64,
+    /// Successful acquisitions (reentrant ones excluded).
+    pub grants: u64,
+    /// Waits for a change (notification or timer).
+    pub waits: u64,
+    /// Renewal rounds that succeeded.
+    pub renewals: u64,
+    /// Renewal rounds that failed.
+    pub renewal_failures: u64,
+    /// Holds that ended other than by release.
+    pub losses: u64,
+}
+
+#[derive(Default)]
+pub(crate) struct Stats {
+    pub(crate) take_attempts: AtomicU64,
+    pub(crate) grants: AtomicU64,
+    pub(crate) waits: AtomicU64,
+    pub(crate) renewals: AtomicU64,
+    pub(crate) renewal_failures: AtomicU64,
+    pub(crate) losses: AtomicU64,
+}
+
+impl Stats {
+    pub(crate) fn bump(counter: &AtomicU64) {
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// What the session's owners, its holds and its renewal task share.
+pub(crate) struct Shared {
+    id: SessionId,
+    pub(crate) raw: Arc<dyn RawSession>,
+    pub(crate) scheme: &'static str,
+    pub(crate) timing: Timing,
+    expiry: ExpiryModel,
+    epoch: Instant,
+    /// The session lease's local deadline (nanos since `epoch`), for
+    /// [`ExpiryModel::Session`] stores.
+    session_deadline: AtomicU64,
+    held: Mutex<HashMap<u64, Arc<HeldState>>>,
+    next_hold: AtomicU64,
+    state: AtomicU8,
+    /// Stops the renewal task.
+    pub(crate) shutdown: CancellationToken,
+    /// Fires when the session is lost or closed.
+    ended: CancellationToken,
+    tasks: TaskTracker,
+    runtime: Handle,
+    pub(crate) stats: Stats,
+}
+
+impl Shared {
+    pub(crate) fn id(&self) -> &SessionId {
+        &self.id
+    }
+
+    /// Spawns a task that belongs to this session (counted, never detached
+    /// from the session's runtime).
+    pub(crate) fn spawn<F>(&self, fut: F) -> JoinHandle<F::Output>
+    where
+        F: Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        self.tasks.spawn_on(fut, &self.runtime)
+    }
+
+    pub(crate) fn check_alive(&self) -> Result<(), Error> {
+        match self.state.load(Ordering::Acquire) {
+            ALIVE => Ok(()),
+            _ => Err(Error::SessionLost {
+                session: self.id.to_string(),
+            }),
+        }
+    }
+
+    /// The local deadline of a grant whose take was sent at `sent`.
+    pub(crate) fn grant_deadline(&self, sent: Instant) -> Instant {
+        match self.expiry {
+            ExpiryModel::PerHold => self.timing.valid_until(sent),
+            ExpiryModel::Session => self.session_deadline(),
+        }
+    }
+
+    fn session_deadline(&self) -> Instant {
+        self.epoch + Duration::from_nanos(self.session_deadline.load(Ordering::Acquire))
+    }
+
+    pub(crate) fn extend_session(&self, to: Instant) {
+        self.session_deadline
+            .fetch_max(nanos_since(self.epoch, to), Ordering::AcqRel);
+    }
+
+    /// Records a grant; `None` if the session ended meanwhile (the hold is
+    /// then released in the background).
+    pub(crate) fn register(self: &Arc<Self>, hold: Hold, deadline: Instant) -> Arc<HeldState> {
+        let id = self.next_hold.fetch_add(1, Ordering::Relaxed);
+        let held = Arc::new(HeldState::new(id, hold, self.epoch, deadline));
+        self.held.lock().unwrap().insert(id, held.clone());
+        Stats::bump(&self.stats.grants);
+        held
+    }
+
+    pub(crate) fn forget(&self, held: &HeldState) {
+        self.held.lock().unwrap().remove(&held.id);
+    }
+
+    pub(crate) fn holds(&self) -> Vec<Arc<HeldState>> {
+        self.held.lock().unwrap().values().cloned().collect()
+    }
+
+    /// The earliest local deadline among holds (and the session lease).
+    pub(crate) fn earliest_deadline(&self) -> Option<Instant> {
+        let holds = self.held.lock().unwrap();
+        let earliest = holds.values().map(|h| h.deadline()).min();
+        match self.expiry {
+            ExpiryModel::Session if !holds.is_empty() => {
+                Some(earliest.map_or(self.session_deadline(), |e| e.min(self.session_deadline())))
+            }
+            _ => earliest,
+        }
+    }
+
+    /// Ends a hold other than by release: fires `lost()`, forgets it and, if the
+    /// store might still have it, releases it there in the background so
+    /// others need not wait for the store's expiry.
+    pub(crate) fn lose(self: &Arc<Self>, held: &Arc<HeldState>, reason: LostReason) {
+        self.forget(held);
+        if held.lose(reason) {
+            Stats::bump(&self.stats.losses);
+            tracing::warn!(lock = %held.hold.name, token = %held.hold.token, session = %self.id, %reason, "lock lost");
+            if matches!(reason, LostReason::Expired | LostReason::Closed) {
+                let shared = self.clone();
+                let hold = held.hold.clone();
+                self.spawn(async move {
+                    let _ = timeout(shared.timing.request_timeout, shared.raw.release(&hold)).await;
+                });
+            }
+        }
+    }
+
+    /// Fires `lost()` for every hold past its local deadline.
+    pub(crate) fn expire_overdue(self: &Arc<Self>) {
+        let now = Instant::now();
+        for held in self.holds() {
+            if held.deadline() <= now || !held.is_live() {
+                self.lose(&held, LostReason::Expired);
+            }
+        }
+    }
+
+    /// The store dropped the session: every hold is lost, nothing more works.
+    pub(crate) fn mark_lost(self: &Arc<Self>) {
+        if self
+            .state
+            .compare_exchange(ALIVE, LOST, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+        {
+            tracing::warn!(session = %self.id, "session lost");
+        }
+        for held in self.holds() {
+            self.lose(&held, LostReason::SessionLost);
+        }
+        self.shutdown.cancel();
+        self.ended.cancel();
+    }
+
+    /// Releases `hold` in the store, retrying transient errors until the store
+    /// would have expired it anyway. A `NotHeld` after an attempt whose reply
+    /// was lost means that attempt succeeded.
+    async fn release_in_store(&self, hold: &Hold, give_up_at: Instant) -> Result<(), Error> {
+        let mut outcome_unknown = false;
+        let mut backoff = Duration::from_millis(10);
+        loop {
+            let result = match timeout(self.timing.request_timeout, self.raw.release(hold)).await {
+                Ok(result) => result,
+                Err(_) => Err(Error::unavailable(self.scheme, "release timed out")),
+            };
+            match result {
+                Ok(()) => return Ok(()),
+                Err(Error::NotHeld { .. }) if outcome_unknown => return Ok(()),
+                Err(e) if e.is_retryable() && Instant::now() + backoff < give_up_at => {
+                    tracing::debug!(lock = %hold.name, error = %e, "release failed; retrying");
+                    outcome_unknown = true;
+                    sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_millis(500));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+}
+
+/// Ends a hold by release, on behalf of its last guard.
+pub(crate) async fn release_hold(shared: Arc<Shared>, held: Arc<HeldState>) -> Result<(), Error> {
+    shared.forget(&held);
+    let lost_before = held.lost_error();
+    held.lose(LostReason::Released);
+    let give_up_at = held.deadline() + shared.timing.drift;
+    let result = shared.release_in_store(&held.hold, give_up_at).await;
+    tracing::debug!(lock = %held.hold.name, token = %held.hold.token, session = %shared.id, ok = result.is_ok(), "released");
+    match lost_before {
+        Some(lost) => Err(lost),
+        None => result,
+    }
+}
+
+/// Owned by [`Session`] clones, guards and lock handles; when the last one
+/// goes, the session closes in the background (S5: no task outlives it).
+pub(crate) struct SessionHandle {
+    pub(crate) shared: Arc<Shared>,
+}
+
+impl Drop for SessionHandle {
+    fn drop(&mut self) {
+        let shared = self.shared.clone();
+        if shared.state.swap(CLOSED, Ordering::AcqRel) == CLOSED {
+            return;
+        }
+        shared.shutdown.cancel();
+        let inner = shared.clone();
+        shared.spawn(async move {
+            let _ = timeout(inner.timing.request_timeout, inner.raw.close()).await;
+            inner.ended.cancel();
+        });
+        shared.tasks.close();
+    }
+}
+
+/// One client's liveness context on a backend, with a TTL, kept alive in the
+/// background. When a session is lost, every lock it holds is lost.
+///
+/// Cheap to clone (all clones are the same session). A process usually opens
+/// one session per backend and takes many locks from it.
+///
+/// ```
+/// # async fn demo() -> Result<(), dlock_core::Error> {
+/// use std::time::Duration;
+/// use dlock_core::{Backend, SessionOptions, memory::MemoryBackend};
+/// let session = MemoryBackend::new()
+///     .session(SessionOptions::new().ttl(Duration::from_secs(10)))
+///     .await?;
+/// let guard = session.lock("jobs/report")?.why("nightly report").try_acquire().await?;
+/// assert!(guard.is_some());
+/// session.close().await?;
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct Session {
+    pub(crate) handle: Arc<SessionHandle>,
+}
+
+impl Session {
+    pub(crate) async fn open<B: Backend + ?Sized>(
+        backend: &B,
+        options: SessionOptions,
+    ) -> Result<Session, Error> {
+        let scheme = backend.scheme();
+        options.validate(backend.min_ttl())?;
+        let id = SessionId::generate(options.label_value());
+        let request_timeout = options.request_timeout_or_default();
+        let sent = Instant::now();
+        let raw = match timeout(request_timeout, backend.open(id.clone(), &options)).await {
+            Ok(raw) => raw?,
+            Err(_) => return Err(Error::unavailable(scheme, "timed out opening a session")),
+        };
+        // The store may have negotiated another TTL; derive the timing from it.
+        let options = if raw.ttl() != options.ttl_value() {
+            let adjusted = options.ttl(raw.ttl());
+            if let Err(e) = adjusted.validate(Duration::ZERO) {
+                let _ = timeout(request_timeout, raw.close()).await;
+                return Err(e);
+            }
+            adjusted
+        } else {
+            options
+        };
+        let timing = Timing::from(&options);
+        let epoch = sent;
+        let shared = Arc::new(Shared {
+            session_deadline: AtomicU64::new(nanos_since(epoch, timing.valid_until(sent))),
+            expiry: raw.expiry(),
+            raw,
+            scheme,
+            timing,
+            epoch,
+            id,
+            held: Mutex::new(HashMap::new()),
+            next_hold: AtomicU64::new(0),
+            state: AtomicU8::new(ALIVE),
+            shutdown: CancellationToken::new(),
+            ended: CancellationToken::new(),
+            tasks: TaskTracker::new(),
+            runtime: Handle::current(),
+            stats: Stats::default(),
+        });
+        shared.spawn(crate::renew::run(shared.clone()));
+        tracing::debug!(session = %shared.id, backend = scheme, ttl = ?timing.ttl, "session opened");
+        Ok(Session {
+            handle: Arc::new(SessionHandle { shared }),
+        })
+    }
+
+    pub(crate) fn shared(&self) -> &Arc<Shared> {
+        &self.handle.shared
+    }
+
+    /// A handle on the lock `name` (validated here; see [`LockName`]).
+    ///
+    /// Each call returns a new, independent owner: two handles for the same
+    /// name exclude each other even within one session.
+    pub fn lock<N>(&self, name: N) -> Result<Lock, Error>
+    where
+        N: TryInto<LockName, Error = Error>,
+    {
+        Ok(Lock::new(self.handle.clone(), name.try_into()?))
+    }
+
+    /// The session id (`host:pid:start:random`).
+    pub fn id(&self) -> &SessionId {
+        self.shared().id()
+    }
+
+    /// The TTL in effect (the store may have negotiated it).
+    pub fn ttl(&self) -> Duration {
+        self.shared().timing.ttl
+    }
+
+    /// Whether the session is alive (not lost, not closed).
+    pub fn is_alive(&self) -> bool {
+        self.shared().check_alive().is_ok()
+    }
+
+    /// Resolves when the session is lost in the store or closed.
+    ///
+    /// # Cancel safety
+    /// Cancel safe.
+    pub fn ended(&self) -> impl Future<Output = ()> + Send + 'static {
+        self.shared().ended.clone().cancelled_owned()
+    }
+
+    /// What the session has done so far.
+    pub fn stats(&self) -> SessionStats {
+        let s = &self.shared().stats;
+        SessionStats {
+            take_attempts: s.take_attempts.load(Ordering::Relaxed),
+            grants: s.grants.load(Ordering::Relaxed),
+            waits: s.waits.load(Ordering::Relaxed),
+            renewals: s.renewals.load(Ordering::Relaxed),
+            renewal_failures: s.renewal_failures.load(Ordering::Relaxed),
+            losses: s.losses.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Background tasks this session has running: the renewal task plus any
+    /// pending releases or abandoned-attempt clean-ups. Zero after `close`.
+    pub fn background_tasks(&self) -> usize {
+        self.shared().tasks.len()
+    }
+
+    /// Number of locks this session holds now.
+    pub fn held_count(&self) -> usize {
+        self.shared().held.lock().unwrap().len()
+    }
+
+    /// Ends the session: stops renewing, releases everything it holds (their
+    /// guards' `lost()` fire with [`LostReason::Closed`]) and waits for its
+    /// background tasks to finish.
+    ///
+    /// # Cancel safety
+    /// If dropped, the session is still closed (renewal stops at once), but the
+    /// store side may linger until its TTL.
+    pub async fn close(&self) -> Result<(), Error> {
+        let shared = self.shared().clone();
+        let was = shared.state.swap(CLOSED, Ordering::AcqRel);
+        shared.shutdown.cancel();
+        for held in shared.holds() {
+            shared.forget(&held);
+            held.lose(LostReason::Closed);
+        }
+        let result = if was == CLOSED {
+            Ok(())
+        } else {
+            match timeout(shared.timing.request_timeout, shared.raw.close()).await {
+                Ok(r) => r,
+                Err(_) => Err(Error::unavailable(shared.scheme, "close timed out")),
+            }
+        };
+        shared.ended.cancel();
+        shared.tasks.close();
+        let _ = timeout(shared.timing.request_timeout * 2, shared.tasks.wait()).await;
+        tracing::debug!(session = %shared.id, "session closed");
+        result
+    }
+}
+
+impl fmt::Debug for Session {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Session")
+            .field("id", self.id())
+            .field("backend", &self.shared().scheme)
+            .field("ttl", &self.ttl())
+            .field("alive", &self.is_alive())
+            .finish()
+    }
+}

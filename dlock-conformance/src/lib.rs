@@ -1,1 +1,173 @@
-//! placeholder
+//! The dlock conformance suite: every adapter proves itself against a real
+//! server with the same cases.
+//!
+//! An adapter's `tests/conformance.rs` is one macro call over a [`Harness`]:
+//!
+//! ```ignore
+//! use dlock_conformance::conformance_tests;
+//! conformance_tests!(my_adapter::TestHarness::from_env());
+//! ```
+//!
+//! It expands to one `#[tokio::test]` per case (the calling crate needs
+//! `tokio` with the `macros` and `rt-multi-thread` features as a
+//! dev-dependency). Each case uses a fresh random name prefix, so cases run in
+//! parallel against one server. A case that does not apply to the backend's
+//! declared [`Capabilities`] passes with a loud `SKIPPED` line on stderr
+//! saying why. If the server is down, every case fails with the command that
+//! starts it, unless `DLOCK_TEST_SKIP` names the store (comma-separated), in
+//! which case each case says it was skipped.
+//!
+//! # Cases and the invariants they guard
+//!
+//! | case | invariants |
+//! |---|---|
+//! | `contention` (16 clients, fenced register, history check) | S1, S2 |
+//! | `try_acquire` | S1, L5 |
+//! | `timeouts` | L5, L4 (a timed-out waiter blocks no one) |
+//! | `release_by_non_owner` | S3 |
+//! | `stale_release_after_expiry` | S3, S4 |
+//! | `stale_release_retried_after_lost_reply` | S3 |
+//! | `holder_crash_recovery` | L1, S2 |
+//! | `no_early_grant_while_renewing` | S1, L3 |
+//! | `lost_signal_by_local_deadline` | S4 |
+//! | `pause_scenario` | S4, S2 (fenced write refused) |
+//! | `tokens_after_expiry` | S2, S6 |
+//! | `tokens_after_restart` | S2 (durable tokens) |
+//! | `force_release` | S2, S3, S4 |
+//! | `inspect_and_validate` | S2, S3 |
+//! | `wakeup_latency` | L2 |
+//! | `wakeup_release_before_subscribe` | L2 |
+//! | `wakeup_dead_notification_channel` | L2, L1 |
+//! | `many_waiters_one_handoff_each` (200 waiters) | L6, S1 |
+//! | `fifo_with_cancelled_waiter` | L4, S5 |
+//! | `reentrancy` | S1 (handles exclude each other) |
+//! | `cancellation_sweep` | S5 |
+//! | `acquire_retried_after_lost_reply` | S5, idempotent take |
+//! | `ten_thousand_names` | S5 (no leaked state) |
+//! | `bad_input` | typed errors; names `a`, `a/b`, `A` distinct |
+//! | `session_close` | S5 (no task outlives its session), L3 |
+//!
+//! Fault cases that need tools below the adapter (a TCP proxy, server
+//! restarts, leader failover) join as the adapters that need them arrive.
+
+pub mod cases;
+pub mod checker;
+pub mod faults;
+mod harness;
+
+use std::future::Future;
+use std::io::Write;
+use std::pin::Pin;
+use std::time::Duration;
+
+pub use harness::{Capabilities, Ctx, Failure, Harness, Outcome, Verdict};
+
+#[doc(hidden)]
+pub use tokio as __tokio;
+
+/// The longest a single case may run before it is failed as hung.
+pub const CASE_TIME_LIMIT: Duration = Duration::from_secs(180);
+
+/// Runs one case: checks the server is up (or skipped by `DLOCK_TEST_SKIP`),
+/// runs the case with a time limit, prints skips loudly and panics on failure.
+pub async fn run<H, F>(case: &str, harness: &H, body: F)
+where
+    H: Harness,
+    F: for<'a> FnOnce(&'a dyn Harness) -> Pin<Box<dyn Future<Output = Outcome> + Send + 'a>>,
+{
+    init_tracing();
+    let store = harness.store().to_owned();
+    let skipped_by_env = std::env::var("DLOCK_TEST_SKIP")
+        .map(|v| v.split(',').any(|s| s.trim() == store))
+        .unwrap_or(false);
+    if skipped_by_env {
+        loud(&format!(
+            "SKIPPED {store}::{case}: DLOCK_TEST_SKIP names {store}"
+        ));
+        return;
+    }
+    if let Err(e) = harness.connect().await {
+        panic!(
+            "{store}::{case}: cannot reach the {store} server ({e}); start it with `{}` \
+             or set DLOCK_TEST_SKIP={store}",
+            harness.start_hint()
+        );
+    }
+    match tokio::time::timeout(CASE_TIME_LIMIT, body(harness)).await {
+        Ok(Ok(Verdict::Passed)) => {}
+        Ok(Ok(Verdict::Skipped(why))) => loud(&format!("SKIPPED {store}::{case}: {why}")),
+        Ok(Err(failure)) => panic!("{store}::{case} FAILED: {failure}"),
+        Err(_) => panic!("{store}::{case} FAILED: still running after {CASE_TIME_LIMIT:?} (hung?)"),
+    }
+}
+
+/// Writes past the test harness's output capture, so a skip is always seen.
+fn loud(line: &str) {
+    let _ = writeln!(std::io::stderr().lock(), "{line}");
+}
+
+fn init_tracing() {
+    use std::sync::Once;
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        if let Ok(filter) = std::env::var("RUST_LOG") {
+            let _ = tracing_subscriber::fmt()
+                .with_env_filter(filter)
+                .with_test_writer()
+                .try_init();
+        }
+    });
+}
+
+/// Expands to one `#[tokio::test]` per conformance case for `$harness` (an
+/// expression evaluated afresh in each test).
+#[macro_export]
+macro_rules! conformance_tests {
+    ($harness:expr) => {
+        $crate::__conformance_cases!(
+            $harness;
+            contention,
+            try_acquire,
+            timeouts,
+            release_by_non_owner,
+            stale_release_after_expiry,
+            stale_release_retried_after_lost_reply,
+            holder_crash_recovery,
+            no_early_grant_while_renewing,
+            lost_signal_by_local_deadline,
+            pause_scenario,
+            tokens_after_expiry,
+            tokens_after_restart,
+            force_release,
+            inspect_and_validate,
+            wakeup_latency,
+            wakeup_release_before_subscribe,
+            wakeup_dead_notification_channel,
+            many_waiters_one_handoff_each,
+            fifo_with_cancelled_waiter,
+            reentrancy,
+            cancellation_sweep,
+            acquire_retried_after_lost_reply,
+            ten_thousand_names,
+            bad_input,
+            session_close,
+        );
+    };
+}
+
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __conformance_cases {
+    ($harness:expr; $($case:ident),* $(,)?) => {
+        $(
+            #[::tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $case() {
+                let harness = $harness;
+                $crate::run(stringify!($case), &harness, |h| {
+                    ::std::boxed::Box::pin($crate::cases::$case(h))
+                })
+                .await;
+            }
+        )*
+    };
+}

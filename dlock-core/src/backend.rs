@@ -167,8 +167,7 @@ pub trait RawSession: Send + Sync + Debug {
     /// Starts one attempt to take `name`. Cheap: it may only prepare (e.g.
     /// subscribe to the lock's channel before the first take, so a release
     /// between take and wait is not missed).
-    async fn attempt(&self, name: &LockName, why: Option<&str>)
-    -> Result<Box<dyn Attempt>, Error>;
+    async fn attempt(&self, name: &LockName, why: Option<&str>) -> Result<Box<dyn Attempt>, Error>;
 
     /// Extends the session and every hold in `holds`, in one round trip where
     /// the store allows. Returns, in order, whether each hold is still ours.

@@ -53,7 +53,9 @@ pub enum Error {
     Config(String),
 
     /// The URL's backend exists but was not compiled in.
-    #[error("the {scheme}:// backend is not compiled in; enable the `{feature}` feature of the `dlock` crate")]
+    #[error(
+        "the {scheme}:// backend is not compiled in; enable the `{feature}` feature of the `dlock` crate"
+    )]
     FeatureDisabled {
         /// The URL scheme.
         scheme: String,

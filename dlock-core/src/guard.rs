@@ -203,6 +203,12 @@ impl LockGuard {
         &self.held.hold.name
     }
 
+    /// The store-level hold (name, token, adapter key): for adapter tests and
+    /// tools that talk to the store directly.
+    pub fn hold(&self) -> &Hold {
+        &self.held.hold
+    }
+
     /// The holding session's id.
     pub fn session_id(&self) -> &SessionId {
         self.session.shared.id()
@@ -259,7 +265,10 @@ impl LockGuard {
         let task = shared.spawn(crate::session::release_hold(shared.clone(), held));
         match task.await {
             Ok(result) => result,
-            Err(e) => Err(Error::protocol("dlock", format!("release task failed: {e}"))),
+            Err(e) => Err(Error::protocol(
+                "dlock",
+                format!("release task failed: {e}"),
+            )),
         }
     }
 }

@@ -68,7 +68,7 @@ pub use error::{BoxError, Error, Result};
 pub use guard::{LockGuard, LostReason};
 pub use info::{LockInfo, SessionId};
 pub use lock::Lock;
-pub use name::{LockName, MAX_NAME_LEN};
+pub use name::{IntoLockName, LockName, MAX_NAME_LEN};
 pub use options::{MAX_TTL, SessionOptions};
 pub use session::{Session, SessionStats};
 pub use token::{FenceGate, FencingToken, StaleToken};

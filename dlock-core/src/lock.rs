@@ -138,7 +138,8 @@ impl Lock {
     }
 
     async fn acquire_with(&self, wait: Wait) -> Result<Option<LockGuard>, Error> {
-        let span = tracing::debug_span!("dlock.acquire", lock = %self.name, session = %self.shared().id());
+        let span =
+            tracing::debug_span!("dlock.acquire", lock = %self.name, session = %self.shared().id());
         self.acquire_inner(wait).instrument(span).await
     }
 
@@ -152,10 +153,12 @@ impl Lock {
                 Err(_) => return Ok(None), // this handle's own acquire is in flight
             },
             Wait::Forever => self.state.gate.lock().await,
-            Wait::Until(deadline, asked) => match timeout_at(deadline, self.state.gate.lock()).await {
-                Ok(g) => g,
-                Err(_) => return Err(self.timeout_error(asked)),
-            },
+            Wait::Until(deadline, asked) => {
+                match timeout_at(deadline, self.state.gate.lock()).await {
+                    Ok(g) => g,
+                    Err(_) => return Err(self.timeout_error(asked)),
+                }
+            }
         };
         if let Some(guard) = self.reenter() {
             return Ok(Some(guard));
@@ -163,7 +166,9 @@ impl Lock {
         let shared = self.shared().clone();
         shared.check_alive()?;
         let timing = shared.timing;
-        let attempt = self.request(shared.raw.attempt(&self.name, self.why.as_deref())).await?;
+        let attempt = self
+            .request(shared.raw.attempt(&self.name, self.why.as_deref()))
+            .await?;
         let mut attempt = AttemptGuard::new(attempt, shared.clone());
         let mut backoff = Duration::from_millis(10);
         loop {
@@ -191,7 +196,10 @@ impl Lock {
                     let now = Instant::now();
                     match wait {
                         Wait::No => {
-                            attempt.abandon();
+                            // Finish the clean-up before answering, so a
+                            // try-only attempt leaves nothing in a fair queue
+                            // that could make the next try see "busy".
+                            attempt.abandon_now().await;
                             return Ok(None);
                         }
                         Wait::Until(deadline, asked) if now >= deadline => {
@@ -208,11 +216,8 @@ impl Lock {
                         until = until.min(deadline);
                     }
                     Stats::bump(&shared.stats.waits);
-                    let waited = timeout_at(
-                        until + timing.request_timeout,
-                        attempt.get().wait(until),
-                    )
-                    .await;
+                    let waited =
+                        timeout_at(until + timing.request_timeout, attempt.get().wait(until)).await;
                     match waited {
                         Ok(Ok(())) | Err(_) => {}
                         Ok(Err(e)) if e.is_retryable() => sleep_until(until).await,
@@ -257,7 +262,10 @@ impl Lock {
 }
 
 fn unreachable_busy(name: &LockName) -> Error {
-    Error::protocol("dlock", format!("waiting acquire of {name:?} returned busy"))
+    Error::protocol(
+        "dlock",
+        format!("waiting acquire of {name:?} returned busy"),
+    )
 }
 
 /// ±10 % so that waiters polling the same lock spread out.
@@ -289,15 +297,26 @@ impl AttemptGuard {
         self.attempt = None;
     }
 
-    fn abandon(&mut self) {
-        if let Some(attempt) = self.attempt.take() {
-            let request_timeout = self.shared.timing.request_timeout;
-            self.shared.spawn(async move {
-                if let Ok(Err(e)) = timeout(request_timeout, attempt.abandon()).await {
-                    tracing::debug!(error = %e, "abandoning an attempt failed");
-                }
-            });
+    /// Abandons and waits for the clean-up to finish. The clean-up runs as a
+    /// session task, so dropping this future does not cut it short.
+    async fn abandon_now(&mut self) {
+        if let Some(task) = self.spawn_abandon() {
+            let _ = task.await;
         }
+    }
+
+    fn spawn_abandon(&mut self) -> Option<tokio::task::JoinHandle<()>> {
+        let attempt = self.attempt.take()?;
+        let request_timeout = self.shared.timing.request_timeout;
+        Some(self.shared.spawn(async move {
+            if let Ok(Err(e)) = timeout(request_timeout, attempt.abandon()).await {
+                tracing::debug!(error = %e, "abandoning an attempt failed");
+            }
+        }))
+    }
+
+    fn abandon(&mut self) {
+        let _ = self.spawn_abandon();
     }
 }
 

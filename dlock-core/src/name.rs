@@ -176,30 +176,40 @@ impl FromStr for LockName {
     }
 }
 
-impl TryFrom<&str> for LockName {
-    type Error = Error;
-    fn try_from(s: &str) -> Result<Self, Error> {
-        Self::new(s)
+/// Anything that names a lock: `&str`, `String`, or an already validated
+/// [`LockName`]. Used by [`Session::lock`](crate::Session::lock).
+pub trait IntoLockName {
+    /// Validates (if needed) and converts.
+    fn into_lock_name(self) -> Result<LockName, Error>;
+}
+
+impl IntoLockName for LockName {
+    fn into_lock_name(self) -> Result<LockName, Error> {
+        Ok(self)
     }
 }
 
-impl TryFrom<String> for LockName {
-    type Error = Error;
-    fn try_from(s: String) -> Result<Self, Error> {
-        Self::new(s)
+impl IntoLockName for &LockName {
+    fn into_lock_name(self) -> Result<LockName, Error> {
+        Ok(self.clone())
     }
 }
 
-impl TryFrom<&String> for LockName {
-    type Error = Error;
-    fn try_from(s: &String) -> Result<Self, Error> {
-        Self::new(s)
+impl IntoLockName for &str {
+    fn into_lock_name(self) -> Result<LockName, Error> {
+        LockName::new(self)
     }
 }
 
-impl From<&LockName> for LockName {
-    fn from(n: &LockName) -> Self {
-        n.clone()
+impl IntoLockName for String {
+    fn into_lock_name(self) -> Result<LockName, Error> {
+        LockName::new(self)
+    }
+}
+
+impl IntoLockName for &String {
+    fn into_lock_name(self) -> Result<LockName, Error> {
+        LockName::new(self)
     }
 }
 
@@ -209,7 +219,16 @@ mod tests {
 
     #[test]
     fn accepts_good_names() {
-        for n in ["a", "A", "a/b", "reports/nightly-2024.01", "x:y@z+1=2", "..a", "a.", &"x".repeat(200)] {
+        for n in [
+            "a",
+            "A",
+            "a/b",
+            "reports/nightly-2024.01",
+            "x:y@z+1=2",
+            "..a",
+            "a.",
+            &"x".repeat(200),
+        ] {
             assert!(LockName::new(n).is_ok(), "{n:?} should be valid");
         }
     }

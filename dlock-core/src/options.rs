@@ -123,8 +123,10 @@ impl SessionOptions {
 
     /// The request timeout in effect.
     pub fn request_timeout_or_default(&self) -> Duration {
-        self.request_timeout
-            .unwrap_or_else(|| self.ttl.clamp(Duration::from_secs(1), Duration::from_secs(10)))
+        self.request_timeout.unwrap_or_else(|| {
+            self.ttl
+                .clamp(Duration::from_secs(1), Duration::from_secs(10))
+        })
     }
 
     /// Checks the options against a backend's smallest TTL.
@@ -155,7 +157,9 @@ impl SessionOptions {
             )));
         }
         if self.poll_fallback_or_default().is_zero() {
-            return Err(Error::Config("fallback poll period must be positive".into()));
+            return Err(Error::Config(
+                "fallback poll period must be positive".into(),
+            ));
         }
         if self.request_timeout_or_default().is_zero() {
             return Err(Error::Config("request timeout must be positive".into()));
@@ -198,17 +202,27 @@ mod tests {
 
     #[test]
     fn renewal_must_leave_room_for_one_failure() {
-        let o = SessionOptions::new().ttl(Duration::from_secs(3)).renew_every(Duration::from_secs(2));
+        let o = SessionOptions::new()
+            .ttl(Duration::from_secs(3))
+            .renew_every(Duration::from_secs(2));
         assert!(matches!(o.validate(MS), Err(Error::Config(_))));
-        let o = SessionOptions::new().ttl(Duration::from_secs(3)).drift(Duration::from_secs(2));
+        let o = SessionOptions::new()
+            .ttl(Duration::from_secs(3))
+            .drift(Duration::from_secs(2));
         assert!(matches!(o.validate(MS), Err(Error::Config(_))));
     }
 
     #[test]
     fn bad_labels_are_refused() {
         for l in ["", "a b", &"x".repeat(33)] {
-            assert!(SessionOptions::new().label(l).validate(MS).is_err(), "{l:?}");
+            assert!(
+                SessionOptions::new().label(l).validate(MS).is_err(),
+                "{l:?}"
+            );
         }
-        SessionOptions::new().label("cron-job_1.2").validate(MS).unwrap();
+        SessionOptions::new()
+            .label("cron-job_1.2")
+            .validate(MS)
+            .unwrap();
     }
 }

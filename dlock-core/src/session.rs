@@ -15,7 +15,8 @@ use tokio_util::task::TaskTracker;
 
 use crate::backend::{ExpiryModel, Hold, RawSession};
 use crate::guard::{HeldState, nanos_since};
-use crate::{Backend, Error, Lock, LockName, LostReason, SessionId, SessionOptions};
+use crate::name::IntoLockName;
+use crate::{Backend, Error, Lock, LostReason, SessionId, SessionOptions};
 
 const ALIVE: u8 = 0;
 const LOST: u8 = 1;
@@ -365,16 +366,29 @@ impl Session {
     ///
     /// Each call returns a new, independent owner: two handles for the same
     /// name exclude each other even within one session.
-    pub fn lock<N>(&self, name: N) -> Result<Lock, Error>
-    where
-        N: TryInto<LockName, Error = Error>,
-    {
-        Ok(Lock::new(self.handle.clone(), name.try_into()?))
+    pub fn lock(&self, name: impl IntoLockName) -> Result<Lock, Error> {
+        Ok(Lock::new(self.handle.clone(), name.into_lock_name()?))
     }
 
     /// The session id (`host:pid:start:random`).
     pub fn id(&self) -> &SessionId {
         self.shared().id()
+    }
+
+    /// The store side of this session, for adapter tests and the conformance
+    /// suite (e.g. a release attempt by a non-owner). Applications do not need it.
+    pub fn raw_session(&self) -> &Arc<dyn RawSession> {
+        &self.shared().raw
+    }
+
+    /// The renewal period in effect.
+    pub fn renew_every(&self) -> Duration {
+        self.shared().timing.renew_every
+    }
+
+    /// The fallback poll period of waiting acquires in effect.
+    pub fn poll_fallback(&self) -> Duration {
+        self.shared().timing.poll_fallback
     }
 
     /// The TTL in effect (the store may have negotiated it).

@@ -23,12 +23,7 @@ pub fn redact(url: &str) -> String {
     };
     let userinfo = &rest[..at];
     match userinfo.find(':') {
-        Some(colon) => format!(
-            "{}{}:***{}",
-            &url[..start],
-            &userinfo[..colon],
-            &rest[at..]
-        ),
+        Some(colon) => format!("{}{}:***{}", &url[..start], &userinfo[..colon], &rest[at..]),
         None => url.to_owned(),
     }
 }
@@ -40,7 +35,10 @@ mod tests {
     #[test]
     fn redacts_only_the_password() {
         assert_eq!(redact("mysql://u:p@h/db?x=@"), "mysql://u:***@h/db?x=@");
-        assert_eq!(redact("etcd://u:p:q@h1:1,h2:2/pre"), "etcd://u:***@h1:1,h2:2/pre");
+        assert_eq!(
+            redact("etcd://u:p:q@h1:1,h2:2/pre"),
+            "etcd://u:***@h1:1,h2:2/pre"
+        );
         assert_eq!(redact("redis://user@h"), "redis://user@h");
         assert_eq!(redact("no scheme"), "no scheme");
         assert_eq!(redact("x://"), "x://");

@@ -192,11 +192,7 @@ impl RawSession for MemorySession {
         ExpiryModel::PerHold
     }
 
-    async fn attempt(
-        &self,
-        name: &LockName,
-        why: Option<&str>,
-    ) -> Result<Box<dyn Attempt>, Error> {
+    async fn attempt(&self, name: &LockName, why: Option<&str>) -> Result<Box<dyn Attempt>, Error> {
         Ok(Box::new(MemoryAttempt {
             server: self.server.clone(),
             session: self.id.clone(),

@@ -131,9 +131,10 @@ impl Server {
         let entry = st.locks.entry(name.clone()).or_default();
         purge(entry, &st.sessions, now, name);
         if let Some(h) = &entry.holder
-            && h.ticket == ticket {
-                return Ok(Take::Granted(hold_of(name, h)));
-            }
+            && h.ticket == ticket
+        {
+            return Ok(Take::Granted(hold_of(name, h)));
+        }
         let position = entry.queue.iter().position(|w| w.ticket == ticket);
         let first_in_line = match position {
             Some(p) => p == 0,
@@ -190,7 +191,12 @@ impl Server {
         }
     }
 
-    pub(crate) fn release(&self, session: &Arc<str>, hold: &Hold, ticket: u64) -> Result<(), Error> {
+    pub(crate) fn release(
+        &self,
+        session: &Arc<str>,
+        hold: &Hold,
+        ticket: u64,
+    ) -> Result<(), Error> {
         let now = self.now();
         let mut guard = self.state.lock().unwrap();
         let st = &mut *guard;
@@ -299,7 +305,10 @@ impl Server {
             .is_some_and(|h| {
                 h.token == token.get()
                     && h.expires_at > now
-                    && st.sessions.get(&h.session).is_some_and(|s| s.expires_at > now)
+                    && st
+                        .sessions
+                        .get(&h.session)
+                        .is_some_and(|s| s.expires_at > now)
             })
     }
 
@@ -378,15 +387,21 @@ fn live_session_mut<'a>(
 
 /// Drops an expired holder and dead waiters (server time only, S6); wakes the
 /// new first waiter if that changed anything.
-fn purge(entry: &mut Entry, sessions: &HashMap<Arc<str>, SessionRec>, now: Instant, name: &LockName) {
+fn purge(
+    entry: &mut Entry,
+    sessions: &HashMap<Arc<str>, SessionRec>,
+    now: Instant,
+    name: &LockName,
+) {
     let alive = |s: &Arc<str>| sessions.get(s).is_some_and(|r| r.expires_at > now);
     let mut changed = false;
     if let Some(h) = &entry.holder
-        && (h.expires_at <= now || !alive(&h.session)) {
-            tracing::info!(lock = %name, holder = %h.session, token = h.token, "holder expired");
-            entry.holder = None;
-            changed = true;
-        }
+        && (h.expires_at <= now || !alive(&h.session))
+    {
+        tracing::info!(lock = %name, holder = %h.session, token = h.token, "holder expired");
+        entry.holder = None;
+        changed = true;
+    }
     let before = entry.queue.len();
     entry.queue.retain(|w| alive(&w.session));
     changed |= entry.queue.len() != before;
@@ -410,9 +425,10 @@ fn sweep(st: &mut State, now: Instant) {
 /// Wakes the first waiter (only it: no herd, invariant L6) if the lock is free.
 fn wake_next(entry: &Entry) {
     if entry.holder.is_none()
-        && let Some(first) = entry.queue.front() {
-            first.notify.notify_one();
-        }
+        && let Some(first) = entry.queue.front()
+    {
+        first.notify.notify_one();
+    }
 }
 
 fn hold_of(name: &LockName, h: &Holder) -> Hold {

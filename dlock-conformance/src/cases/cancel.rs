@@ -1,0 +1,183 @@
+//! S5: cancellation at any point leaves nothing behind; sessions clean up.
+
+use std::time::Duration;
+
+use dlock_core::{Error, LostReason};
+use tokio::time::{Instant, timeout};
+
+use super::{ensure, eventually, passed, round_trip, within};
+use crate::{Ctx, Harness, Outcome};
+
+/// S5: acquires dropped at 0 .. 3×RTT, on free and on held locks, leave
+/// neither a hold beyond one TTL nor a queue entry that blocks others, and no
+/// background task outlives the session.
+pub async fn cancellation_sweep(h: &dyn Harness) -> Outcome {
+    let ctx = Ctx::new(h, "cancellation_sweep");
+    let t = ctx.caps.ttl;
+    let (a, b, c) = (
+        ctx.client().await?,
+        ctx.client().await?,
+        ctx.client().await?,
+    );
+    let rtt = round_trip(&c, &ctx.name("rtt")).await?;
+    let delays = [
+        Duration::ZERO,
+        rtt / 4,
+        rtt / 2,
+        rtt * 3 / 4,
+        rtt,
+        rtt * 3 / 2,
+        rtt * 2,
+        rtt * 3,
+    ];
+    for (i, delay) in delays.into_iter().enumerate() {
+        // A free lock: the dropped acquire may or may not have been granted.
+        let free = ctx.name(&format!("free-{i}"));
+        if let Ok(done) = timeout(delay, c.lock(&free)?.acquire()).await {
+            done?.release().await?;
+        }
+        let g = b
+            .lock(&free)?
+            .acquire_timeout(t + ctx.caps.recovery_bound)
+            .await?;
+        g.release().await?;
+
+        // A held lock: the dropped acquire was queued or waiting.
+        let busy = ctx.name(&format!("busy-{i}"));
+        let ga = a.lock(&busy)?.acquire().await?;
+        let dropped = timeout(delay, c.lock(&busy)?.acquire()).await;
+        ensure!(dropped.is_err(), "acquire of a held lock succeeded");
+        let released = Instant::now();
+        ga.release().await?;
+        let g = b.lock(&busy)?.acquire_timeout(t * 2).await?;
+        let took = released.elapsed();
+        ensure!(
+            took <= t / 2 + ctx.caps.wakeup_bound,
+            "a cancelled waiter (dropped after {delay:?}) delayed the next holder by {took:?}"
+        );
+        g.release().await?;
+    }
+    ensure!(
+        c.held_count() == 0,
+        "cancelled acquires left {} holds",
+        c.held_count()
+    );
+    eventually(
+        t * 2,
+        "clean-up tasks of cancelled acquires finish",
+        || async { Ok(c.background_tasks() <= 1) },
+    )
+    .await?;
+    c.close().await?;
+    ensure!(
+        c.background_tasks() == 0,
+        "{} tasks outlived the session",
+        c.background_tasks()
+    );
+    if let Some(count) = h.leftover_objects(&ctx.prefix).await {
+        count?;
+        eventually(
+            t + ctx.caps.recovery_bound,
+            "no store objects left",
+            || async {
+                Ok(h.leftover_objects(&ctx.prefix)
+                    .await
+                    .transpose()?
+                    .unwrap_or(0)
+                    == 0)
+            },
+        )
+        .await?;
+    }
+    passed()
+}
+
+/// S5 + idempotent take: a take whose reply was lost is retried and returns
+/// the same grant at once, instead of waiting for its own orphan to expire.
+pub async fn acquire_retried_after_lost_reply(h: &dyn Harness) -> Outcome {
+    let ctx = Ctx::new(h, "acquire_retried_after_lost_reply");
+    let name = ctx.name("x");
+    let t = ctx.caps.ttl;
+    let (a, faults) = ctx.faulty_client().await?;
+    let (b, admin) = (ctx.client().await?, ctx.admin().await?);
+    faults.lose_take_replies(1);
+    let start = Instant::now();
+    let ga = a.lock(&name)?.acquire_timeout(t * 4).await?;
+    let took = start.elapsed();
+    ensure!(
+        took < t / 2,
+        "retry after a lost reply took {took:?}: the take is not idempotent"
+    );
+    ensure!(
+        admin.validate(&name, ga.token()).await?,
+        "store does not validate the retried grant"
+    );
+    ensure!(
+        b.lock(&name)?.try_acquire().await?.is_none(),
+        "lock free while held"
+    );
+    let info = admin.inspect(&name).await?;
+    ensure!(
+        info.as_ref().is_some_and(|i| i.holder == a.id().as_str()),
+        "inspect shows {info:?}, expected holder {}",
+        a.id()
+    );
+    ga.release().await?;
+    ensure!(
+        b.lock(&name)?.try_acquire().await?.is_some(),
+        "lock still busy after release"
+    );
+    passed()
+}
+
+/// S5, L3: closing a session fires `lost()` (Closed) for its holds, frees
+/// them in the store at once, stops its tasks and refuses new acquires;
+/// dropping a session without closing frees its locks promptly too.
+pub async fn session_close(h: &dyn Harness) -> Outcome {
+    let ctx = Ctx::new(h, "session_close");
+    let t = ctx.caps.ttl;
+    let (x, y) = (ctx.name("x"), ctx.name("y"));
+    let (a, b) = (ctx.client().await?, ctx.client().await?);
+    let gx = a.lock(&x)?.acquire().await?;
+    let gy = a.lock(&y)?.acquire().await?;
+    a.close().await?;
+    let reason = within(t, "lost() after close", gx.lost()).await?;
+    ensure!(
+        reason == LostReason::Closed,
+        "lost() gave {reason:?}, expected Closed"
+    );
+    ensure!(!gy.is_held(), "a hold survived its session's close");
+    ensure!(
+        a.background_tasks() == 0,
+        "{} tasks outlived the closed session",
+        a.background_tasks()
+    );
+    let r = a.lock(&x)?.try_acquire().await;
+    ensure!(
+        matches!(r, Err(Error::SessionLost { .. })),
+        "acquire on a closed session gave {r:?}"
+    );
+    let start = Instant::now();
+    b.lock(&x)?.acquire_timeout(t * 2).await?.release().await?;
+    b.lock(&y)?.acquire_timeout(t * 2).await?.release().await?;
+    let took = start.elapsed();
+    ensure!(
+        took <= t / 2 + ctx.caps.wakeup_bound,
+        "locks of a closed session were free only after {took:?}"
+    );
+    drop((gx, gy));
+
+    // Dropped without close: guard and session go away together.
+    let c = ctx.client().await?;
+    let gc = c.lock(&x)?.acquire().await?;
+    drop(gc);
+    drop(c);
+    let start = Instant::now();
+    b.lock(&x)?.acquire_timeout(t * 2).await?.release().await?;
+    let took = start.elapsed();
+    ensure!(
+        took <= t / 2 + ctx.caps.wakeup_bound,
+        "a dropped session's lock was free only after {took:?}"
+    );
+    passed()
+}

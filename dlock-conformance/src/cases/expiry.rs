@@ -1,0 +1,239 @@
+//! Expiry and renewal: crash recovery, renewal keeps the lock, the lost signal
+//! by local deadline, the pause scenario, tokens across expiry and restarts.
+
+use std::time::Duration;
+
+use dlock_core::LostReason;
+use futures::FutureExt;
+use tokio::time::{Instant, sleep};
+
+use super::{ensure, passed, skipped, within};
+use crate::checker::FencedRegister;
+use crate::{Ctx, Failure, Harness, Outcome};
+
+/// L1, S2: a holder that dies without releasing frees the lock within TTL +
+/// the backend's bound; the next token is larger.
+pub async fn holder_crash_recovery(h: &dyn Harness) -> Outcome {
+    let ctx = Ctx::new(h, "holder_crash_recovery");
+    let name = ctx.name("x");
+    let (t, bound) = (ctx.caps.ttl, ctx.caps.recovery_bound);
+    let (a, faults) = ctx.faulty_client().await?;
+    let b = ctx.client().await?;
+    let ga = a.lock(&name)?.acquire().await?;
+    let first = ga.token();
+    faults.crash();
+    let crashed = Instant::now();
+    drop(ga);
+    drop(a);
+    let gb = b.lock(&name)?.acquire_timeout(t * 2 + bound).await?;
+    let took = crashed.elapsed();
+    ensure!(
+        took <= t + bound,
+        "lock of a crashed holder became free only after {took:?} (bound {:?})",
+        t + bound
+    );
+    ensure!(gb.token() > first, "token {} after {first}", gb.token());
+    gb.release().await?;
+    passed()
+}
+
+/// S1, L3: while the holder renews, nobody else gets the lock for several
+/// TTLs, and the holder stays valid throughout.
+pub async fn no_early_grant_while_renewing(h: &dyn Harness) -> Outcome {
+    let ctx = Ctx::new(h, "no_early_grant_while_renewing");
+    let name = ctx.name("x");
+    let t = ctx.caps.ttl;
+    let (a, b, admin) = (ctx.client().await?, ctx.client().await?, ctx.admin().await?);
+    let ga = a.lock(&name)?.acquire().await?;
+    let until = Instant::now() + t * 3;
+    while Instant::now() < until {
+        ensure!(
+            b.lock(&name)?.try_acquire().await?.is_none(),
+            "lock granted to B while A renews"
+        );
+        ensure!(ga.is_held(), "holder's lock expired although it renews");
+        sleep(t / 5).await;
+    }
+    let r = b.lock(&name)?.acquire_timeout(t / 2).await;
+    ensure!(
+        r.is_err(),
+        "a waiting acquire got a lock that is being renewed: {r:?}"
+    );
+    ensure!(
+        admin.validate(&name, ga.token()).await?,
+        "store does not validate the renewed holder"
+    );
+    let renewals = a.stats().renewals;
+    ensure!(renewals >= 4, "only {renewals} renewals in 3.5 TTLs");
+    let first = ga.token();
+    ga.release().await?;
+    let gb = b.lock(&name)?.acquire_timeout(t).await?;
+    ensure!(gb.token() > first, "token {} after {first}", gb.token());
+    gb.release().await?;
+    passed()
+}
+
+/// S4: when renewals stop reaching the store, `lost()` fires by the local
+/// deadline — before another client can get the lock — with no server contact.
+pub async fn lost_signal_by_local_deadline(h: &dyn Harness) -> Outcome {
+    let ctx = Ctx::new(h, "lost_signal_by_local_deadline");
+    let name = ctx.name("x");
+    let t = ctx.caps.ttl;
+    let (a, faults) = ctx.faulty_client().await?;
+    let b = ctx.client().await?;
+    let ga = a.lock(&name)?.acquire().await?;
+    faults.stall_renewals();
+    let lost = ga.lost();
+    let watcher = tokio::spawn(async move { (lost.await, Instant::now()) });
+    let gb = b.lock(&name)?.acquire_timeout(t * 3).await?;
+    let b_got = Instant::now();
+    let (reason, lost_at) = within(t, "lost() of the stalled holder", watcher)
+        .await?
+        .map_err(|e| Failure(format!("watcher: {e}")))?;
+    ensure!(
+        reason == LostReason::Expired,
+        "lost() gave {reason:?}, expected Expired"
+    );
+    ensure!(
+        lost_at <= b_got,
+        "lost() fired {:?} after B got the lock",
+        lost_at - b_got
+    );
+    let deadline = ga.deadline();
+    let late = lost_at.saturating_duration_since(deadline);
+    ensure!(
+        late <= Duration::from_millis(100).max(t / 4),
+        "lost() fired {late:?} after the deadline"
+    );
+    ensure!(!ga.is_held(), "is_held() is true after the deadline");
+    drop(ga);
+    gb.release().await?;
+    passed()
+}
+
+/// S4 + fencing: the holder is paused past its TTL, another acquires and
+/// writes; when the old holder resumes, the register refuses its write and its
+/// `lost()` has fired.
+pub async fn pause_scenario(h: &dyn Harness) -> Outcome {
+    let ctx = Ctx::new(h, "pause_scenario");
+    let name = ctx.name("x");
+    let t = ctx.caps.ttl;
+    let register = FencedRegister::new();
+    let (a, faults) = ctx.faulty_client().await?;
+    let b = ctx.client().await?;
+    let ga = a.lock(&name)?.acquire().await?;
+    ensure!(register.write(0, ga.token()), "first write refused");
+    faults.stall_renewals(); // the process is paused: nothing it sends arrives
+    let gb = b.lock(&name)?.acquire_timeout(t * 3).await?;
+    ensure!(
+        register.write(1, gb.token()),
+        "the new holder's write was refused"
+    );
+    // A resumes and acts on its stale belief.
+    ensure!(
+        !register.write(0, ga.token()),
+        "the register accepted the paused holder's write"
+    );
+    ensure!(
+        !ga.is_held(),
+        "the paused holder still believes it holds the lock"
+    );
+    ensure!(
+        ga.lost().now_or_never().is_some(),
+        "the paused holder's lost() had not fired when the next holder wrote"
+    );
+    drop(ga);
+    gb.release().await?;
+    passed()
+}
+
+/// S2, S6: tokens strictly increase across expiry of crashed holders and
+/// across plain releases.
+pub async fn tokens_after_expiry(h: &dyn Harness) -> Outcome {
+    let ctx = Ctx::new(h, "tokens_after_expiry");
+    let name = ctx.name("x");
+    let wait = ctx.caps.ttl * 2 + ctx.caps.recovery_bound;
+    let mut last = None;
+    for _ in 0..3 {
+        let (c, faults) = ctx.faulty_client().await?;
+        let g = c.lock(&name)?.acquire_timeout(wait).await?;
+        ensure!(last < Some(g.token()), "token {} after {last:?}", g.token());
+        last = Some(g.token());
+        faults.crash();
+    }
+    let c = ctx.client().await?;
+    for _ in 0..3 {
+        let g = c.lock(&name)?.acquire_timeout(wait).await?;
+        ensure!(last < Some(g.token()), "token {} after {last:?}", g.token());
+        last = Some(g.token());
+        g.release().await?;
+    }
+    passed()
+}
+
+/// S2 for backends with durable tokens: a token issued after a server
+/// restart is larger than every token before it.
+pub async fn tokens_after_restart(h: &dyn Harness) -> Outcome {
+    let ctx = Ctx::new(h, "tokens_after_restart");
+    if !ctx.caps.durable_tokens {
+        return skipped("backend does not declare durable tokens");
+    }
+    let name = ctx.name("x");
+    let a = ctx.client().await?;
+    let g = a.lock(&name)?.acquire().await?;
+    let before = g.token();
+    g.release().await?;
+    a.close().await?;
+    match h.restart_server().await {
+        None => return skipped("the harness cannot restart the server"),
+        Some(r) => r?,
+    }
+    let b = ctx.client().await?;
+    let g = b.lock(&name)?.acquire_timeout(ctx.caps.ttl * 4).await?;
+    ensure!(
+        g.token() > before,
+        "token {} after a restart, {before} before it",
+        g.token()
+    );
+    g.release().await?;
+    passed()
+}
+
+/// S2, S3, S4: an admin force-release frees the lock; the old holder's
+/// `lost()` fires within a renewal period; the next token is larger; the old
+/// holder's release fails.
+pub async fn force_release(h: &dyn Harness) -> Outcome {
+    let ctx = Ctx::new(h, "force_release");
+    let name = ctx.name("x");
+    let t = ctx.caps.ttl;
+    let (a, b, admin) = (ctx.client().await?, ctx.client().await?, ctx.admin().await?);
+    let ga = a.lock(&name)?.acquire().await?;
+    let first = ga.token();
+    ensure!(
+        admin.force_release(&name).await?,
+        "force_release of a held lock said it was free"
+    );
+    let bound = a.renew_every() + ctx.caps.wakeup_bound + t / 4;
+    let reason = within(bound, "old holder's lost() after force_release", ga.lost()).await?;
+    ensure!(
+        reason == LostReason::Revoked,
+        "lost() gave {reason:?}, expected Revoked"
+    );
+    let gb = b.lock(&name)?.acquire_timeout(t).await?;
+    ensure!(
+        gb.token() > first,
+        "token {} after a forced release of {first}",
+        gb.token()
+    );
+    ensure!(
+        ga.release().await.is_err(),
+        "the old holder's release succeeded"
+    );
+    ensure!(gb.is_held(), "the new holder lost the lock");
+    gb.release().await?;
+    ensure!(
+        !admin.force_release(&name).await?,
+        "force_release of a free lock said it was held"
+    );
+    passed()
+}

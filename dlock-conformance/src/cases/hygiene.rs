@@ -1,0 +1,237 @@
+//! Introspection, leaks and bad input.
+
+use std::time::Duration;
+
+use dlock_core::{Error, FencingToken, SessionOptions};
+use futures::{StreamExt, TryStreamExt, stream};
+use tokio::time::sleep;
+
+use super::{ensure, eventually, passed, queued};
+use crate::{Ctx, Failure, Harness, Outcome};
+
+/// S2, S3: `inspect` reports holder, token and reason; `validate` accepts only
+/// the current token; `list` finds held locks by prefix; all change with the
+/// next holder.
+pub async fn inspect_and_validate(h: &dyn Harness) -> Outcome {
+    let ctx = Ctx::new(h, "inspect_and_validate");
+    let name = ctx.name("x");
+    let t = ctx.caps.ttl;
+    let (a, b, admin) = (ctx.client().await?, ctx.client().await?, ctx.admin().await?);
+    ensure!(
+        admin.inspect(&name).await?.is_none(),
+        "a never-taken lock is reported held"
+    );
+    ensure!(
+        !admin.validate(&name, FencingToken::new(1)).await?,
+        "a free lock validates a token"
+    );
+    let ga = a.lock(&name)?.why("conformance: inspect").acquire().await?;
+    let info = admin
+        .inspect(&name)
+        .await?
+        .ok_or_else(|| Failure("inspect of a held lock says free".into()))?;
+    ensure!(info.name == name, "inspect names {}", info.name);
+    ensure!(
+        info.holder == a.id().as_str(),
+        "holder {:?}, expected {}",
+        info.holder,
+        a.id()
+    );
+    ensure!(
+        info.token == ga.token(),
+        "inspect token {} vs guard {}",
+        info.token,
+        ga.token()
+    );
+    ensure!(
+        info.why.as_deref() == Some("conformance: inspect"),
+        "why {:?}",
+        info.why
+    );
+    if let (Some(at), Some(exp)) = (info.acquired_at, info.expires_at) {
+        ensure!(exp > at, "expires_at {exp:?} not after acquired_at {at:?}");
+    }
+    let t0 = ga.token().get();
+    ensure!(
+        admin.validate(&name, ga.token()).await?,
+        "current token does not validate"
+    );
+    ensure!(
+        !admin.validate(&name, FencingToken::new(t0 - 1)).await?,
+        "an older token validates"
+    );
+    ensure!(
+        !admin.validate(&name, FencingToken::new(t0 + 1)).await?,
+        "a future token validates"
+    );
+    let listed = admin.list(&ctx.prefix).await?;
+    ensure!(
+        listed.len() == 1 && listed[0].name == name,
+        "list({}) gave {:?}",
+        ctx.prefix,
+        listed
+            .iter()
+            .map(|i| i.name.to_string())
+            .collect::<Vec<_>>()
+    );
+    let lock = b.lock(&name)?;
+    let waiter = tokio::spawn(async move { lock.acquire_timeout(Duration::from_secs(30)).await });
+    queued(&*admin, &name, 1, t / 3).await?;
+    if let Some(waiters) = admin.inspect(&name).await?.and_then(|i| i.waiters) {
+        ensure!(waiters == 1, "inspect counts {waiters} waiters, expected 1");
+    }
+    let old = ga.token();
+    ga.release().await?;
+    let gb = waiter
+        .await
+        .map_err(|e| Failure(format!("waiter: {e}")))??;
+    let info = admin.inspect(&name).await?;
+    ensure!(
+        info.as_ref()
+            .is_some_and(|i| i.holder == b.id().as_str() && i.token == gb.token()),
+        "after handoff inspect gives {info:?}"
+    );
+    ensure!(
+        !admin.validate(&name, old).await?,
+        "the previous holder's token still validates"
+    );
+    gb.release().await?;
+    eventually(t, "inspect shows the lock free", || async {
+        Ok(admin.inspect(&name).await?.is_none())
+    })
+    .await?;
+    ensure!(
+        admin.list(&ctx.prefix).await?.is_empty(),
+        "list shows released locks"
+    );
+    passed()
+}
+
+/// S5: 10,000 names taken and released leave no keys, nodes, rows, queue
+/// entries or channels behind.
+pub async fn ten_thousand_names(h: &dyn Harness) -> Outcome {
+    const NAMES: usize = 10_000;
+    let ctx = Ctx::new(h, "ten_thousand_names");
+    let (c, admin) = (ctx.client().await?, ctx.admin().await?);
+    stream::iter(0..NAMES)
+        .map(|i| {
+            let lock = c.lock(ctx.name(&format!("n{i}")));
+            async move {
+                let g = lock?.acquire_timeout(Duration::from_secs(60)).await?;
+                g.release().await?;
+                Ok::<_, Failure>(())
+            }
+        })
+        .buffer_unordered(64)
+        .try_collect::<()>()
+        .await?;
+    ensure!(
+        c.held_count() == 0,
+        "{} holds left in the session",
+        c.held_count()
+    );
+    let listed = admin.list(&ctx.prefix).await?;
+    ensure!(
+        listed.is_empty(),
+        "{} locks still listed after release",
+        listed.len()
+    );
+    c.close().await?;
+    match h.leftover_objects(&ctx.prefix).await {
+        None => {}
+        Some(count) => {
+            let count = count?;
+            ensure!(
+                count == 0,
+                "{count} store objects left under {} after 10,000 releases",
+                ctx.prefix
+            );
+        }
+    }
+    passed()
+}
+
+/// Typed errors for bad names, TTLs, prefixes and URLs; `a`, `a/b` and `A`
+/// are three distinct locks.
+pub async fn bad_input(h: &dyn Harness) -> Outcome {
+    let ctx = Ctx::new(h, "bad_input");
+    let a = ctx.client().await?;
+    let long = "x".repeat(201);
+    for bad in [
+        "", "a\0b", "a//b", "/a", "a/", "a/../b", ".", "a b", "ä", "a\nb", "{x}", "a*", &long,
+    ] {
+        let r = a.lock(bad);
+        ensure!(
+            matches!(r, Err(Error::InvalidName { .. })),
+            "lock({bad:?}) gave {r:?}"
+        );
+    }
+    let (base, child, upper) = (ctx.name("a"), ctx.name("a/b"), ctx.name("A"));
+    let g_base = a.lock(&base)?.acquire().await?;
+    let g_child = a.lock(&child)?.try_acquire().await?;
+    let g_child = g_child.ok_or_else(|| Failure("holding `a` made `a/b` busy".into()))?;
+    let g_upper = a.lock(&upper)?.try_acquire().await?;
+    let g_upper =
+        g_upper.ok_or_else(|| Failure("holding `a` made `A` busy (case folding?)".into()))?;
+    let admin = ctx.admin().await?;
+    for (name, g) in [(&base, &g_base), (&child, &g_child), (&upper, &g_upper)] {
+        let info = admin.inspect(name).await?;
+        ensure!(
+            info.as_ref().is_some_and(|i| i.token == g.token()),
+            "inspect({name}) gave {info:?}, expected token {}",
+            g.token()
+        );
+    }
+    g_base.release().await?;
+    ensure!(
+        g_child.is_held() && g_upper.is_held(),
+        "releasing `a` affected `a/b` or `A`"
+    );
+    ensure!(
+        admin.validate(&child, g_child.token()).await?,
+        "releasing `a` freed `a/b`"
+    );
+    ensure!(
+        admin.validate(&upper, g_upper.token()).await?,
+        "releasing `a` freed `A`"
+    );
+    g_child.release().await?;
+    g_upper.release().await?;
+
+    let backend = h.connect().await?;
+    let r = backend
+        .session(SessionOptions::new().ttl(Duration::ZERO))
+        .await;
+    ensure!(
+        matches!(r, Err(Error::InvalidTtl { .. })),
+        "TTL zero gave {r:?}"
+    );
+    let min = backend.min_ttl();
+    if min > Duration::from_millis(1) {
+        let r = backend.session(SessionOptions::new().ttl(min / 2)).await;
+        ensure!(
+            matches!(r, Err(Error::InvalidTtl { .. })),
+            "TTL {:?} below the minimum gave {r:?}",
+            min / 2
+        );
+    }
+    let r = backend.list("bad prefix").await;
+    ensure!(
+        matches!(r, Err(Error::InvalidName { .. })),
+        "list with a bad prefix gave {r:?}"
+    );
+    for url in h.bad_urls() {
+        match h.connect_url(&url).await {
+            None => break,
+            Some(Ok(b)) => return Err(Failure(format!("bad URL {url:?} was accepted: {b:?}"))),
+            Some(Err(Error::InvalidUrl { .. } | Error::Config(_))) => {}
+            Some(Err(e)) => {
+                return Err(Failure(format!(
+                    "bad URL {url:?} gave {e:?}, expected InvalidUrl"
+                )));
+            }
+        }
+    }
+    sleep(Duration::ZERO).await;
+    passed()
+}

@@ -1,0 +1,169 @@
+//! Mutual exclusion under contention, try/timeout semantics, reentrancy.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use dlock_core::Error;
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+
+use super::{ensure, passed, round_trip, skipped};
+use crate::checker::{FencedRegister, History, Op, Phase};
+use crate::{Ctx, Failure, Harness, Outcome};
+
+/// S1, S2: 16 clients on one name; every fenced write is accepted, no two
+/// holds overlap, tokens follow grant order.
+pub async fn contention(h: &dyn Harness) -> Outcome {
+    const CLIENTS: usize = 16;
+    const ROUNDS: usize = 6;
+    let ctx = Ctx::new(h, "contention");
+    let name = ctx.name("hot");
+    let register = Arc::new(FencedRegister::new());
+    let history = Arc::new(History::new());
+    let mut tasks = JoinSet::new();
+    for client in 0..CLIENTS {
+        let session = ctx.client().await?;
+        let (name, register, history) = (name.clone(), register.clone(), history.clone());
+        tasks.spawn(async move {
+            let lock = session.lock(&name)?;
+            for _ in 0..ROUNDS {
+                history.record(client, Op::Acquire, Phase::Invoke, None);
+                let guard = lock.acquire_timeout(Duration::from_secs(90)).await?;
+                history.record(client, Op::Acquire, Phase::Ok, Some(guard.token()));
+                register.write(client, guard.token());
+                tokio::task::yield_now().await;
+                history.record(client, Op::Release, Phase::Invoke, None);
+                guard.release().await?;
+                history.record(client, Op::Release, Phase::Ok, None);
+            }
+            session.close().await?;
+            Ok::<_, Failure>(())
+        });
+    }
+    while let Some(done) = tasks.join_next().await {
+        done.map_err(|e| Failure(format!("client task failed: {e}")))??;
+    }
+    register.check()?;
+    let summary = history.check()?;
+    ensure!(
+        summary.holds == CLIENTS * ROUNDS,
+        "expected {} holds, history has {}",
+        CLIENTS * ROUNDS,
+        summary.holds
+    );
+    ensure!(
+        register.accepted() == CLIENTS * ROUNDS,
+        "register accepted {}",
+        register.accepted()
+    );
+    passed()
+}
+
+/// S1: `try_acquire` takes a free lock, reports a held one as busy without
+/// waiting, and takes it once released (with a larger token).
+pub async fn try_acquire(h: &dyn Harness) -> Outcome {
+    let ctx = Ctx::new(h, "try_acquire");
+    let name = ctx.name("x");
+    let (a, b) = (ctx.client().await?, ctx.client().await?);
+    let ga = a.lock(&name)?.try_acquire().await?;
+    let ga = ga.ok_or_else(|| Failure("try_acquire of a free lock said busy".into()))?;
+    let start = Instant::now();
+    let busy = b.lock(&name)?.try_acquire().await?;
+    let took = start.elapsed();
+    ensure!(busy.is_none(), "a second client took a held lock");
+    ensure!(
+        took < ctx.caps.ttl,
+        "try_acquire of a held lock took {took:?}: it must not wait"
+    );
+    ensure!(ga.is_held(), "holder lost the lock after a failed try");
+    let first = ga.token();
+    ga.release().await?;
+    let gb = b.lock(&name)?.try_acquire().await?;
+    let gb = gb.ok_or_else(|| Failure("try_acquire after release said busy".into()))?;
+    ensure!(gb.token() > first, "token {} after {first}", gb.token());
+    gb.release().await?;
+    passed()
+}
+
+/// L5: `acquire_timeout(d)` on a held lock returns `Timeout` no earlier than
+/// `d` and within `d` plus a round trip; timed-out waiters block no one.
+pub async fn timeouts(h: &dyn Harness) -> Outcome {
+    let ctx = Ctx::new(h, "timeouts");
+    let name = ctx.name("x");
+    let (a, b, c) = (
+        ctx.client().await?,
+        ctx.client().await?,
+        ctx.client().await?,
+    );
+    let rtt = round_trip(&a, &ctx.name("rtt")).await?;
+    let slack = ctx.caps.wakeup_bound + rtt * 4;
+    let ga = a.lock(&name)?.acquire().await?;
+    let t = ctx.caps.ttl;
+    for wait in [Duration::ZERO, t / 4, t] {
+        let start = Instant::now();
+        let result = b.lock(&name)?.acquire_timeout(wait).await;
+        let took = start.elapsed();
+        ensure!(
+            matches!(result, Err(Error::Timeout { .. })),
+            "acquire_timeout({wait:?}) on a held lock gave {result:?}"
+        );
+        ensure!(
+            took >= wait,
+            "acquire_timeout({wait:?}) gave up early, after {took:?}"
+        );
+        ensure!(
+            took <= wait + slack,
+            "acquire_timeout({wait:?}) took {took:?} (bound {:?})",
+            wait + slack
+        );
+    }
+    ensure!(ga.is_held(), "holder lost the lock while others timed out");
+    let start = Instant::now();
+    ga.release().await?;
+    let gc = c.lock(&name)?.acquire_timeout(t * 4).await?;
+    let took = start.elapsed();
+    ensure!(
+        took <= t / 2 + slack,
+        "after release, a new client waited {took:?}: timed-out waiters are blocking it"
+    );
+    gc.release().await?;
+    passed()
+}
+
+/// Reentrancy as declared: the same handle (or a clone) re-acquires at once
+/// with the same token and frees the lock on the last release; another handle,
+/// even of the same session, is excluded.
+pub async fn reentrancy(h: &dyn Harness) -> Outcome {
+    let ctx = Ctx::new(h, "reentrancy");
+    if !ctx.caps.reentrant {
+        return skipped("backend does not declare reentrancy");
+    }
+    let name = ctx.name("x");
+    let (a, b) = (ctx.client().await?, ctx.client().await?);
+    let lock = a.lock(&name)?;
+    let g1 = lock.acquire().await?;
+    let g2 = lock.acquire_timeout(Duration::ZERO).await?;
+    let g3 = lock.clone().try_acquire().await?;
+    let g3 = g3.ok_or_else(|| Failure("a clone of the holding handle was refused".into()))?;
+    ensure!(
+        g2.token() == g1.token() && g3.token() == g1.token(),
+        "reentrant guards carry different tokens"
+    );
+    ensure!(
+        a.lock(&name)?.try_acquire().await?.is_none(),
+        "another handle of the same session took a held lock"
+    );
+    g2.release().await?;
+    drop(g3);
+    ensure!(g1.is_held(), "inner releases freed the outer hold");
+    ensure!(
+        b.lock(&name)?.try_acquire().await?.is_none(),
+        "lock was free while the outer guard was live"
+    );
+    let t1 = g1.token();
+    g1.release().await?;
+    let gb = b.lock(&name)?.acquire_timeout(ctx.caps.ttl).await?;
+    ensure!(gb.token() > t1, "token {} after {t1}", gb.token());
+    gb.release().await?;
+    passed()
+}

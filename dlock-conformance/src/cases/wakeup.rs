@@ -1,0 +1,259 @@
+//! L2, L4, L6: waiters wake promptly, in order where fair, without a herd.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::task::JoinSet;
+use tokio::time::{Instant, sleep};
+
+use super::{ensure, median, passed, queued, skipped, within};
+use crate::checker::{FencedRegister, History, Op, Phase};
+use crate::{Ctx, Failure, Harness, Outcome};
+
+/// The release → grant latency a waiter must beat: the declared bound and,
+/// for notifying backends, a quarter of the fallback poll (a fallback-only
+/// wake-up averages half of it).
+fn fast_bound(ctx: &Ctx<'_>, poll_fallback: Duration) -> Duration {
+    if ctx.caps.notify_wakeup {
+        ctx.caps.wakeup_bound.min(poll_fallback / 4)
+    } else {
+        ctx.caps.wakeup_bound
+    }
+}
+
+fn random_between(lo: Duration, hi: Duration) -> Duration {
+    lo + (hi - lo).mul_f64(rand::random::<f64>())
+}
+
+/// L2: a waiter gets a released lock promptly (median over rounds, with the
+/// release at random moments relative to the waiter's fallback timer).
+pub async fn wakeup_latency(h: &dyn Harness) -> Outcome {
+    let ctx = Ctx::new(h, "wakeup_latency");
+    let name = ctx.name("x");
+    let t = ctx.caps.ttl;
+    let (a, b) = (ctx.client().await?, ctx.client().await?);
+    let bound = fast_bound(&ctx, b.poll_fallback());
+    let mut latencies = Vec::new();
+    for _ in 0..8 {
+        let ga = a.lock(&name)?.acquire().await?;
+        let lock = b.lock(&name)?;
+        let waiter = tokio::spawn(async move {
+            let g = lock.acquire_timeout(t * 20).await;
+            (Instant::now(), g)
+        });
+        sleep(random_between(t / 4, t)).await;
+        let released = Instant::now();
+        ga.release().await?;
+        let (got, g) = within(t * 20, "waiter", waiter)
+            .await?
+            .map_err(|e| Failure(format!("waiter: {e}")))?;
+        g?.release().await?;
+        latencies.push(got.saturating_duration_since(released));
+    }
+    let m = median(latencies.clone());
+    ensure!(
+        m <= bound,
+        "median release→grant latency {m:?} exceeds {bound:?} (all: {latencies:?})"
+    );
+    passed()
+}
+
+/// L2: releases racing with the waiter's first take and subscription are
+/// not missed (at most 2 of 20 rounds may be slow).
+pub async fn wakeup_release_before_subscribe(h: &dyn Harness) -> Outcome {
+    let ctx = Ctx::new(h, "wakeup_release_before_subscribe");
+    let name = ctx.name("x");
+    let t = ctx.caps.ttl;
+    let (a, b) = (ctx.client().await?, ctx.client().await?);
+    let bound = if ctx.caps.notify_wakeup {
+        ctx.caps.wakeup_bound.min(b.poll_fallback() / 2)
+    } else {
+        ctx.caps.wakeup_bound
+    };
+    let mut slow = Vec::new();
+    for round in 0..20u32 {
+        let ga = a.lock(&name)?.acquire().await?;
+        let lock = b.lock(&name)?;
+        let waiter = tokio::spawn(async move {
+            let g = lock.acquire_timeout(t * 20).await;
+            (Instant::now(), g)
+        });
+        // Release at varying points around the waiter's first take.
+        match round % 4 {
+            0 => {}
+            1 => tokio::task::yield_now().await,
+            _ => sleep(Duration::from_micros(rand::random::<u64>() % 2_000)).await,
+        }
+        let released = Instant::now();
+        ga.release().await?;
+        let (got, g) = within(t * 20, "waiter", waiter)
+            .await?
+            .map_err(|e| Failure(format!("waiter: {e}")))?;
+        g?.release().await?;
+        let latency = got.saturating_duration_since(released);
+        if latency > bound {
+            slow.push(latency);
+        }
+    }
+    ensure!(
+        slow.len() <= 2,
+        "{} of 20 racing releases were missed (bound {bound:?}): {slow:?}",
+        slow.len()
+    );
+    passed()
+}
+
+/// L2, L1: with notifications lost, the fallback timer still wakes the waiter;
+/// a holder that dies without releasing is noticed at its expiry.
+pub async fn wakeup_dead_notification_channel(h: &dyn Harness) -> Outcome {
+    let ctx = Ctx::new(h, "wakeup_dead_notification_channel");
+    let name = ctx.name("x");
+    let t = ctx.caps.ttl;
+    let (b, deaf) = ctx.faulty_client().await?;
+    deaf.deafen();
+    let a = ctx.client().await?;
+    let ga = a.lock(&name)?.acquire().await?;
+    let lock = b.lock(&name)?;
+    let waiter = tokio::spawn(async move { (lock.acquire_timeout(t * 20).await, Instant::now()) });
+    sleep(t / 3).await;
+    let released = Instant::now();
+    ga.release().await?;
+    let (g, got) = within(t * 20, "deaf waiter", waiter)
+        .await?
+        .map_err(|e| Failure(format!("waiter: {e}")))?;
+    g?.release().await?;
+    let bound = b.poll_fallback().mul_f64(1.1) + ctx.caps.wakeup_bound;
+    let took = got.saturating_duration_since(released);
+    ensure!(
+        took <= bound,
+        "deaf waiter woke {took:?} after the release (fallback bound {bound:?})"
+    );
+
+    let (c, crash) = ctx.faulty_client().await?;
+    let gc = c.lock(&name)?.acquire().await?;
+    let lock = b.lock(&name)?;
+    let waiter = tokio::spawn(async move { (lock.acquire_timeout(t * 20).await, Instant::now()) });
+    sleep(t / 4).await;
+    crash.crash();
+    let crashed = Instant::now();
+    drop(gc);
+    drop(c);
+    let (g, got) = within(t * 20, "deaf waiter after crash", waiter)
+        .await?
+        .map_err(|e| Failure(format!("waiter: {e}")))?;
+    g?.release().await?;
+    let took = got.saturating_duration_since(crashed);
+    let bound = t + ctx.caps.recovery_bound;
+    ensure!(
+        took <= bound,
+        "waiter got a dead holder's lock {took:?} after the crash (bound {bound:?})"
+    );
+    passed()
+}
+
+/// L6, S1: 200 waiters each get the lock exactly once, fenced writes all
+/// accepted; on backends declaring `no_herd`, the number of take attempts
+/// stays linear (a herd would make it quadratic).
+pub async fn many_waiters_one_handoff_each(h: &dyn Harness) -> Outcome {
+    const WAITERS: usize = 200;
+    const SESSIONS: usize = 10;
+    let ctx = Ctx::new(h, "many_waiters_one_handoff_each");
+    let name = ctx.name("x");
+    let admin = ctx.admin().await?;
+    let holder = ctx.client().await?;
+    let g0 = holder.lock(&name)?.acquire().await?;
+    let mut sessions = Vec::new();
+    for _ in 0..SESSIONS {
+        sessions.push(ctx.client().await?);
+    }
+    let register = Arc::new(FencedRegister::new());
+    let history = Arc::new(History::new());
+    let mut tasks = JoinSet::new();
+    for i in 0..WAITERS {
+        let lock = sessions[i % SESSIONS].lock(&name)?;
+        let (register, history) = (register.clone(), history.clone());
+        tasks.spawn(async move {
+            history.record(i, Op::Acquire, Phase::Invoke, None);
+            let g = lock.acquire_timeout(Duration::from_secs(150)).await?;
+            history.record(i, Op::Acquire, Phase::Ok, Some(g.token()));
+            register.write(i, g.token());
+            history.record(i, Op::Release, Phase::Invoke, None);
+            g.release().await?;
+            Ok::<_, Failure>(())
+        });
+    }
+    queued(&*admin, &name, WAITERS, ctx.caps.ttl).await?;
+    let start = Instant::now();
+    history.record(WAITERS, Op::Release, Phase::Invoke, None);
+    g0.release().await?;
+    let mut done = 0;
+    while let Some(r) = tasks.join_next().await {
+        r.map_err(|e| Failure(format!("waiter task: {e}")))??;
+        done += 1;
+    }
+    let elapsed = start.elapsed();
+    ensure!(done == WAITERS, "{done} of {WAITERS} waiters finished");
+    register.check()?;
+    let summary = history.check()?;
+    ensure!(
+        summary.holds == WAITERS,
+        "history has {} holds",
+        summary.holds
+    );
+    if ctx.caps.no_herd {
+        let attempts: u64 = sessions.iter().map(|s| s.stats().take_attempts).sum();
+        let period = sessions[0].poll_fallback().min(ctx.caps.ttl).mul_f64(0.9);
+        let polls = (elapsed.as_secs_f64() / period.as_secs_f64()).ceil() as u64 + 1;
+        let allowed = WAITERS as u64 * (3 + polls);
+        ensure!(
+            attempts <= allowed,
+            "{attempts} take attempts for {WAITERS} handoffs in {elapsed:?} (allowed {allowed}): a herd?"
+        );
+    }
+    passed()
+}
+
+/// L4, S5: on fair backends waiters are served in arrival order, and a waiter
+/// cancelled in the middle of the queue blocks nobody.
+pub async fn fifo_with_cancelled_waiter(h: &dyn Harness) -> Outcome {
+    let ctx = Ctx::new(h, "fifo_with_cancelled_waiter");
+    if !ctx.caps.fair {
+        return skipped("backend does not declare fair (FIFO) ordering");
+    }
+    let name = ctx.name("x");
+    let t = ctx.caps.ttl;
+    let admin = ctx.admin().await?;
+    let a = ctx.client().await?;
+    let ga = a.lock(&name)?.acquire().await?;
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let mut handles = Vec::new();
+    for w in 1..=3usize {
+        let session = ctx.client().await?;
+        let lock = session.lock(&name)?;
+        let order = order.clone();
+        handles.push(tokio::spawn(async move {
+            let g = lock.acquire_timeout(t * 30).await?;
+            order.lock().unwrap().push(w);
+            let released = Instant::now();
+            g.release().await?;
+            drop(session);
+            Ok::<_, Failure>(released)
+        }));
+        queued(&*admin, &name, w, t / 3).await?;
+    }
+    handles[1].abort(); // the middle waiter gives up
+    let _ = (&mut handles[1]).await;
+    ga.release().await?;
+    let w3 = handles.pop().expect("three waiters");
+    let w1 = handles.remove(0);
+    let w1_released = within(t * 30, "first waiter", w1)
+        .await?
+        .map_err(|e| Failure(format!("waiter 1: {e}")))??;
+    within(t * 30, "third waiter", w3)
+        .await?
+        .map_err(|e| Failure(format!("waiter 3: {e}")))??;
+    let order = order.lock().unwrap().clone();
+    ensure!(order == [1, 3], "grant order {order:?}, expected [1, 3]");
+    let _ = w1_released;
+    passed()
+}

@@ -1,0 +1,224 @@
+//! In-process fault injection: a wrapper around any real backend that can
+//! stall renewals, crash the client, lose replies and silence notifications.
+//!
+//! The wrapper sits between the core and the adapter, so what it injects looks
+//! to the core exactly like a network fault looks to the adapter, while the
+//! store itself stays real. (Faults below the adapter — a TCP proxy, killing
+//! the server — come with the adapters that need them.)
+
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use dlock_core::backend::{Attempt, ExpiryModel, Hold, RawSession, Take};
+use dlock_core::{Backend, Error, FencingToken, LockInfo, LockName, SessionId, SessionOptions};
+use tokio::time::{Instant, sleep_until};
+
+/// The switches of a [`FaultyBackend`]; flip them at any time.
+#[derive(Debug, Default)]
+pub struct Faults {
+    stall_renewals: AtomicBool,
+    crashed: AtomicBool,
+    lose_take_replies: AtomicU32,
+    lose_release_replies: AtomicU32,
+    deaf: AtomicBool,
+}
+
+impl Faults {
+    /// Renewals hang (a paused process, a black-holed connection): the
+    /// requests never reach the store and never return.
+    pub fn stall_renewals(&self) {
+        self.stall_renewals.store(true, Ordering::SeqCst);
+    }
+
+    /// The client is gone: every request fails at once without reaching the
+    /// store, including the releases a dropped guard would send.
+    pub fn crash(&self) {
+        self.crashed.store(true, Ordering::SeqCst);
+    }
+
+    /// The next `n` takes reach the store but their replies are lost.
+    pub fn lose_take_replies(&self, n: u32) {
+        self.lose_take_replies.store(n, Ordering::SeqCst);
+    }
+
+    /// The next `n` releases reach the store but their replies are lost.
+    pub fn lose_release_replies(&self, n: u32) {
+        self.lose_release_replies.store(n, Ordering::SeqCst);
+    }
+
+    /// Notifications never arrive: waits last until their timer.
+    pub fn deafen(&self) {
+        self.deaf.store(true, Ordering::SeqCst);
+    }
+
+    fn crashed(&self) -> Result<(), Error> {
+        if self.crashed.load(Ordering::SeqCst) {
+            Err(Error::unavailable(
+                "faulty",
+                "client crashed (fault injection)",
+            ))
+        } else {
+            Ok(())
+        }
+    }
+
+    fn take_one(counter: &AtomicU32) -> bool {
+        counter
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok()
+    }
+}
+
+fn lost_reply() -> Error {
+    Error::unavailable("faulty", "reply lost (fault injection)")
+}
+
+/// A backend that forwards to a real one, with [`Faults`] in between.
+pub struct FaultyBackend {
+    inner: Arc<dyn Backend>,
+    faults: Arc<Faults>,
+}
+
+impl FaultyBackend {
+    /// Wraps `inner`; returns the backend and its switches.
+    pub fn wrap(inner: Arc<dyn Backend>) -> (Arc<dyn Backend>, Arc<Faults>) {
+        let faults = Arc::new(Faults::default());
+        let backend = Arc::new(Self {
+            inner,
+            faults: faults.clone(),
+        });
+        (backend, faults)
+    }
+}
+
+impl fmt::Debug for FaultyBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FaultyBackend")
+            .field("inner", &self.inner)
+            .field("faults", &self.faults)
+            .finish()
+    }
+}
+
+#[async_trait]
+impl Backend for FaultyBackend {
+    fn scheme(&self) -> &'static str {
+        self.inner.scheme()
+    }
+
+    fn min_ttl(&self) -> Duration {
+        self.inner.min_ttl()
+    }
+
+    async fn open(
+        &self,
+        id: SessionId,
+        options: &SessionOptions,
+    ) -> Result<Arc<dyn RawSession>, Error> {
+        self.faults.crashed()?;
+        let inner = self.inner.open(id, options).await?;
+        Ok(Arc::new(FaultySession {
+            inner,
+            faults: self.faults.clone(),
+        }))
+    }
+
+    async fn inspect(&self, name: &LockName) -> Result<Option<LockInfo>, Error> {
+        self.inner.inspect(name).await
+    }
+
+    async fn list(&self, prefix: &str) -> Result<Vec<LockInfo>, Error> {
+        self.inner.list(prefix).await
+    }
+
+    async fn validate(&self, name: &LockName, token: FencingToken) -> Result<bool, Error> {
+        self.inner.validate(name, token).await
+    }
+
+    async fn force_release(&self, name: &LockName) -> Result<bool, Error> {
+        self.inner.force_release(name).await
+    }
+}
+
+#[derive(Debug)]
+struct FaultySession {
+    inner: Arc<dyn RawSession>,
+    faults: Arc<Faults>,
+}
+
+#[async_trait]
+impl RawSession for FaultySession {
+    fn ttl(&self) -> Duration {
+        self.inner.ttl()
+    }
+
+    fn expiry(&self) -> ExpiryModel {
+        self.inner.expiry()
+    }
+
+    async fn attempt(&self, name: &LockName, why: Option<&str>) -> Result<Box<dyn Attempt>, Error> {
+        self.faults.crashed()?;
+        let inner = self.inner.attempt(name, why).await?;
+        Ok(Box::new(FaultyAttempt {
+            inner,
+            faults: self.faults.clone(),
+        }))
+    }
+
+    async fn renew(&self, holds: &[Hold]) -> Result<Vec<bool>, Error> {
+        self.faults.crashed()?;
+        if self.faults.stall_renewals.load(Ordering::SeqCst) {
+            std::future::pending::<()>().await;
+        }
+        self.inner.renew(holds).await
+    }
+
+    async fn release(&self, hold: &Hold) -> Result<(), Error> {
+        self.faults.crashed()?;
+        let result = self.inner.release(hold).await;
+        if Faults::take_one(&self.faults.lose_release_replies) {
+            return Err(lost_reply());
+        }
+        result
+    }
+
+    async fn close(&self) -> Result<(), Error> {
+        self.faults.crashed()?;
+        self.inner.close().await
+    }
+}
+
+#[derive(Debug)]
+struct FaultyAttempt {
+    inner: Box<dyn Attempt>,
+    faults: Arc<Faults>,
+}
+
+#[async_trait]
+impl Attempt for FaultyAttempt {
+    async fn try_take(&mut self) -> Result<Take, Error> {
+        self.faults.crashed()?;
+        let result = self.inner.try_take().await;
+        if Faults::take_one(&self.faults.lose_take_replies) {
+            return Err(lost_reply());
+        }
+        result
+    }
+
+    async fn wait(&mut self, until: Instant) -> Result<(), Error> {
+        self.faults.crashed()?;
+        if self.faults.deaf.load(Ordering::SeqCst) {
+            sleep_until(until).await;
+            return Ok(());
+        }
+        self.inner.wait(until).await
+    }
+
+    async fn abandon(self: Box<Self>) -> Result<(), Error> {
+        self.faults.crashed()?;
+        self.inner.abandon().await
+    }
+}

@@ -1,0 +1,210 @@
+//! What an adapter provides to be tested: a [`Harness`] and its [`Capabilities`].
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use dlock_core::{Backend, Error, LockName, Session, SessionOptions};
+
+use crate::faults::{Faults, FaultyBackend};
+
+/// What a backend declares about itself; cases read it to decide what to
+/// expect or whether they apply. Data, not code paths (OpenDAL's idea).
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct Capabilities {
+    /// Waiters are granted in arrival order (L4).
+    pub fair: bool,
+    /// Tokens keep increasing across a server restart (S2).
+    pub durable_tokens: bool,
+    /// A release wakes a waiter through a store notification (L2).
+    pub notify_wakeup: bool,
+    /// One release wakes O(1) waiters (L6).
+    pub no_herd: bool,
+    /// Acquiring again through the same handle succeeds at once.
+    pub reentrant: bool,
+    /// A session survives a dropped connection that is re-established within
+    /// the TTL.
+    pub survives_reconnect: bool,
+    /// The TTL the cases use: the smallest the backend supports well.
+    pub ttl: Duration,
+    /// Generous bound on release → next grant for a waiting client; catches a
+    /// fixed poll, not a slow machine.
+    pub wakeup_bound: Duration,
+    /// Time after the TTL within which a crashed holder's lock is acquirable
+    /// (L1), the backend's documented bound plus slack.
+    pub recovery_bound: Duration,
+}
+
+impl Capabilities {
+    /// Defaults for a backend tested with `ttl`: not fair, no durable tokens, no
+    /// notifications; reentrant (the core provides it); bounds derived from
+    /// the TTL.
+    pub fn new(ttl: Duration) -> Self {
+        Self {
+            fair: false,
+            durable_tokens: false,
+            notify_wakeup: false,
+            no_herd: false,
+            reentrant: true,
+            survives_reconnect: false,
+            ttl,
+            wakeup_bound: Duration::from_millis(250),
+            recovery_bound: ttl.max(Duration::from_secs(1)),
+        }
+    }
+}
+
+/// What a skipped case says, or why a case failed.
+pub type Outcome = Result<Verdict, Failure>;
+
+/// A case that ran to the end.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// Every check held.
+    Passed,
+    /// The case does not apply to this backend; the reason is printed.
+    Skipped(String),
+}
+
+/// A failed check, with what was expected and seen.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Failure(pub String);
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl From<Error> for Failure {
+    fn from(e: Error) -> Self {
+        Failure(format!("unexpected error: {e} ({e:?})"))
+    }
+}
+
+impl From<String> for Failure {
+    fn from(s: String) -> Self {
+        Failure(s)
+    }
+}
+
+impl From<crate::checker::Violation> for Failure {
+    fn from(v: crate::checker::Violation) -> Self {
+        Failure(v.to_string())
+    }
+}
+
+/// Connects the conformance cases to one backend deployment.
+///
+/// ```
+/// use std::sync::Arc;
+/// use std::time::Duration;
+/// use async_trait::async_trait;
+/// use dlock_conformance::{Capabilities, Harness};
+/// use dlock_core::{Backend, Error, memory::MemoryBackend};
+///
+/// struct Memory(MemoryBackend);
+///
+/// #[async_trait]
+/// impl Harness for Memory {
+///     fn store(&self) -> &str { "memory" }
+///     fn capabilities(&self) -> Capabilities { Capabilities::new(Duration::from_millis(300)) }
+///     async fn connect(&self) -> Result<Arc<dyn Backend>, Error> { Ok(Arc::new(self.0.clone())) }
+/// }
+/// ```
+#[async_trait]
+pub trait Harness: Send + Sync {
+    /// The store's short name, as used by `DLOCK_TEST_SKIP` and
+    /// `scripts/services` (`redis`, `etcd`, `memory` ...).
+    fn store(&self) -> &str;
+
+    /// What the backend declares.
+    fn capabilities(&self) -> Capabilities;
+
+    /// A new client of the store under test (a new connection where the
+    /// backend has one). Cases call it once per simulated process.
+    async fn connect(&self) -> Result<Arc<dyn Backend>, Error>;
+
+    /// The command that starts this store's server, shown when it is down.
+    fn start_hint(&self) -> String {
+        format!("scripts/services up {}", self.store())
+    }
+
+    /// Opens a backend from a URL, as `dlock::connect` would; `None` if the
+    /// harness cannot (the bad-URL checks are then skipped).
+    async fn connect_url(&self, url: &str) -> Option<Result<Arc<dyn Backend>, Error>> {
+        let _ = url;
+        None
+    }
+
+    /// URLs this backend must refuse with [`Error::InvalidUrl`] or
+    /// [`Error::Config`].
+    fn bad_urls(&self) -> Vec<String> {
+        Vec::new()
+    }
+
+    /// Store objects (keys, nodes, rows, queue entries, channels) left under
+    /// `prefix` that a finished workload must not leave behind; `None` if the
+    /// harness cannot count them.
+    async fn leftover_objects(&self, prefix: &str) -> Option<Result<usize, Error>> {
+        let _ = prefix;
+        None
+    }
+
+    /// Restarts the server (data as the deployment keeps it); `None` if the
+    /// harness cannot.
+    async fn restart_server(&self) -> Option<Result<(), Error>> {
+        None
+    }
+}
+
+/// Per-case helpers: a fresh name prefix and clients with the case TTL.
+pub struct Ctx<'a> {
+    /// The harness under test.
+    pub harness: &'a dyn Harness,
+    /// Its capabilities.
+    pub caps: Capabilities,
+    /// The random prefix of every name this case uses.
+    pub prefix: String,
+}
+
+impl<'a> Ctx<'a> {
+    /// A context for `case` with a fresh random prefix.
+    pub fn new(harness: &'a dyn Harness, case: &str) -> Self {
+        let caps = harness.capabilities();
+        let prefix = format!("dlock-test/{case}-{:08x}", rand::random::<u32>());
+        Self {
+            harness,
+            caps,
+            prefix,
+        }
+    }
+
+    /// A name under this case's prefix.
+    pub fn name(&self, suffix: &str) -> LockName {
+        LockName::new(format!("{}/{suffix}", self.prefix)).expect("valid test name")
+    }
+
+    /// Session options with the case TTL.
+    pub fn options(&self) -> SessionOptions {
+        SessionOptions::new().ttl(self.caps.ttl)
+    }
+
+    /// A new client: a new connection and a session on it.
+    pub async fn client(&self) -> Result<Session, Failure> {
+        let backend = self.harness.connect().await?;
+        Ok(backend.session(self.options()).await?)
+    }
+
+    /// A new client behind fault switches.
+    pub async fn faulty_client(&self) -> Result<(Session, Arc<Faults>), Failure> {
+        let (backend, faults) = FaultyBackend::wrap(self.harness.connect().await?);
+        Ok((backend.session(self.options()).await?, faults))
+    }
+
+    /// A backend handle for admin calls (inspect, validate, force_release).
+    pub async fn admin(&self) -> Result<Arc<dyn Backend>, Failure> {
+        Ok(self.harness.connect().await?)
+    }
+}

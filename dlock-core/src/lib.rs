@@ -67,7 +67,7 @@ pub use backend::Backend;
 pub use error::{BoxError, Error, Result};
 pub use guard::{LockGuard, LostReason};
 pub use info::{LockInfo, SessionId};
-pub use lock::Lock;
+pub use lock::{Lock, MAX_WHY_LEN};
 pub use name::{IntoLockName, LockName, MAX_NAME_LEN};
 pub use options::{MAX_TTL, SessionOptions};
 pub use session::{Session, SessionStats};

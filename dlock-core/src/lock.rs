@@ -12,6 +12,9 @@ use crate::guard::HeldState;
 use crate::session::{SessionHandle, Shared, Stats};
 use crate::{Error, LockGuard, LockName};
 
+/// The longest reason ([`Lock::why`]) kept, in bytes.
+pub const MAX_WHY_LEN: usize = 512;
+
 /// A named lock from a [`Session`](crate::Session): `session.lock("a/b")?`.
 ///
 /// # Ownership and reentrancy
@@ -79,9 +82,18 @@ impl Lock {
     }
 
     /// Sets the reason recorded with the acquisition (shown by `inspect`, like
-    /// the seeds' `why` field).
+    /// the seeds' `why` field). Reasons longer than [`MAX_WHY_LEN`] bytes are
+    /// cut there (at a character boundary), so every store can keep them.
     pub fn why(mut self, why: impl Into<String>) -> Self {
-        self.why = Some(why.into().into());
+        let mut why = why.into();
+        if why.len() > MAX_WHY_LEN {
+            let mut end = MAX_WHY_LEN;
+            while !why.is_char_boundary(end) {
+                end -= 1;
+            }
+            why.truncate(end);
+        }
+        self.why = Some(why.into());
         self
     }
 

@@ -13,7 +13,13 @@
 /// assert_eq!(redact("sqlite://dlock.db"), "sqlite://dlock.db");
 /// ```
 pub fn redact(url: &str) -> String {
-    let Some(start) = url.find("://").map(|i| i + 3) else {
+    // After `scheme://`, or after `scheme:` for malformed input like
+    // `postgres:user:pass@host`.
+    let Some(start) = url
+        .find("://")
+        .map(|i| i + 3)
+        .or_else(|| url.find(':').map(|i| i + 1))
+    else {
         return url.to_owned();
     };
     let rest = &url[start..];
@@ -42,5 +48,7 @@ mod tests {
         assert_eq!(redact("redis://user@h"), "redis://user@h");
         assert_eq!(redact("no scheme"), "no scheme");
         assert_eq!(redact("x://"), "x://");
+        assert_eq!(redact("postgres:u:p@h"), "postgres:u:***@h");
+        assert_eq!(redact("h:1"), "h:1");
     }
 }

@@ -1,0 +1,109 @@
+//! The conformance suite on PostgreSQL, MariaDB/MySQL and SQLite, against the
+//! real servers from `scripts/services` (SQLite on a temporary file).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use dlock_conformance::{Capabilities, Harness, conformance_tests};
+use dlock_core::{Backend, Error};
+use dlock_sql::SqlBackend;
+
+struct SqlHarness {
+    store: &'static str,
+    url: String,
+}
+
+impl SqlHarness {
+    fn from_env(store: &'static str, default: &str) -> Self {
+        let var = format!("DLOCK_TEST_{}_URL", store.to_uppercase());
+        let url = std::env::var(var).unwrap_or_else(|_| default.to_owned());
+        let url = format!(
+            "{url}{}dlock_table=dlock_test_locks",
+            if url.contains('?') { '&' } else { '?' }
+        );
+        Self { store, url }
+    }
+
+    fn postgres() -> Self {
+        Self::from_env("postgres", "postgres://dlock:dlock@127.0.0.1:15432/dlock")
+    }
+
+    fn mysql() -> Self {
+        Self::from_env("mysql", "mysql://dlock:dlock@127.0.0.1:13306/dlock")
+    }
+
+    fn sqlite() -> Self {
+        let file =
+            std::env::temp_dir().join(format!("dlock-conformance-{}.db", std::process::id()));
+        Self::from_env("sqlite", &format!("sqlite://{}", file.display()))
+    }
+}
+
+#[async_trait]
+impl Harness for SqlHarness {
+    fn store(&self) -> &str {
+        self.store
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        let mut caps = Capabilities::new(Duration::from_secs(1));
+        caps.durable_tokens = true;
+        caps.notify_wakeup = self.store == "postgres";
+        caps.wakeup_bound = if caps.notify_wakeup {
+            Duration::from_millis(150)
+        } else {
+            Duration::from_millis(300)
+        };
+        caps.recovery_bound = Duration::from_secs(1);
+        caps
+    }
+
+    async fn connect(&self) -> Result<Arc<dyn Backend>, Error> {
+        Ok(Arc::new(SqlBackend::connect(&self.url).await?))
+    }
+
+    async fn connect_url(&self, url: &str) -> Option<Result<Arc<dyn Backend>, Error>> {
+        Some(
+            SqlBackend::connect(url)
+                .await
+                .map(|b| Arc::new(b) as Arc<dyn Backend>),
+        )
+    }
+
+    fn bad_urls(&self) -> Vec<String> {
+        [
+            "postgres://",
+            "postgres://dlock:secret@127.0.0.1:15432/dlock?dlock_table=no-dashes",
+            "mysql://dlock:secret@127.0.0.1:13306/dlock?dlock_pool=0",
+            "sqlite://:memory:",
+            "sqlite:relative.db",
+            "oracle://x",
+        ]
+        .map(String::from)
+        .to_vec()
+    }
+
+    async fn leftover_objects(&self, prefix: &str) -> Option<Result<usize, Error>> {
+        let backend = match SqlBackend::connect(&self.url).await {
+            Ok(b) => b,
+            Err(e) => return Some(Err(e)),
+        };
+        Some(backend.held_rows(prefix).await)
+    }
+}
+
+mod postgres {
+    use super::*;
+    conformance_tests!(SqlHarness::postgres());
+}
+
+mod mysql {
+    use super::*;
+    conformance_tests!(SqlHarness::mysql());
+}
+
+mod sqlite {
+    use super::*;
+    conformance_tests!(SqlHarness::sqlite());
+}

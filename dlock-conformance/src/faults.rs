@@ -24,6 +24,7 @@ pub struct Faults {
     lose_take_replies: AtomicU32,
     lose_release_replies: AtomicU32,
     deaf: AtomicBool,
+    drop_abandons: AtomicBool,
 }
 
 impl Faults {
@@ -52,6 +53,11 @@ impl Faults {
     /// Notifications never arrive: waits last until their timer.
     pub fn deafen(&self) {
         self.deaf.store(true, Ordering::SeqCst);
+    }
+
+    /// Abandons of attempts never reach the store (they report success).
+    pub fn drop_abandons(&self) {
+        self.drop_abandons.store(true, Ordering::SeqCst);
     }
 
     fn crashed(&self) -> Result<(), Error> {
@@ -219,6 +225,9 @@ impl Attempt for FaultyAttempt {
 
     async fn abandon(self: Box<Self>) -> Result<(), Error> {
         self.faults.crashed()?;
+        if self.faults.drop_abandons.load(Ordering::SeqCst) {
+            return Ok(());
+        }
         self.inner.abandon().await
     }
 }

@@ -202,7 +202,7 @@ impl Statements {
             state: sql("SELECT owner, token, expires_at - {now} FROM {t} WHERE name = ?1"),
             release: sql(&format!(
                 "UPDATE {{t}} SET {free} WHERE name = ?1 AND owner = ?2 AND token = ?3 \
-                 AND expires_at > {{now}}{notify}"
+                 AND holder = ?4 AND expires_at > {{now}}{notify}"
             )),
             abandon: sql(&format!(
                 "UPDATE {{t}} SET {free} WHERE name = ?1 AND owner = ?2 AND expires_at > {{now}}{notify}"

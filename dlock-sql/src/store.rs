@@ -138,6 +138,7 @@ impl RawSession for SqlSession {
                 Arg::Text(hold.name.as_str()),
                 Arg::Text(&hold.key),
                 Arg::Int(hold.token.get() as i64),
+                Arg::Text(self.id.as_str()),
             ])
             .execute(&self.inner.pool)
             .await

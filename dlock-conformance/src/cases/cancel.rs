@@ -127,6 +127,43 @@ pub async fn acquire_retried_after_lost_reply(h: &dyn Harness) -> Outcome {
         b.lock(&name)?.try_acquire().await?.is_some(),
         "lock still busy after release"
     );
+
+    // A take granted in the store whose reply is lost, by an acquire that then
+    // gives up: its abandon must free the grant at once, not leave an orphan.
+    let orphan = ctx.name("orphan");
+    faults.lose_take_replies(1);
+    let r = a.lock(&orphan)?.try_acquire().await;
+    ensure!(r.is_err(), "try_acquire whose reply was lost gave {r:?}");
+    let start = Instant::now();
+    let g = b.lock(&orphan)?.acquire_timeout(t * 2).await?;
+    let took = start.elapsed();
+    ensure!(
+        took <= t / 2 + ctx.caps.wakeup_bound,
+        "an abandoned, granted take kept the lock for {took:?}"
+    );
+    g.release().await?;
+
+    // Per-hold expiry: the same orphan whose abandon never arrives expires
+    // within a TTL, although its session stays alive and renewing.
+    if a.raw_session().expiry() == dlock_core::backend::ExpiryModel::PerHold {
+        let orphan = ctx.name("orphan-unabandoned");
+        faults.lose_take_replies(1);
+        faults.drop_abandons();
+        let r = a.lock(&orphan)?.try_acquire().await;
+        ensure!(r.is_err(), "try_acquire whose reply was lost gave {r:?}");
+        let start = Instant::now();
+        let g = b
+            .lock(&orphan)?
+            .acquire_timeout(t * 2 + ctx.caps.recovery_bound)
+            .await?;
+        let took = start.elapsed();
+        ensure!(
+            took <= t + ctx.caps.recovery_bound,
+            "an orphaned grant outlived its TTL: free only after {took:?}"
+        );
+        ensure!(a.is_alive(), "the orphan's session died meanwhile");
+        g.release().await?;
+    }
     passed()
 }
 

@@ -57,7 +57,9 @@ pub async fn inspect_and_validate(h: &dyn Harness) -> Outcome {
         "current token does not validate"
     );
     ensure!(
-        !admin.validate(&name, FencingToken::new(t0 - 1)).await?,
+        !admin
+            .validate(&name, FencingToken::new(t0.saturating_sub(1)))
+            .await?,
         "an older token validates"
     );
     ensure!(

@@ -35,6 +35,18 @@ pub async fn release_by_non_owner(h: &dyn Harness) -> Outcome {
         renewed == [false],
         "renewal by another session gave {renewed:?}"
     );
+    // B presents A's exact hold (A's key and token): only the session differs.
+    let stolen = ga.hold().clone();
+    let r = b.raw_session().release(&stolen).await;
+    ensure!(
+        not_held(&r),
+        "release of another session's exact hold gave {r:?}"
+    );
+    let renewed = b.raw_session().renew(std::slice::from_ref(&stolen)).await?;
+    ensure!(
+        renewed == [false],
+        "renewal of another session's exact hold gave {renewed:?}"
+    );
     // A's own session with a stale token.
     let stale = Hold {
         token: FencingToken::new(ga.token().get().saturating_sub(1)),

@@ -177,6 +177,9 @@ pub async fn many_waiters_one_handoff_each(h: &dyn Harness) -> Outcome {
             let g = lock.acquire_timeout(Duration::from_secs(150)).await?;
             history.record(i, Op::Acquire, Phase::Ok, Some(g.token()));
             register.write(i, g.token());
+            // Hold briefly, so that woken waiters get to run while it is held:
+            // a herd then shows as ~WAITERS²/2 take attempts.
+            tokio::time::sleep(Duration::from_millis(1)).await;
             history.record(i, Op::Release, Phase::Invoke, None);
             g.release().await?;
             Ok::<_, Failure>(())

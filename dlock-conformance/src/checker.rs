@@ -236,9 +236,9 @@ pub struct Summary {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Violation {
     /// Two hold intervals overlap (S1).
-    Overlap(Interval, Interval),
+    Overlap(Box<[Interval; 2]>),
     /// A acquired before B was invoked, yet B's token is not larger (S2).
-    GrantOrder(Interval, Interval),
+    GrantOrder(Box<[Interval; 2]>),
     /// A token was handed out twice (S2).
     ReusedToken(FencingToken),
 }
@@ -246,21 +246,25 @@ pub enum Violation {
 impl fmt::Display for Violation {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Violation::Overlap(a, b) => write!(
-                f,
-                "S1 violated: client {} (token {}) and client {} (token {}) held at once for {:?}",
-                a.client,
-                a.token,
-                b.client,
-                b.token,
-                a.end
-                    .map_or(Duration::MAX, |e| e.saturating_duration_since(b.start))
-            ),
-            Violation::GrantOrder(a, b) => write!(
-                f,
-                "S2 violated: client {} got token {} before client {} asked, yet client {} got token {}",
-                a.client, a.token, b.client, b.client, b.token
-            ),
+            Violation::Overlap(pair) => {
+                let [a, b] = &**pair;
+                let overlap = a
+                    .end
+                    .map_or(Duration::MAX, |e| e.saturating_duration_since(b.start));
+                write!(
+                    f,
+                    "S1 violated: client {} (token {}) and client {} (token {}) held at once for {overlap:?}",
+                    a.client, a.token, b.client, b.token
+                )
+            }
+            Violation::GrantOrder(pair) => {
+                let [a, b] = &**pair;
+                write!(
+                    f,
+                    "S2 violated: client {} got token {} before client {} asked, yet client {} got token {}",
+                    a.client, a.token, b.client, b.client, b.token
+                )
+            }
             Violation::ReusedToken(t) => write!(f, "S2 violated: token {t} was issued twice"),
         }
     }
@@ -279,7 +283,7 @@ pub fn check_overlap(intervals: &[Interval]) -> Result<(), Violation> {
         if let Some(prev) = previous
             && prev.end.is_none_or(|end| iv.start < end)
         {
-            return Err(Violation::Overlap(prev, iv));
+            return Err(Violation::Overlap(Box::new([prev, iv])));
         }
         previous = Some(iv);
     }
@@ -308,7 +312,7 @@ pub fn check_grant_order(intervals: &[Interval]) -> Result<(), Violation> {
         }
         let a = prefix_max[n - 1];
         if a.token >= b.token {
-            return Err(Violation::GrantOrder(a, *b));
+            return Err(Violation::GrantOrder(Box::new([a, *b])));
         }
     }
     Ok(())

@@ -119,6 +119,10 @@ pub trait Backend: Send + Sync + Debug {
     ///
     /// Users call [`Backend::session`] instead, which validates the options and
     /// starts the renewal task.
+    ///
+    /// # Cancel safety
+    /// Must be cancel safe: a dropped call may leave at most a store session
+    /// that expires after one TTL.
     async fn open(
         &self,
         id: SessionId,
@@ -126,20 +130,34 @@ pub trait Backend: Send + Sync + Debug {
     ) -> Result<Arc<dyn RawSession>, Error>;
 
     /// Who holds `name` now, by the store's clock; `None` if free.
+    ///
+    /// # Cancel safety
+    /// Cancel safe (read-only).
     async fn inspect(&self, name: &LockName) -> Result<Option<LockInfo>, Error>;
 
     /// The held locks whose names start with `prefix` (`""` for all), by name.
+    /// A prefix that no valid name can start with is [`Error::InvalidName`].
+    ///
+    /// # Cancel safety
+    /// Cancel safe (read-only).
     async fn list(&self, prefix: &str) -> Result<Vec<LockInfo>, Error>;
 
     /// Whether `token` is the current, unexpired holder's token of `name`
     /// (SharkLock's `checkVersion`): a resource can ask before it serves a
     /// request. A [`FenceGate`](crate::FenceGate) needs no round trip and is
     /// preferred where the resource can keep state.
+    ///
+    /// # Cancel safety
+    /// Cancel safe (read-only).
     async fn validate(&self, name: &LockName, token: FencingToken) -> Result<bool, Error>;
 
     /// Admin break: frees `name` whoever holds it; returns whether it was held.
     /// The next holder still gets a larger token (S2) and the old holder's
     /// renewal fails, so its `lost()` fires within one renewal period.
+    ///
+    /// # Cancel safety
+    /// If dropped, the lock may or may not have been freed; calling again is
+    /// harmless.
     async fn force_release(&self, name: &LockName) -> Result<bool, Error>;
 
     /// Opens a [`Session`]: validates `options` against [`Backend::min_ttl`],
@@ -167,18 +185,34 @@ pub trait RawSession: Send + Sync + Debug {
     /// Starts one attempt to take `name`. Cheap: it may only prepare (e.g.
     /// subscribe to the lock's channel before the first take, so a release
     /// between take and wait is not missed).
+    ///
+    /// # Cancel safety
+    /// Must be cancel safe: nothing in the store may depend on the attempt
+    /// object existing yet.
     async fn attempt(&self, name: &LockName, why: Option<&str>) -> Result<Box<dyn Attempt>, Error>;
 
     /// Extends the session and every hold in `holds`, in one round trip where
     /// the store allows. Returns, in order, whether each hold is still ours.
     /// Called every renewal period, also with no holds (a session heartbeat).
+    ///
+    /// # Cancel safety
+    /// Must be cancel safe: the core cuts a renewal off at its request timeout
+    /// and only trusts renewals it saw confirmed.
     async fn renew(&self, holds: &[Hold]) -> Result<Vec<bool>, Error>;
 
     /// Releases `hold` if this session still holds it with that token; wakes
-    /// the next waiter. [`Error::NotHeld`] otherwise.
+    /// the next waiter. [`Error::NotHeld`] otherwise (also when `hold` belongs
+    /// to another session, even with the right key and token).
+    ///
+    /// # Cancel safety
+    /// If dropped, the release may or may not have happened; the core retries
+    /// and treats a `NotHeld` after an unknown outcome as success.
     async fn release(&self, hold: &Hold) -> Result<(), Error>;
 
     /// Ends the session in the store, freeing anything it still holds.
+    ///
+    /// # Cancel safety
+    /// If dropped, what was not freed expires after one TTL.
     async fn close(&self) -> Result<(), Error>;
 }
 
@@ -188,14 +222,25 @@ pub trait Attempt: Send + Debug {
     /// Takes the lock if free and (for fair stores) this attempt is first in
     /// line; otherwise joins the queue (once) and reports `Busy`. Idempotent:
     /// after a lost reply, the retry returns the same grant.
+    ///
+    /// # Cancel safety
+    /// Must be cancel safe: if dropped, the core calls [`Attempt::abandon`],
+    /// which must clean up whatever the dropped call did.
     async fn try_take(&mut self) -> Result<Take, Error>;
 
     /// Returns when the lock may have become available (a release notification,
     /// the watched predecessor going away) or at `until`, whichever is first.
     /// Spurious returns are fine; the core calls `try_take` again.
+    ///
+    /// # Cancel safety
+    /// Must be cancel safe (the core drops it at its deadline).
     async fn wait(&mut self, until: Instant) -> Result<(), Error>;
 
     /// Removes what this attempt left in the store: its queue entry, or a grant
     /// it may have received without the core learning of it.
+    ///
+    /// # Cancel safety
+    /// Runs as a session task; if it is cut off, what remains expires after
+    /// one TTL (per-hold stores) or with the session.
     async fn abandon(self: Box<Self>) -> Result<(), Error>;
 }

@@ -362,7 +362,7 @@ impl Session {
         &self.handle.shared
     }
 
-    /// A handle on the lock `name` (validated here; see [`LockName`]).
+    /// A handle on the lock `name` (validated here; see [`LockName`](crate::LockName)).
     ///
     /// Each call returns a new, independent owner: two handles for the same
     /// name exclude each other even within one session.

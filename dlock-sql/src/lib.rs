@@ -101,6 +101,9 @@ impl SqlBackend {
     }
 
     /// Connects with explicit options.
+    ///
+    /// # Cancel safety
+    /// Cancel safe, as [`SqlBackend::connect`].
     pub async fn with_options(options: SqlOptions) -> Result<Self, Error> {
         sqlx::any::install_default_drivers();
         let dialect = options.dialect;
@@ -170,6 +173,9 @@ impl SqlBackend {
 
     /// Lock rows under `prefix` that are currently held (free rows are kept
     /// on purpose: they carry the token forward).
+    ///
+    /// # Cancel safety
+    /// Cancel safe (read-only).
     pub async fn held_rows(&self, prefix: &str) -> Result<usize, Error> {
         name::check_prefix(prefix)?;
         let end = prefix_end(prefix);

@@ -3,6 +3,10 @@
 //! Every case takes a `&dyn Harness` and returns an [`Outcome`]. Bounds are
 //! generous: they catch a wrong mechanism (a fixed poll, a lock that never
 //! expires), not a slow machine; exact figures belong to `dlock bench`.
+//!
+//! # Cancel safety
+//! Cases are test drivers: dropping one mid-way leaves only locks that expire
+//! within the case TTL, under the case's own random prefix.
 
 mod cancel;
 mod expiry;

@@ -191,9 +191,9 @@ impl RawSession for FaultySession {
         result
     }
 
-    async fn close(&self) -> Result<(), Error> {
+    async fn close(&self, holds: &[Hold]) -> Result<(), Error> {
         self.faults.crashed()?;
-        self.inner.close().await
+        self.inner.close(holds).await
     }
 }
 

@@ -209,11 +209,13 @@ pub trait RawSession: Send + Sync + Debug {
     /// and treats a `NotHeld` after an unknown outcome as success.
     async fn release(&self, hold: &Hold) -> Result<(), Error>;
 
-    /// Ends the session in the store, freeing anything it still holds.
+    /// Ends the session in the store, freeing anything it still holds;
+    /// `holds` are the holds the core knows of (stores without a per-session
+    /// index free those; others may free by session).
     ///
     /// # Cancel safety
     /// If dropped, what was not freed expires after one TTL.
-    async fn close(&self) -> Result<(), Error>;
+    async fn close(&self, holds: &[Hold]) -> Result<(), Error>;
 }
 
 /// One try to take one lock, owned by the core's acquire loop.

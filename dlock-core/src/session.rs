@@ -162,6 +162,19 @@ impl Shared {
         self.held.lock().unwrap().remove(&held.id);
     }
 
+    /// Forgets every hold, firing `lost()` with `reason`; returns them for
+    /// the store to free.
+    fn take_holds(&self, reason: LostReason) -> Vec<Hold> {
+        let drained: Vec<_> = self.held.lock().unwrap().drain().map(|(_, h)| h).collect();
+        drained
+            .into_iter()
+            .map(|held| {
+                held.lose(reason);
+                held.hold.clone()
+            })
+            .collect()
+    }
+
     pub(crate) fn holds(&self) -> Vec<Arc<HeldState>> {
         self.held.lock().unwrap().values().cloned().collect()
     }
@@ -275,9 +288,10 @@ impl Drop for SessionHandle {
             return;
         }
         shared.shutdown.cancel();
+        let holds = shared.take_holds(LostReason::Closed);
         let inner = shared.clone();
         shared.spawn(async move {
-            let _ = timeout(inner.timing.request_timeout, inner.raw.close()).await;
+            let _ = timeout(inner.timing.request_timeout, inner.raw.close(&holds)).await;
             inner.ended.cancel();
         });
         shared.tasks.close();
@@ -325,7 +339,7 @@ impl Session {
         let options = if raw.ttl() != options.ttl_value() {
             let adjusted = options.ttl(raw.ttl());
             if let Err(e) = adjusted.validate(Duration::ZERO) {
-                let _ = timeout(request_timeout, raw.close()).await;
+                let _ = timeout(request_timeout, raw.close(&[])).await;
                 return Err(e);
             }
             adjusted
@@ -444,14 +458,11 @@ impl Session {
         let shared = self.shared().clone();
         let was = shared.state.swap(CLOSED, Ordering::AcqRel);
         shared.shutdown.cancel();
-        for held in shared.holds() {
-            shared.forget(&held);
-            held.lose(LostReason::Closed);
-        }
+        let holds = shared.take_holds(LostReason::Closed);
         let result = if was == CLOSED {
             Ok(())
         } else {
-            match timeout(shared.timing.request_timeout, shared.raw.close()).await {
+            match timeout(shared.timing.request_timeout, shared.raw.close(&holds)).await {
                 Ok(r) => r,
                 Err(_) => Err(Error::unavailable(shared.scheme, "close timed out")),
             }

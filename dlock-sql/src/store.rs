@@ -152,7 +152,7 @@ impl RawSession for SqlSession {
         Ok(())
     }
 
-    async fn close(&self) -> Result<(), Error> {
+    async fn close(&self, _holds: &[Hold]) -> Result<(), Error> {
         self.inner
             .sql
             .close

@@ -219,7 +219,7 @@ impl RawSession for MemorySession {
         self.server.release(&self.id, hold, ticket)
     }
 
-    async fn close(&self) -> Result<(), Error> {
+    async fn close(&self, _holds: &[Hold]) -> Result<(), Error> {
         self.server.close_session(&self.id);
         Ok(())
     }

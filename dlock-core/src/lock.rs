@@ -190,6 +190,22 @@ impl Lock {
                 Ok(Take::Granted(hold)) => {
                     attempt.disarm();
                     let deadline = shared.grant_deadline(sent);
+                    if deadline <= Instant::now() {
+                        // The take took longer than the TTL allows (Redlock's
+                        // "validity ≤ 0"): the store may already free it, so it
+                        // is not ours to use. Give it back and try again.
+                        tracing::warn!(took = ?sent.elapsed(), "grant arrived after its validity; retrying");
+                        let raw = shared.raw.clone();
+                        let request_timeout = timing.request_timeout;
+                        shared.spawn(async move {
+                            let _ = timeout(request_timeout, raw.release(&hold)).await;
+                        });
+                        let again = self
+                            .request(shared.raw.attempt(&self.name, self.why.as_deref()))
+                            .await?;
+                        attempt = AttemptGuard::new(again, shared.clone());
+                        continue;
+                    }
                     let held = shared.register(hold, deadline);
                     if let Err(e) = shared.check_alive() {
                         shared.lose(&held, crate::LostReason::Closed);

@@ -1,0 +1,169 @@
+//! The Lua scripts: every state change is one atomic script on one node.
+//!
+//! Keys per lock name N (the name in a hash tag, so all of them map to one
+//! Cluster slot): `P:{N}` the lock hash (`owner`, `session`, `token`, `why`,
+//! `at`) with a `PX` expiry; `P:{N}:t` the last token, kept for a while after
+//! release; channel `P:{N}:c` for release notifications.
+//!
+//! Tokens: `max(last + 1, TIME in µs)`. While the last-token key lives, that is
+//! `last + 1`; once it is gone (expired, or lost with a restart without
+//! persistence) the server clock in microseconds is larger than every token
+//! issued before — **assuming the server's clock never steps back**.
+
+use redis::Script;
+use std::sync::LazyLock;
+
+/// Take if free. KEYS: lock, last, boot. ARGV: owner, session, why, ttl_ms,
+/// keep_last_ms, min_uptime_ms. Returns `{1, token}` (granted, also when
+/// this owner already holds it) or `{0, ms_until_retry}`.
+pub(crate) static TAKE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r#"
+if redis.replicate_commands then redis.replicate_commands() end
+local owner = redis.call('HGET', KEYS[1], 'owner')
+if owner then
+  if owner == ARGV[1] then
+    return {1, tonumber(redis.call('HGET', KEYS[1], 'token'))}
+  end
+  return {0, redis.call('PTTL', KEYS[1])}
+end
+local t = redis.call('TIME')
+local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local min_uptime = tonumber(ARGV[6])
+if min_uptime > 0 then
+  local boot = redis.call('GET', KEYS[3])
+  if not boot then
+    redis.call('SET', KEYS[3], string.format('%.0f', now_us / 1000))
+    return {0, min_uptime}
+  end
+  local up = now_us / 1000 - tonumber(boot)
+  if up < min_uptime then
+    return {0, math.ceil(min_uptime - up)}
+  end
+end
+local last = tonumber(redis.call('GET', KEYS[2]) or '0')
+local token = math.max(last + 1, now_us)
+local token_s = string.format('%.0f', token)
+redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'session', ARGV[2], 'token', token_s,
+  'why', ARGV[3], 'at', string.format('%.0f', now_us / 1000))
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+redis.call('SET', KEYS[2], token_s, 'PX', tonumber(ARGV[4]) + tonumber(ARGV[5]))
+return {1, token}
+"#,
+    )
+});
+
+/// Owner-checked release. KEYS: lock, last. ARGV: owner, token (`""`: any),
+/// channel, keep_last_ms. Returns 1 if released.
+pub(crate) static RELEASE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r#"
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
+local token = redis.call('HGET', KEYS[1], 'token')
+if ARGV[2] ~= '' and token ~= ARGV[2] then return 0 end
+redis.call('DEL', KEYS[1])
+redis.call('SET', KEYS[2], token, 'PX', ARGV[4])
+redis.call('PUBLISH', ARGV[3], '1')
+return 1
+"#,
+    )
+});
+
+/// Owner-checked renewal of many holds. KEYS: lock keys. ARGV: ttl_ms, then
+/// owner and token per key. Returns 1/0 per key.
+pub(crate) static RENEW: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r#"
+local out = {}
+for i = 1, #KEYS do
+  if redis.call('HGET', KEYS[i], 'owner') == ARGV[2 * i]
+     and redis.call('HGET', KEYS[i], 'token') == ARGV[2 * i + 1] then
+    redis.call('PEXPIRE', KEYS[i], ARGV[1])
+    out[i] = 1
+  else
+    out[i] = 0
+  end
+end
+return out
+"#,
+    )
+});
+
+/// Holder details. KEYS: lock. Returns `{session, token, why, at_ms, pttl,
+/// now_ms}` as strings, or nil if free.
+pub(crate) static INSPECT: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r#"
+local v = redis.call('HMGET', KEYS[1], 'session', 'token', 'why', 'at')
+if not v[2] then return nil end
+local t = redis.call('TIME')
+local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+return {v[1] or '', v[2], v[3] or '', v[4] or '0',
+  tostring(redis.call('PTTL', KEYS[1])), string.format('%.0f', now_ms)}
+"#,
+    )
+});
+
+/// Whether `token` is the live holder's. KEYS: lock. ARGV: token.
+pub(crate) static VALIDATE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r#"
+if redis.call('HGET', KEYS[1], 'token') == ARGV[1] and redis.call('PTTL', KEYS[1]) > 0 then
+  return 1
+end
+return 0
+"#,
+    )
+});
+
+/// Admin break. KEYS: lock, last. ARGV: channel, keep_last_ms. Returns 1 if
+/// it was held.
+pub(crate) static FORCE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r#"
+local token = redis.call('HGET', KEYS[1], 'token')
+if not token then return 0 end
+redis.call('DEL', KEYS[1])
+redis.call('SET', KEYS[2], token, 'PX', ARGV[2])
+redis.call('PUBLISH', ARGV[1], '1')
+return 1
+"#,
+    )
+});
+
+/// Redlock: after a quorum grant, write the chosen token (the quorum's
+/// largest) to this node's hold and last-token key, so any later grant that
+/// overlaps this quorum issues a larger one. KEYS: lock, last. ARGV: owner,
+/// token, keep_ms. Returns 1 if this owner holds the lock here.
+pub(crate) static BUMP: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r#"
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'token', ARGV[2])
+local last = tonumber(redis.call('GET', KEYS[2]) or '0')
+if tonumber(ARGV[2]) > last then
+  redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
+end
+return 1
+"#,
+    )
+});
+
+/// Redlock boot guard: records when dlock first saw this node (or saw it
+/// again after a restart without persistence). KEYS: boot. ARGV:
+/// min_uptime_ms. Returns the ms left before the node may grant.
+pub(crate) static READY: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r#"
+if redis.replicate_commands then redis.replicate_commands() end
+local t = redis.call('TIME')
+local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local boot = redis.call('GET', KEYS[1])
+if not boot then
+  redis.call('SET', KEYS[1], string.format('%.0f', now_ms))
+  return tonumber(ARGV[1])
+end
+return math.max(0, math.ceil(tonumber(ARGV[1]) - (now_ms - tonumber(boot))))
+"#,
+    )
+});

@@ -1,0 +1,316 @@
+//! Sessions and attempts over N nodes (N = 1 for plain Redis): every
+//! decision is a majority of per-node script answers.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use dlock_core::backend::{Attempt, Busy, ExpiryModel, Hold, RawSession, Take};
+use dlock_core::{Error, FencingToken, LockName, SessionId};
+use futures::future::join_all;
+use tokio::time::{Instant, sleep_until};
+
+use crate::node::{Keys, Subscription, Taken};
+use crate::{Inner, check_answered, count};
+
+pub(crate) struct RedisSession {
+    inner: Arc<Inner>,
+    id: SessionId,
+    /// `id#`: every owner value of this session starts with it.
+    owner_prefix: String,
+    ttl: Duration,
+}
+
+impl RedisSession {
+    pub(crate) fn new(inner: Arc<Inner>, id: SessionId, ttl: Duration) -> Self {
+        Self {
+            owner_prefix: format!("{id}#"),
+            inner,
+            id,
+            ttl,
+        }
+    }
+
+    /// Whether `hold` was issued to this session (S3: another session's
+    /// hold is refused even with the right key and token).
+    fn owns(&self, hold: &Hold) -> bool {
+        hold.key.starts_with(&self.owner_prefix)
+    }
+}
+
+impl fmt::Debug for RedisSession {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisSession")
+            .field("id", &self.id)
+            .finish()
+    }
+}
+
+/// Releases `owner`'s hold (any token if `None`) on every node; how many
+/// nodes released it.
+async fn release_everywhere(
+    inner: &Inner,
+    keys: &Keys,
+    owner: &str,
+    token: Option<FencingToken>,
+) -> Result<usize, Error> {
+    let answers = join_all(inner.nodes.iter().map(|n| n.release(keys, owner, token))).await;
+    let (released, answered) = count(answers)?;
+    if released == 0 {
+        // Nobody released it: only a majority of answers makes that a "no".
+        check_answered(inner, answered)?;
+    }
+    Ok(released)
+}
+
+#[async_trait]
+impl RawSession for RedisSession {
+    fn ttl(&self) -> Duration {
+        self.ttl
+    }
+
+    fn expiry(&self) -> ExpiryModel {
+        ExpiryModel::PerHold
+    }
+
+    async fn attempt(&self, name: &LockName, why: Option<&str>) -> Result<Box<dyn Attempt>, Error> {
+        Ok(Box::new(RedisAttempt {
+            keys: Keys::new(&self.inner.options.prefix, name),
+            inner: self.inner.clone(),
+            name: name.clone(),
+            owner: format!("{}{:016x}", self.owner_prefix, rand::random::<u64>()),
+            session: self.id.to_string(),
+            why: why.unwrap_or_default().to_owned(),
+            ttl: self.ttl,
+            sent: false,
+            subscriptions: None,
+            backoff: None,
+        }))
+    }
+
+    async fn renew(&self, holds: &[Hold]) -> Result<Vec<bool>, Error> {
+        if holds.is_empty() {
+            return Ok(Vec::new());
+        }
+        let prefix = &self.inner.options.prefix;
+        let request: Vec<_> = holds
+            .iter()
+            .map(|h| (Keys::new(prefix, &h.name), h.key.as_str(), h.token))
+            .collect();
+        let answers = join_all(self.inner.nodes.iter().map(|n| n.renew(&request, self.ttl))).await;
+        let mut votes = vec![0usize; holds.len()];
+        let mut answered = 0;
+        let mut first_error = None;
+        for a in answers {
+            match a {
+                Ok(v) => {
+                    answered += 1;
+                    for (vote, ok) in votes.iter_mut().zip(v) {
+                        *vote += usize::from(ok);
+                    }
+                }
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        if answered == 0 {
+            return Err(first_error.expect("a node"));
+        }
+        check_answered(&self.inner, answered)?;
+        let quorum = self.inner.quorum();
+        Ok(holds
+            .iter()
+            .zip(votes)
+            .map(|(h, v)| self.owns(h) && v >= quorum)
+            .collect())
+    }
+
+    async fn release(&self, hold: &Hold) -> Result<(), Error> {
+        let not_held = || Error::NotHeld {
+            name: hold.name.to_string(),
+        };
+        if !self.owns(hold) {
+            return Err(not_held());
+        }
+        let keys = Keys::new(&self.inner.options.prefix, &hold.name);
+        let released = release_everywhere(&self.inner, &keys, &hold.key, Some(hold.token)).await?;
+        if released == 0 {
+            Err(not_held())
+        } else {
+            Ok(())
+        }
+    }
+
+    async fn close(&self, holds: &[Hold]) -> Result<(), Error> {
+        let releases = holds.iter().filter(|h| self.owns(h)).map(|h| async move {
+            let keys = Keys::new(&self.inner.options.prefix, &h.name);
+            release_everywhere(&self.inner, &keys, &h.key, Some(h.token)).await
+        });
+        for r in join_all(releases).await {
+            r?;
+        }
+        Ok(())
+    }
+}
+
+/// One try to take one lock on every node.
+struct RedisAttempt {
+    inner: Arc<Inner>,
+    name: LockName,
+    keys: Keys,
+    owner: String,
+    session: String,
+    why: String,
+    ttl: Duration,
+    /// Whether a take was sent (abandon must then release everywhere).
+    sent: bool,
+    /// Channel subscriptions, made at the first wait.
+    subscriptions: Option<Vec<Subscription>>,
+    /// After a split vote (some nodes granted, no majority), the next wait is
+    /// a random back-off that ignores notifications, so that competing
+    /// clients stop splitting the nodes between them (Redlock's retry rule).
+    backoff: Option<Duration>,
+}
+
+impl fmt::Debug for RedisAttempt {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisAttempt")
+            .field("name", &self.name)
+            .field("owner", &self.owner)
+            .finish()
+    }
+}
+
+#[async_trait]
+impl Attempt for RedisAttempt {
+    async fn try_take(&mut self) -> Result<Take, Error> {
+        self.sent = true;
+        let inner = &self.inner;
+        let min_uptime = inner.min_uptime();
+        let answers = join_all(inner.nodes.iter().map(|n| {
+            n.take(
+                &self.keys,
+                &self.owner,
+                &self.session,
+                &self.why,
+                self.ttl,
+                min_uptime,
+            )
+        }))
+        .await;
+        let mut tokens = Vec::new();
+        let mut retry_after: Option<Duration> = None;
+        let mut answered = 0;
+        let mut first_error = None;
+        for (i, a) in answers.into_iter().enumerate() {
+            match a {
+                Ok(Taken::Granted(t)) => {
+                    answered += 1;
+                    tokens.push((i, t));
+                }
+                Ok(Taken::Busy(after)) => {
+                    answered += 1;
+                    retry_after = Some(retry_after.map_or(after, |r| r.min(after)));
+                }
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        let quorum = inner.quorum();
+        if tokens.len() >= quorum {
+            let token = tokens.iter().map(|(_, t)| *t).max().expect("quorum > 0");
+            if inner.nodes.len() == 1 || self.write_back(&tokens, token).await? >= quorum {
+                return Ok(Take::Granted(Hold {
+                    name: self.name.clone(),
+                    token,
+                    key: self.owner.clone(),
+                }));
+            }
+        }
+        // No majority: undo the partial grant at once so that others (and
+        // our retry) are not blocked until those keys expire.
+        if !tokens.is_empty() {
+            let _ = release_everywhere(inner, &self.keys, &self.owner, None).await;
+            let spread = Duration::from_millis(2 + 3 * inner.nodes.len() as u64);
+            self.backoff = Some(spread.mul_f64(rand::random::<f64>()));
+        }
+        if answered < quorum {
+            return Err(
+                first_error.unwrap_or_else(|| Error::unavailable("redis", "no majority answered"))
+            );
+        }
+        Ok(Take::Busy(Busy { retry_after }))
+    }
+
+    async fn wait(&mut self, until: Instant) -> Result<(), Error> {
+        if let Some(backoff) = self.backoff.take() {
+            sleep_until(until.min(Instant::now() + backoff)).await;
+            return Ok(());
+        }
+        if self.subscriptions.is_none() {
+            // Subscribe, then return at once: the core re-checks, so a
+            // release between the last take and this subscription is seen.
+            let subs = join_all(
+                self.inner
+                    .nodes
+                    .iter()
+                    .map(|n| n.subscribe(&self.keys.channel)),
+            )
+            .await;
+            let subs: Vec<_> = subs.into_iter().filter_map(Result::ok).collect();
+            if subs.is_empty() {
+                // No notifications available: poll by the core's timers.
+                sleep_until(until).await;
+            }
+            self.subscriptions = Some(subs);
+            return Ok(());
+        }
+        let subs = self.subscriptions.as_ref().expect("checked");
+        if subs.is_empty() {
+            sleep_until(until).await;
+            return Ok(());
+        }
+        let notified =
+            futures::future::select_all(subs.iter().map(|s| Box::pin(s.notify.notified())));
+        tokio::select! {
+            _ = notified => {}
+            _ = sleep_until(until) => {}
+        }
+        Ok(())
+    }
+
+    async fn abandon(self: Box<Self>) -> Result<(), Error> {
+        let RedisAttempt {
+            inner,
+            keys,
+            owner,
+            sent,
+            subscriptions,
+            ..
+        } = *self;
+        drop(subscriptions);
+        if sent {
+            release_everywhere(&inner, &keys, &owner, None).await?;
+        }
+        Ok(())
+    }
+}
+
+impl RedisAttempt {
+    /// Redlock: writes the chosen token to the nodes that granted; returns on
+    /// how many it landed.
+    async fn write_back(
+        &self,
+        granted: &[(usize, FencingToken)],
+        token: FencingToken,
+    ) -> Result<usize, Error> {
+        let bumps = granted
+            .iter()
+            .map(|(i, _)| self.inner.nodes[*i].bump(&self.keys, &self.owner, token, self.ttl));
+        let (landed, _) = count(join_all(bumps).await)?;
+        Ok(landed)
+    }
+}

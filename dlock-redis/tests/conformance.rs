@@ -1,0 +1,100 @@
+//! The conformance suite on a real Redis and on Redlock over three real
+//! Redis servers, all from `scripts/services`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use dlock_conformance::{Capabilities, Harness, conformance_tests};
+use dlock_core::{Backend, Error};
+use dlock_redis::RedisBackend;
+
+struct RedisHarness {
+    store: &'static str,
+    url: String,
+}
+
+impl RedisHarness {
+    fn single() -> Self {
+        let url = std::env::var("DLOCK_TEST_REDIS_URL")
+            .unwrap_or_else(|_| "redis://127.0.0.1:16379".into());
+        Self {
+            store: "redis",
+            url,
+        }
+    }
+
+    fn redlock() -> Self {
+        let url = std::env::var("DLOCK_TEST_REDLOCK_URL")
+            .unwrap_or_else(|_| "redlock://127.0.0.1:16380,127.0.0.1:16381,127.0.0.1:16382".into());
+        // Short max_ttl so a fresh node accepts grants soon after start.
+        let sep = if url.contains('?') { '&' } else { '?' };
+        Self {
+            store: "redlock",
+            url: format!("{url}{sep}max_ttl=2s"),
+        }
+    }
+}
+
+#[async_trait]
+impl Harness for RedisHarness {
+    fn store(&self) -> &str {
+        self.store
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        let mut caps = Capabilities::new(Duration::from_millis(500));
+        caps.notify_wakeup = true;
+        caps.wakeup_bound = Duration::from_millis(100);
+        // No persistence in the test servers, and tokens still survive a
+        // restart (TIME floor): proven by the adapter's restart test.
+        caps.durable_tokens = true;
+        caps.recovery_bound = Duration::from_millis(500);
+        caps
+    }
+
+    async fn connect(&self) -> Result<Arc<dyn Backend>, Error> {
+        let backend = RedisBackend::connect(&self.url).await?;
+        backend.ping().await?;
+        backend.wait_ready(Duration::from_secs(10)).await?;
+        Ok(Arc::new(backend))
+    }
+
+    async fn connect_url(&self, url: &str) -> Option<Result<Arc<dyn Backend>, Error>> {
+        Some(
+            RedisBackend::connect(url)
+                .await
+                .map(|b| Arc::new(b) as Arc<dyn Backend>),
+        )
+    }
+
+    fn bad_urls(&self) -> Vec<String> {
+        [
+            "redis://",
+            "redis://:secret@127.0.0.1:16379?dlock_prefix=no{braces}",
+            "redis://127.0.0.1:1,127.0.0.1:2",
+            "redlock://127.0.0.1:1,127.0.0.1:2",
+            "redlock://127.0.0.1:16380,127.0.0.1:16381,127.0.0.1:16382?max_ttl=soon",
+            "http://127.0.0.1:16379",
+        ]
+        .map(String::from)
+        .to_vec()
+    }
+
+    async fn leftover_objects(&self, prefix: &str) -> Option<Result<usize, Error>> {
+        Some(match RedisBackend::connect(&self.url).await {
+            Ok(b) => b.leftovers(prefix).await,
+            Err(e) => Err(e),
+        })
+    }
+}
+
+mod redis {
+    use super::*;
+    conformance_tests!(RedisHarness::single());
+}
+
+mod redlock {
+    use super::*;
+    conformance_tests!(RedisHarness::redlock());
+}

@@ -1,0 +1,254 @@
+//! The command line: clap types, duration parsing and the help texts.
+
+use std::ffi::OsString;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+
+/// The exit statuses, shown by `dlock --help` and `dlock run --help`.
+pub(crate) const EXIT_STATUS: &str = "\
+Exit status:
+  0       success; `status`: the lock is held
+  1       other errors; `status`: the lock is free
+  2       usage error: bad flag, duration, lock name or URL, backend not compiled in
+  69      the backend is unreachable
+  75      `run`: the lock was not acquired (busy with --no-wait, or --wait ran out);
+          change it with --conflict-exit-code
+  76      `run`: the lock was lost while the command ran (the command was stopped)
+  126     `run`: the command is not executable
+  127     `run`: the command was not found
+  128+N   `run`: the command was killed by signal N, or dlock got signal N while
+          waiting for the lock
+  other   `run`: the command's own exit status
+
+The backend URL comes from --url, else $DLOCK_URL, else sqlite://dlock.db.
+Log filter: $DLOCK_LOG (tracing syntax, default `warn`).";
+
+const ABOUT: &str =
+    "Distributed locks with fencing tokens: run a command under a lock, inspect and break locks";
+
+const RUN_ABOUT: &str = "\
+Runs COMMAND while holding the lock NAME, like flock(1) across machines.
+
+dlock opens a session on the backend (kept alive in the background with the
+given --ttl), acquires NAME and runs COMMAND with DLOCK_TOKEN (the fencing
+token of this grant: pass it to the resource you protect) and DLOCK_NAME in its
+environment. SIGINT, SIGTERM, SIGHUP and SIGQUIT sent to dlock are forwarded to
+COMMAND. When COMMAND exits, dlock releases the lock and exits with COMMAND's
+status.
+
+If the lock is lost while COMMAND runs (the store expired it, or an admin ran
+`dlock release --force`), dlock says so on stderr, sends COMMAND SIGTERM, then
+SIGKILL after --grace, and exits with 76.";
+
+/// `dlock`: run a command under a distributed lock, or inspect and break locks.
+#[derive(Debug, Parser)]
+#[command(name = "dlock", version, about = ABOUT, after_help = EXIT_STATUS)]
+pub(crate) struct Cli {
+    /// The backend URL (sqlite://PATH, postgres://USER:PASS@HOST/DB, mysql://..., memory://).
+    #[arg(
+        long,
+        global = true,
+        value_name = "URL",
+        env = "DLOCK_URL",
+        hide_env_values = true,
+        default_value = dlock::DEFAULT_URL
+    )]
+    pub(crate) url: String,
+
+    /// What to do.
+    #[command(subcommand)]
+    pub(crate) command: Command,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+pub(crate) enum Command {
+    /// Run a command while holding a lock.
+    #[command(long_about = RUN_ABOUT, after_help = EXIT_STATUS)]
+    Run(RunArgs),
+    /// Show who holds a lock (exit 0 if held, 1 if free).
+    Status(StatusArgs),
+    /// List the held locks, optionally under a name prefix.
+    List(ListArgs),
+    /// Break a lock whoever holds it (admin); needs --force.
+    Release(ReleaseArgs),
+}
+
+/// `dlock run`.
+#[derive(Debug, Args)]
+pub(crate) struct RunArgs {
+    /// The lock name, e.g. `reports/nightly`.
+    pub(crate) name: String,
+
+    /// How long the store keeps the lock after the last renewal: a crashed
+    /// dlock's lock is free after this. Renewed every TTL/3.
+    #[arg(long, value_name = "D", default_value = "30s", value_parser = parse_duration)]
+    pub(crate) ttl: Duration,
+
+    /// Wait at most this long for the lock (default: wait as long as it takes).
+    #[arg(long, value_name = "D", value_parser = parse_duration, conflicts_with = "no_wait")]
+    pub(crate) wait: Option<Duration>,
+
+    /// Do not wait: if the lock is busy, exit at once (status 75).
+    #[arg(long)]
+    pub(crate) no_wait: bool,
+
+    /// A reason recorded with the lock, shown by `status` and `list`.
+    #[arg(long, value_name = "TEXT")]
+    pub(crate) why: Option<String>,
+
+    /// After a lost lock, how long COMMAND has between SIGTERM and SIGKILL.
+    #[arg(long, value_name = "D", default_value = "10s", value_parser = parse_duration)]
+    pub(crate) grace: Duration,
+
+    /// The exit status when the lock is not acquired (like flock's -E).
+    #[arg(long, value_name = "N", default_value_t = crate::exit::CONFLICT)]
+    pub(crate) conflict_exit_code: u8,
+
+    /// The command and its arguments (after `--`, or after NAME).
+    #[arg(required = true, trailing_var_arg = true, value_name = "COMMAND")]
+    pub(crate) command: Vec<OsString>,
+}
+
+/// `dlock status`.
+#[derive(Debug, Args)]
+pub(crate) struct StatusArgs {
+    /// The lock name.
+    pub(crate) name: String,
+
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub(crate) json: bool,
+}
+
+/// `dlock list`.
+#[derive(Debug, Args)]
+pub(crate) struct ListArgs {
+    /// Only locks whose names start with this (e.g. `reports/`).
+    #[arg(default_value = "")]
+    pub(crate) prefix: String,
+
+    /// Print a JSON array instead of a table.
+    #[arg(long)]
+    pub(crate) json: bool,
+}
+
+/// `dlock release`.
+#[derive(Debug, Args)]
+pub(crate) struct ReleaseArgs {
+    /// The lock name.
+    pub(crate) name: String,
+
+    /// Required: free the lock whoever holds it. The holder's command is
+    /// stopped when its dlock notices (within TTL/3); the next holder still
+    /// gets a larger fencing token.
+    #[arg(long)]
+    pub(crate) force: bool,
+}
+
+/// Parses `30s`, `500ms`, `2m`, `1h 30m` (humantime syntax).
+fn parse_duration(text: &str) -> Result<Duration, String> {
+    humantime::parse_duration(text).map_err(|e| e.to_string())
+}
+
+/// Turns a clap error into one line: its first paragraph, with a pointer to
+/// the right `--help` (`args` are the arguments after the program name).
+pub(crate) fn one_line(error: &clap::Error, args: &[OsString]) -> String {
+    let text = error.to_string();
+    let first = text.split("\n\n").next().unwrap_or_default();
+    let message = first
+        .trim()
+        .strip_prefix("error:")
+        .unwrap_or(first)
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ");
+    match subcommand(args) {
+        Some(sub) => format!("{message}; see 'dlock {sub} --help'"),
+        None => format!("{message}; see 'dlock --help'"),
+    }
+}
+
+/// The subcommand named in `args`, if any (the first word that is not an
+/// option or the value of `--url`).
+fn subcommand(args: &[OsString]) -> Option<&'static str> {
+    let mut words = args.iter().map(|a| a.to_str().unwrap_or(""));
+    while let Some(word) = words.next() {
+        match word {
+            "--url" => {
+                words.next();
+            }
+            w if w.starts_with('-') => {}
+            w => {
+                return ["run", "status", "list", "release"]
+                    .into_iter()
+                    .find(|s| *s == w);
+            }
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn clap_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    fn parse(args: &[&str]) -> Result<Cli, clap::Error> {
+        Cli::try_parse_from(std::iter::once("dlock").chain(args.iter().copied()))
+    }
+
+    fn line(args: &[&str]) -> String {
+        let e = parse(args).unwrap_err();
+        let args: Vec<OsString> = args.iter().map(OsString::from).collect();
+        one_line(&e, &args)
+    }
+
+    #[test]
+    fn command_after_double_dash_or_name() {
+        for args in [
+            &["run", "demo", "--", "ls", "-l"][..],
+            &["run", "demo", "ls", "-l"][..],
+            &["run", "--ttl", "1s", "demo", "--", "ls", "-l"][..],
+        ] {
+            let Command::Run(run) = parse(args).unwrap().command else {
+                panic!("not run")
+            };
+            assert_eq!(run.name, "demo");
+            assert_eq!(run.command, ["ls", "-l"]);
+        }
+        let Command::Run(run) = parse(&["run", "demo", "--", "sh", "--wait", "1s"])
+            .unwrap()
+            .command
+        else {
+            panic!("not run")
+        };
+        assert_eq!(run.wait, None);
+        assert_eq!(run.command, ["sh", "--wait", "1s"]);
+    }
+
+    #[test]
+    fn errors_are_one_line() {
+        let l = line(&["run", "demo", "--ttl", "5x", "--", "true"]);
+        assert!(!l.contains('\n'), "{l}");
+        assert!(
+            l.contains("5x") && l.ends_with("see 'dlock run --help'"),
+            "{l}"
+        );
+        let l = line(&["--url", "x", "run", "demo"]);
+        assert!(
+            l.contains("<COMMAND>") && l.ends_with("see 'dlock run --help'"),
+            "{l}"
+        );
+        let l = line(&["run", "demo", "--wait", "1s", "--no-wait", "--", "true"]);
+        assert!(l.contains("cannot be used with"), "{l}");
+        let l = line(&["bogus"]);
+        assert!(l.ends_with("see 'dlock --help'"), "{l}");
+    }
+}

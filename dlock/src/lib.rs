@@ -1,0 +1,121 @@
+//! dlock: distributed locks with fencing tokens that work the same on every
+//! store. This crate is the front door: [`connect`] opens any backend by URL,
+//! and the store adapters are re-exported behind Cargo features.
+//!
+//! | feature | URLs | adapter |
+//! |---|---|---|
+//! | `sqlite` (default) | `sqlite://path` | [`sql`] |
+//! | `postgres` | `postgres://user:pass@host/db` | [`sql`] |
+//! | `mysql` | `mysql://user:pass@host/db` (MariaDB too) | [`sql`] |
+//! | always | `memory://[name]` | [`memory`] (in-process) |
+//!
+//! ```
+//! # async fn demo() -> Result<(), dlock::Error> {
+//! use std::time::Duration;
+//! use dlock::SessionOptions;
+//!
+//! let backend = dlock::connect("memory://").await?;
+//! let session = backend.session(SessionOptions::new().ttl(Duration::from_secs(10))).await?;
+//! let guard = session.lock("billing/invoice-run")?
+//!     .acquire_timeout(Duration::from_secs(30))
+//!     .await?;
+//! tokio::select! {
+//!     reason = guard.lost() => eprintln!("lock lost: {reason}"),
+//!     _ = run_job(guard.token().get()) => {}
+//! }
+//! guard.release().await?;
+//! # Ok(()) }
+//! # async fn run_job(_: u64) {}
+//! ```
+//!
+//! The `dlock` binary runs a command under a lock: see `dlock --help`.
+
+use std::sync::Arc;
+
+#[doc(inline)]
+pub use dlock_core::{
+    Backend, Error, FenceGate, FencingToken, Lock, LockGuard, LockInfo, LockName, LostReason,
+    Result, Session, SessionId, SessionOptions, StaleToken, backend, memory,
+};
+
+/// SQL databases: PostgreSQL, MySQL/MariaDB, SQLite.
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+#[doc(inline)]
+pub use dlock_sql as sql;
+
+/// The URL used when none is given: an SQLite file in the current directory.
+pub const DEFAULT_URL: &str = "sqlite://dlock.db";
+
+/// Opens the backend a URL names.
+///
+/// A URL whose backend is known but not compiled in gives
+/// [`Error::FeatureDisabled`] naming the feature to enable; an unknown or
+/// malformed URL gives [`Error::InvalidUrl`] (without its password).
+///
+/// # Cancel safety
+/// Cancel safe: nothing is left behind but idempotently created tables.
+pub async fn connect(url: &str) -> Result<Arc<dyn Backend>> {
+    let scheme = url.split_once(':').map(|(s, _)| s).unwrap_or("");
+    let disabled = |feature: &'static str| Error::FeatureDisabled {
+        scheme: scheme.to_owned(),
+        feature,
+    };
+    match scheme {
+        "memory" => Ok(Arc::new(memory::MemoryBackend::connect(url)?)),
+        "sqlite" if cfg!(feature = "sqlite") => sql_connect(url).await,
+        "postgres" | "postgresql" if cfg!(feature = "postgres") => sql_connect(url).await,
+        "mysql" | "mariadb" if cfg!(feature = "mysql") => sql_connect(url).await,
+        "sqlite" => Err(disabled("sqlite")),
+        "postgres" | "postgresql" => Err(disabled("postgres")),
+        "mysql" | "mariadb" => Err(disabled("mysql")),
+        "redis" | "rediss" | "redlock" => Err(disabled("redis")),
+        "etcd" | "etcds" => Err(disabled("etcd")),
+        "zk" => Err(disabled("zk")),
+        "mongodb" | "mongodb+srv" => Err(disabled("mongo")),
+        _ => Err(Error::invalid_url(
+            url,
+            "unknown scheme; expected memory://, sqlite://, postgres://, mysql://, redis://, \
+             redlock://, etcd://, zk:// or mongodb://",
+        )),
+    }
+}
+
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+async fn sql_connect(url: &str) -> Result<Arc<dyn Backend>> {
+    Ok(Arc::new(sql::SqlBackend::connect(url).await?))
+}
+
+#[cfg(not(any(feature = "sqlite", feature = "postgres", feature = "mysql")))]
+async fn sql_connect(url: &str) -> Result<Arc<dyn Backend>> {
+    Err(Error::invalid_url(url, "no SQL backend compiled in"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn unknown_and_disabled_schemes_are_typed_errors() {
+        let e = connect("gopher://u:secret@h").await.unwrap_err();
+        assert!(matches!(e, Error::InvalidUrl { .. }), "{e:?}");
+        assert!(!e.to_string().contains("secret"));
+        let e = connect("etcd://127.0.0.1:2379").await.unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::FeatureDisabled {
+                    feature: "etcd",
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        assert!(e.to_string().contains("enable the `etcd` feature"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn memory_works_without_features() {
+        let b = connect("memory://facade-test").await.unwrap();
+        assert_eq!(b.scheme(), "memory");
+    }
+}

@@ -1,0 +1,157 @@
+//! `dlock`: run a command under a distributed lock, inspect and break locks.
+//!
+//! ```text
+//! dlock run NAME [--url URL] [--ttl D] [--wait D | --no-wait] [--why TEXT]
+//!                [--grace D] [--conflict-exit-code N] -- CMD ARGS...
+//! dlock status NAME [--url URL] [--json]
+//! dlock list [PREFIX] [--url URL] [--json]
+//! dlock release --force NAME [--url URL]
+//! ```
+//!
+//! `run` opens a session (TTL 30 s by default, renewed every TTL/3), acquires
+//! NAME (waiting forever, at most `--wait D`, or not at all with `--no-wait`)
+//! and runs CMD with `DLOCK_TOKEN` (the fencing token) and `DLOCK_NAME` in its
+//! environment. SIGINT, SIGTERM, SIGHUP and SIGQUIT are forwarded to CMD. If
+//! the lock is lost meanwhile, CMD gets SIGTERM, then SIGKILL after `--grace`
+//! (10 s). When CMD exits, the lock is released.
+//!
+//! The URL comes from `--url`, else `DLOCK_URL`, else [`dlock::DEFAULT_URL`].
+//! Durations are humantime's: `500ms`, `30s`, `2m`. Logs go to stderr,
+//! filtered by `DLOCK_LOG` (tracing-subscriber syntax, default `warn`).
+//! Errors are one line, `dlock: <message>`, on stderr.
+//!
+//! # Exit status
+//!
+//! | status | meaning |
+//! |---|---|
+//! | CMD's status | `run`: CMD exited on its own; if a signal killed it, 128 + the signal number |
+//! | 0 | `status`: the lock is held; `list`, `release --force`: success |
+//! | 1 | `status`: the lock is free; any command: other errors |
+//! | 2 | usage errors: bad flags, durations, lock names or URLs; a backend not compiled in |
+//! | 69 | the backend is unreachable |
+//! | 75 | `run`: the lock was not acquired (busy with `--no-wait`, or `--wait` ran out); `--conflict-exit-code N` changes it, like flock(1)'s `-E` |
+//! | 76 | `run`: the lock was lost while CMD ran (CMD was stopped) |
+//! | 126 | `run`: CMD is not executable |
+//! | 127 | `run`: CMD was not found |
+//! | 128 + N | `run`: dlock got signal N while connecting or waiting for the lock |
+//!
+//! As with flock(1) and timeout(1), a CMD that itself exits with 75 or 76 is
+//! indistinguishable from dlock's own statuses.
+
+mod admin;
+mod cli;
+mod exit;
+mod run;
+mod signals;
+
+use std::ffi::OsString;
+use std::io::IsTerminal;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Parser;
+use clap::error::ErrorKind;
+use dlock::{Backend, Error};
+use tracing_subscriber::EnvFilter;
+
+use crate::cli::{Cli, Command};
+use crate::exit::{Failure, UNAVAILABLE};
+
+/// The longest connecting to the backend may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The default log filter: warnings, except the core's "lock lost" line, which
+/// `run` reports itself, and sqlx's "slow statement" notes, which a paused or
+/// busy dlock would print for every query in flight.
+const DEFAULT_LOG: &str = "warn,dlock_core::session=error,sqlx::query=error";
+
+fn main() -> ExitCode {
+    let args: Vec<OsString> = std::env::args_os().collect();
+    let cli = match Cli::try_parse_from(&args) {
+        Ok(cli) => cli,
+        Err(e) => match e.kind() {
+            ErrorKind::DisplayHelp
+            | ErrorKind::DisplayVersion
+            | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
+                let _ = e.print();
+                return ExitCode::from(u8::try_from(e.exit_code()).unwrap_or(exit::USAGE));
+            }
+            _ => {
+                eprintln!(
+                    "dlock: {}",
+                    cli::one_line(&e, args.get(1..).unwrap_or_default())
+                );
+                return ExitCode::from(exit::USAGE);
+            }
+        },
+    };
+    init_logging();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("dlock: cannot start the async runtime: {e}");
+            return ExitCode::from(exit::FAILURE);
+        }
+    };
+    let code = match runtime.block_on(dispatch(cli)) {
+        Ok(code) => code,
+        Err(failure) => {
+            eprintln!("dlock: {failure}");
+            failure.code
+        }
+    };
+    runtime.shutdown_timeout(Duration::from_secs(1));
+    ExitCode::from(code)
+}
+
+/// Runs the subcommand; returns the exit status.
+async fn dispatch(cli: Cli) -> Result<u8, Failure> {
+    match cli.command {
+        Command::Run(args) => run::run(&cli.url, args).await,
+        Command::Status(args) => admin::status(&cli.url, args).await,
+        Command::List(args) => admin::list(&cli.url, args).await,
+        Command::Release(args) => admin::release(&cli.url, args).await,
+    }
+}
+
+/// Opens the backend `url` names, within [`CONNECT_TIMEOUT`]. An unreachable
+/// backend's message names the URL (without its password).
+pub(crate) async fn connect(url: &str) -> Result<Arc<dyn Backend>, Failure> {
+    let shown = || dlock_core::url::redact(url);
+    match tokio::time::timeout(CONNECT_TIMEOUT, dlock::connect(url)).await {
+        Ok(Ok(backend)) => Ok(backend),
+        Ok(Err(e @ Error::Unavailable { .. })) => {
+            Err(Failure::new(UNAVAILABLE, format!("{e} (URL {})", shown())))
+        }
+        Ok(Err(e)) => Err(e.into()),
+        Err(_) => Err(Failure::new(
+            UNAVAILABLE,
+            format!(
+                "no answer from {} within {}",
+                shown(),
+                humantime::format_duration(CONNECT_TIMEOUT)
+            ),
+        )),
+    }
+}
+
+/// Logs to stderr, filtered by `DLOCK_LOG` (default [`DEFAULT_LOG`]).
+fn init_logging() {
+    let filter = match std::env::var("DLOCK_LOG") {
+        Ok(spec) if !spec.trim().is_empty() => EnvFilter::try_new(&spec).unwrap_or_else(|e| {
+            eprintln!("dlock: ignoring DLOCK_LOG={spec:?}: {e}");
+            EnvFilter::new(DEFAULT_LOG)
+        }),
+        _ => EnvFilter::new(DEFAULT_LOG),
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .init();
+}

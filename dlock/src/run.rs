@@ -1,0 +1,296 @@
+//! `dlock run`: hold a lock while a command runs.
+//!
+//! Order of events: validate the name, catch signals, connect, open a session,
+//! acquire (interruptible by a signal), spawn the command with `DLOCK_TOKEN`
+//! and `DLOCK_NAME`, then wait for whichever comes first: the command's exit
+//! (release, close, exit with its status) or the lock's loss (SIGTERM, SIGKILL
+//! after the grace period, exit 76). Signals are forwarded to the command
+//! meanwhile.
+
+use std::ffi::OsStr;
+use std::future::Future;
+use std::io;
+use std::os::unix::process::ExitStatusExt;
+use std::process::ExitStatus;
+use std::time::Duration;
+
+use dlock::{Error, Lock, LockGuard, LockName, Session, SessionOptions};
+use nix::errno::Errno;
+use nix::sys::signal::Signal;
+use tokio::process::{Child, Command};
+use tokio::time::{sleep, timeout};
+
+use crate::cli::RunArgs;
+use crate::exit::{FAILURE, Failure, LOST, NOT_EXECUTABLE, NOT_FOUND, SIGNAL_BASE};
+use crate::signals::{self, Signals};
+
+/// The longest dlock waits for the release and for closing the session once
+/// the command is over; the store frees the lock within one TTL regardless.
+const FINISH_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How `dlock run` ended, before it is turned into an exit status.
+enum Outcome {
+    /// The command exited on its own (or after a forwarded signal).
+    Exited(ExitStatus),
+    /// The lock was lost and the command was stopped.
+    Stopped,
+}
+
+/// Runs `dlock run`; returns the exit status.
+pub(crate) async fn run(url: &str, args: RunArgs) -> Result<u8, Failure> {
+    let name = LockName::new(&args.name)?;
+    let Some((program, program_args)) = args.command.split_first() else {
+        return Err(Failure::usage("no command given"));
+    };
+    let mut signals = Signals::install()
+        .map_err(|e| Failure::new(FAILURE, format!("cannot catch signals: {e}")))?;
+
+    let backend = unless_signalled(&mut signals, crate::connect(url))
+        .await
+        .map_err(|sig| interrupted(sig, "connecting"))??;
+    let options = SessionOptions::new().ttl(args.ttl).label("dlock");
+    let session = unless_signalled(&mut signals, backend.session(options))
+        .await
+        .map_err(|sig| interrupted(sig, "opening a session"))??;
+    let mut lock = session.lock(&name)?;
+    if let Some(why) = &args.why {
+        lock = lock.why(why.as_str());
+    }
+
+    let guard = match unless_signalled(&mut signals, acquire(&lock, &args)).await {
+        Ok(Ok(Some(guard))) => guard,
+        Ok(Ok(None)) => {
+            close(&session).await;
+            let message = match args.wait {
+                Some(wait) if !args.no_wait => format!(
+                    "lock {name} is still busy after {}",
+                    humantime::format_duration(wait)
+                ),
+                _ => format!("lock {name} is busy"),
+            };
+            return Err(Failure::new(args.conflict_exit_code, message));
+        }
+        Ok(Err(e)) => {
+            close(&session).await;
+            return Err(e.into());
+        }
+        Err(sig) => {
+            close(&session).await;
+            return Err(interrupted(sig, &format!("waiting for lock {name}")));
+        }
+    };
+    tracing::debug!(lock = %name, token = %guard.token(), "acquired; starting the command");
+
+    let mut child = match Command::new(program)
+        .args(program_args)
+        .env("DLOCK_TOKEN", guard.token().get().to_string())
+        .env("DLOCK_NAME", name.as_str())
+        .spawn()
+    {
+        Ok(child) => child,
+        Err(e) => {
+            finish(guard, &session, &name).await;
+            return Err(spawn_failure(program, &e));
+        }
+    };
+
+    let code = match supervise(&mut child, &guard, &mut signals, &name, args.grace).await {
+        Ok(Outcome::Exited(status)) => {
+            let code = status_code(status);
+            match finish(guard, &session, &name).await {
+                Some(lost) => {
+                    eprintln!("dlock: lock {name} was lost before the command finished ({lost})");
+                    LOST
+                }
+                None => code,
+            }
+        }
+        Ok(Outcome::Stopped) => {
+            finish(guard, &session, &name).await;
+            LOST
+        }
+        Err(e) => {
+            let _ = child.start_kill();
+            let _ = child.wait().await;
+            finish(guard, &session, &name).await;
+            return Err(Failure::new(
+                FAILURE,
+                format!("waiting for the command failed: {e}"),
+            ));
+        }
+    };
+    Ok(code)
+}
+
+/// Acquires as the flags say; `None` when the lock is busy (`--no-wait`) or
+/// `--wait` ran out.
+async fn acquire(lock: &Lock, args: &RunArgs) -> Result<Option<LockGuard>, Error> {
+    let result = if args.no_wait {
+        lock.try_acquire().await
+    } else if let Some(wait) = args.wait {
+        lock.acquire_timeout(wait).await.map(Some)
+    } else {
+        lock.acquire().await.map(Some)
+    };
+    match result {
+        Err(Error::Timeout { .. }) => Ok(None),
+        other => other,
+    }
+}
+
+/// Waits for the command while holding the lock: forwards signals, and stops
+/// the command if the lock is lost.
+async fn supervise(
+    child: &mut Child,
+    guard: &LockGuard,
+    signals: &mut Signals,
+    name: &LockName,
+    grace: Duration,
+) -> io::Result<Outcome> {
+    let lost = guard.lost();
+    tokio::pin!(lost);
+    let reason = loop {
+        tokio::select! {
+            biased;
+            sig = signals.recv() => forward(child, sig),
+            status = child.wait() => return Ok(Outcome::Exited(status?)),
+            reason = &mut lost => break reason,
+        }
+    };
+    eprintln!("dlock: lock {name} lost ({reason}); stopping the command");
+    forward(child, Signal::SIGTERM);
+    let kill_at = sleep(grace);
+    tokio::pin!(kill_at);
+    let mut killed = false;
+    loop {
+        tokio::select! {
+            biased;
+            sig = signals.recv() => forward(child, sig),
+            status = child.wait() => {
+                let status = status?;
+                tracing::debug!(%status, "the command stopped after the loss");
+                return Ok(Outcome::Stopped);
+            }
+            () = &mut kill_at, if !killed => {
+                eprintln!(
+                    "dlock: the command is still running {} after SIGTERM; killing it",
+                    humantime::format_duration(grace)
+                );
+                child.start_kill()?;
+                killed = true;
+            }
+        }
+    }
+}
+
+/// Sends `sig` to the command if it has not been reaped yet.
+fn forward(child: &Child, sig: Signal) {
+    if let Some(pid) = child.id() {
+        tracing::debug!(pid, signal = %sig, "forwarding a signal to the command");
+        signals::send(pid, sig);
+    }
+}
+
+/// Releases the lock and closes the session, each bounded by
+/// [`FINISH_TIMEOUT`]. Returns the reason if the hold had been lost before
+/// the release (also when the store says it no longer had it); other release
+/// problems (backend unreachable) are reported as warnings.
+async fn finish(guard: LockGuard, session: &Session, name: &LockName) -> Option<dlock::LostReason> {
+    let lost = match timeout(FINISH_TIMEOUT, guard.release()).await {
+        Ok(Ok(())) => None,
+        Ok(Err(Error::Lost { reason, .. })) => Some(reason),
+        // The store had given the lock up (force-released or expired there)
+        // before the lost signal reached us: a loss all the same.
+        Ok(Err(Error::NotHeld { .. })) => Some(dlock::LostReason::Revoked),
+        Ok(Err(e)) => {
+            eprintln!("dlock: warning: releasing lock {name}: {e}");
+            None
+        }
+        Err(_) => {
+            eprintln!(
+                "dlock: warning: releasing lock {name} timed out; the store frees it within the TTL"
+            );
+            None
+        }
+    };
+    close(session).await;
+    lost
+}
+
+/// Closes the session, bounded by [`FINISH_TIMEOUT`]; errors are only logged.
+async fn close(session: &Session) {
+    match timeout(FINISH_TIMEOUT, session.close()).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::debug!(error = %e, "closing the session failed"),
+        Err(_) => tracing::debug!("closing the session timed out"),
+    }
+}
+
+/// Runs `fut` unless one of the caught signals arrives first.
+async fn unless_signalled<T>(
+    signals: &mut Signals,
+    fut: impl Future<Output = T>,
+) -> Result<T, Signal> {
+    tokio::select! {
+        biased;
+        sig = signals.recv() => Err(sig),
+        out = fut => Ok(out),
+    }
+}
+
+/// dlock got `sig` before the command started: exit 128 + signal number.
+fn interrupted(sig: Signal, doing: &str) -> Failure {
+    let code = u8::try_from(sig as i32).map_or(FAILURE, |n| SIGNAL_BASE.saturating_add(n));
+    Failure::new(code, format!("got {sig} while {doing}; giving up"))
+}
+
+/// The exit status for a command's [`ExitStatus`]: its code, or 128 + signal
+/// number if a signal killed it (as shells report it).
+fn status_code(status: ExitStatus) -> u8 {
+    if let Some(code) = status.code() {
+        return u8::try_from(code).unwrap_or(FAILURE);
+    }
+    match status.signal() {
+        Some(sig) => u8::try_from(sig).map_or(FAILURE, |n| SIGNAL_BASE.saturating_add(n)),
+        None => FAILURE,
+    }
+}
+
+/// The failure for a command that could not be started: 127 if not found,
+/// 126 if not executable, 1 otherwise.
+fn spawn_failure(program: &OsStr, e: &io::Error) -> Failure {
+    let shown = program.to_string_lossy();
+    match e.kind() {
+        io::ErrorKind::NotFound => Failure::new(NOT_FOUND, format!("{shown}: command not found")),
+        io::ErrorKind::PermissionDenied => {
+            Failure::new(NOT_EXECUTABLE, format!("{shown}: permission denied"))
+        }
+        _ if e.raw_os_error() == Some(Errno::ENOEXEC as i32) => {
+            Failure::new(NOT_EXECUTABLE, format!("{shown}: not an executable format"))
+        }
+        _ => Failure::new(FAILURE, format!("cannot run {shown}: {e}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statuses_like_a_shell() {
+        assert_eq!(status_code(ExitStatus::from_raw(7 << 8)), 7);
+        assert_eq!(status_code(ExitStatus::from_raw(0)), 0);
+        assert_eq!(status_code(ExitStatus::from_raw(9)), 137); // SIGKILL
+        assert_eq!(status_code(ExitStatus::from_raw(15)), 143); // SIGTERM
+    }
+
+    #[test]
+    fn spawn_errors() {
+        let not_found = io::Error::from(io::ErrorKind::NotFound);
+        assert_eq!(spawn_failure(OsStr::new("x"), &not_found).code, NOT_FOUND);
+        let denied = io::Error::from(io::ErrorKind::PermissionDenied);
+        assert_eq!(spawn_failure(OsStr::new("x"), &denied).code, NOT_EXECUTABLE);
+        let noexec = io::Error::from_raw_os_error(Errno::ENOEXEC as i32);
+        assert_eq!(spawn_failure(OsStr::new("x"), &noexec).code, NOT_EXECUTABLE);
+    }
+}

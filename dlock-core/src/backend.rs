@@ -160,6 +160,17 @@ pub trait Backend: Send + Sync + Debug {
     /// harmless.
     async fn force_release(&self, name: &LockName) -> Result<bool, Error>;
 
+    /// One plain round trip to the store (`PING`, `SELECT 1`, a read): the
+    /// physical floor that benchmarks compare lock operations with. The
+    /// default reads a lock that nobody holds.
+    ///
+    /// # Cancel safety
+    /// Cancel safe (read-only).
+    async fn ping(&self) -> Result<(), Error> {
+        let name = LockName::new("dlock-ping")?;
+        self.inspect(&name).await.map(|_| ())
+    }
+
     /// Opens a [`Session`]: validates `options` against [`Backend::min_ttl`],
     /// creates the store side and starts renewing in the background.
     ///

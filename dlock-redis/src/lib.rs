@@ -212,14 +212,6 @@ impl RedisBackend {
             tokio::time::sleep(wait).await;
         }
     }
-
-    /// Checks every node answers `PING`.
-    pub async fn ping(&self) -> Result<(), Error> {
-        for node in &self.inner.nodes {
-            node.ping().await?;
-        }
-        Ok(())
-    }
 }
 
 impl fmt::Debug for RedisBackend {
@@ -263,6 +255,19 @@ impl Backend for RedisBackend {
             id,
             ttl,
         )))
+    }
+
+    /// `PING` on every node, concurrently; fails unless a majority answers.
+    async fn ping(&self) -> Result<(), Error> {
+        let answers = join_all(
+            self.inner
+                .nodes
+                .iter()
+                .map(|n| async { n.ping().await.map(|()| true) }),
+        )
+        .await;
+        let (_, answered) = count(answers)?;
+        check_answered(&self.inner, answered)
     }
 
     async fn inspect(&self, name: &LockName) -> Result<Option<LockInfo>, Error> {

@@ -55,7 +55,7 @@ impl Harness for RedisHarness {
 
     async fn connect(&self) -> Result<Arc<dyn Backend>, Error> {
         let backend = RedisBackend::connect(&self.url).await?;
-        backend.ping().await?;
+        Backend::ping(&backend).await?;
         backend.wait_ready(Duration::from_secs(10)).await?;
         Ok(Arc::new(backend))
     }

@@ -257,6 +257,14 @@ impl Backend for SqlBackend {
         )))
     }
 
+    async fn ping(&self) -> Result<(), Error> {
+        sqlx::query("SELECT 1")
+            .execute(&self.inner.pool)
+            .await
+            .map_err(|e| self.err(e))?;
+        Ok(())
+    }
+
     async fn inspect(&self, name: &LockName) -> Result<Option<LockInfo>, Error> {
         let row = self
             .inner

@@ -7,14 +7,14 @@
 //! else uses them.
 
 use std::process::Command;
-use std::sync::Mutex;
 use std::time::Duration;
 
 use dlock_core::{Backend, LostReason, SessionOptions};
 use dlock_redis::RedisBackend;
 use tokio::time::Instant;
 
-static SERIAL: Mutex<()> = Mutex::new(());
+/// One fault test at a time: they restart shared servers.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 fn services(args: &[&str]) {
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/services");
@@ -59,7 +59,7 @@ fn unique(what: &str) -> String {
 /// keeps tokens increasing; both a clean restart and a SIGKILL.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tokens_survive_restart_without_persistence() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = SERIAL.lock().await;
     if skip("redis") {
         return;
     }
@@ -97,7 +97,7 @@ async fn tokens_survive_restart_without_persistence() {
 /// error (never a grant); when they return, grants resume with larger tokens.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn majority_down_fails_then_recovers() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = SERIAL.lock().await;
     if skip("redlock") {
         return;
     }
@@ -150,7 +150,7 @@ async fn majority_down_fails_then_recovers() {
 /// A client that wins only a minority of nodes releases what it won at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn partial_acquire_is_cleaned_up() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = SERIAL.lock().await;
     if skip("redlock") {
         return;
     }
@@ -213,7 +213,7 @@ async fn partial_acquire_is_cleaned_up() {
 /// A must learn it lost the lock before B gets it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restarted_nodes_do_not_regrant_early() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = SERIAL.lock().await;
     if skip("redlock") {
         return;
     }

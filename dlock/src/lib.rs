@@ -7,6 +7,7 @@
 //! | `sqlite` (default) | `sqlite://path` | [`sql`] |
 //! | `postgres` | `postgres://user:pass@host/db` | [`sql`] |
 //! | `mysql` | `mysql://user:pass@host/db` (MariaDB too) | [`sql`] |
+//! | `redis` | `redis://`, `rediss://`, `redlock://h1:p1,h2:p2,h3:p3` | [`redis`] |
 //! | always | `memory://[name]` | [`memory`] (in-process) |
 //!
 //! ```
@@ -43,6 +44,11 @@ pub use dlock_core::{
 #[doc(inline)]
 pub use dlock_sql as sql;
 
+/// Redis and Redlock.
+#[cfg(feature = "redis")]
+#[doc(inline)]
+pub use dlock_redis as redis;
+
 /// The URL used when none is given: an SQLite file in the current directory.
 pub const DEFAULT_URL: &str = "sqlite://dlock.db";
 
@@ -68,6 +74,9 @@ pub async fn connect(url: &str) -> Result<Arc<dyn Backend>> {
         "sqlite" => Err(disabled("sqlite")),
         "postgres" | "postgresql" => Err(disabled("postgres")),
         "mysql" | "mariadb" => Err(disabled("mysql")),
+        #[cfg(feature = "redis")]
+        "redis" | "rediss" | "redlock" => Ok(Arc::new(redis::RedisBackend::connect(url).await?)),
+        #[cfg(not(feature = "redis"))]
         "redis" | "rediss" | "redlock" => Err(disabled("redis")),
         "etcd" | "etcds" => Err(disabled("etcd")),
         "zk" => Err(disabled("zk")),

@@ -8,6 +8,7 @@
 //! | `postgres` | `postgres://user:pass@host/db` | [`sql`] |
 //! | `mysql` | `mysql://user:pass@host/db` (MariaDB too) | [`sql`] |
 //! | `redis` | `redis://`, `rediss://`, `redlock://h1:p1,h2:p2,h3:p3` | [`redis`] |
+//! | `etcd` | `etcd://h1:p1,h2:p2[/prefix]`, `etcds://` | [`etcd`] |
 //! | always | `memory://[name]` | [`memory`] (in-process) |
 //!
 //! ```
@@ -49,6 +50,11 @@ pub use dlock_sql as sql;
 #[doc(inline)]
 pub use dlock_redis as redis;
 
+/// etcd.
+#[cfg(feature = "etcd")]
+#[doc(inline)]
+pub use dlock_etcd as etcd;
+
 /// The URL used when none is given: an SQLite file in the current directory.
 pub const DEFAULT_URL: &str = "sqlite://dlock.db";
 
@@ -78,6 +84,9 @@ pub async fn connect(url: &str) -> Result<Arc<dyn Backend>> {
         "redis" | "rediss" | "redlock" => Ok(Arc::new(redis::RedisBackend::connect(url).await?)),
         #[cfg(not(feature = "redis"))]
         "redis" | "rediss" | "redlock" => Err(disabled("redis")),
+        #[cfg(feature = "etcd")]
+        "etcd" | "etcds" => Ok(Arc::new(etcd::EtcdBackend::connect(url).await?)),
+        #[cfg(not(feature = "etcd"))]
         "etcd" | "etcds" => Err(disabled("etcd")),
         "zk" => Err(disabled("zk")),
         "mongodb" | "mongodb+srv" => Err(disabled("mongo")),

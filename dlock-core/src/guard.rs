@@ -260,15 +260,33 @@ impl LockGuard {
             return held.lost_error().map_or(Ok(()), Err);
         }
         let shared = self.session.shared.clone();
-        // Run on the session's task tracker so that dropping this future does
-        // not abandon the release half-way.
-        let task = shared.spawn(crate::session::release_hold(shared.clone(), held));
-        match task.await {
-            Ok(result) => result,
-            Err(e) => Err(Error::protocol(
-                "dlock",
-                format!("release task failed: {e}"),
-            )),
+        // Inline (no hop to another task); if this future is dropped part-way,
+        // the guard below finishes the release as a session task.
+        let mut finish = FinishOnDrop {
+            shared: Some(shared.clone()),
+            held: held.clone(),
+        };
+        let result = crate::session::release_hold(shared, held).await;
+        finish.shared = None;
+        result
+    }
+}
+
+/// Completes an interrupted `release()` in the background (releases are
+/// owner-checked, so repeating one is harmless).
+struct FinishOnDrop {
+    shared: Option<Arc<crate::session::Shared>>,
+    held: Arc<HeldState>,
+}
+
+impl Drop for FinishOnDrop {
+    fn drop(&mut self) {
+        if let Some(shared) = self.shared.take() {
+            let held = self.held.clone();
+            let inner = shared.clone();
+            shared.spawn(async move {
+                let _ = crate::session::release_hold(inner, held).await;
+            });
         }
     }
 }

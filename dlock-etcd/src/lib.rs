@@ -15,11 +15,15 @@
 //!   share a range). Idempotent: a retried take finds its key. The holder is
 //!   the key with the lowest create revision under `prefix/<name>/`; a later
 //!   key is a waiter. Fair: FIFO by create revision.
-//! * **Wake-up**: a waiter watches only the next-lower key (no herd), from the
-//!   revision of the read that found it plus one (so a deletion between the
-//!   read and the watch is delivered; etcd's own lock recipe starts watches at
-//!   a past revision and falls into its 100 ms sync loop). On its deletion the
-//!   waiter re-checks: if another key is still ahead it watches that one.
+//! * **Wake-up**: a waiter watches only the next-lower key (no herd). The
+//!   watch starts "from now" and, once etcd confirms it, the waiter reads the
+//!   key once more: a deletion before that read is seen by the read, one
+//!   after it by the watch. (A watch with a start revision at or below etcd's
+//!   current revision is served from the *unsynced* group, which a 100 ms
+//!   loop drains; etcd's own lock recipe, and a watch from "read revision +
+//!   1" once other clients have written since, land there and wait ~100 ms
+//!   per handoff.) On the deletion the waiter re-checks: if another key is
+//!   still ahead, it watches that one.
 //! * **Token** = the own key's create revision: etcd's global revision, so
 //!   strictly increasing per name, durable across restarts and leader changes.
 //! * **Release** deletes the own key in a txn comparing its create revision (a
@@ -246,6 +250,9 @@ impl EtcdBackend {
                 shown: redact(url),
             }),
         };
+        // The channel connects lazily: ask once, so that a cluster that is
+        // down is reported here, as for the other backends.
+        backend.ping().await?;
         Ok(backend)
     }
 

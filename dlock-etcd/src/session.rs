@@ -11,7 +11,7 @@ use dlock_core::{Error, FencingToken, LockName, SessionId};
 use etcd_client::{
     Compare, CompareOp, EventType, GetOptions, LeaseKeepAliveStream, LeaseKeeper,
     LeaseTimeToLiveOptions, PutOptions, SortOrder, SortTarget, Txn, TxnOp, TxnOpResponse,
-    WatchOptions, WatchStream,
+    WatchStream,
 };
 use tokio::time::{Instant, sleep_until};
 
@@ -249,7 +249,7 @@ struct EtcdAttempt {
     /// The key's create revision once it exists: the fencing token.
     own: Option<i64>,
     sent: bool,
-    /// The key just ahead of ours and the revision to watch it from.
+    /// The key just ahead of ours, and the revision at which it was seen.
     ahead: Option<(Vec<u8>, i64)>,
     watching: Option<(Vec<u8>, WatchStream)>,
 }
@@ -265,8 +265,17 @@ impl fmt::Debug for EtcdAttempt {
 
 impl EtcdAttempt {
     /// Creates the attempt's key (or finds it, after a lost reply); returns
-    /// its create revision.
-    async fn enqueue(&mut self) -> Result<i64, Error> {
+    /// its create revision and whether it is first in line — read in the same
+    /// txn, so an uncontended take is one round trip.
+    async fn enqueue(&mut self) -> Result<(i64, bool), Error> {
+        let head = || {
+            let options = GetOptions::new()
+                .with_prefix()
+                .with_sort(SortTarget::Create, SortOrder::Ascend)
+                .with_limit(1)
+                .with_keys_only();
+            TxnOp::get(self.queue.as_str(), Some(options))
+        };
         let mut kv = self.inner.client.kv_client();
         let txn = Txn::new()
             .when(vec![Compare::create_revision(
@@ -274,29 +283,46 @@ impl EtcdAttempt {
                 CompareOp::Equal,
                 0,
             )])
-            .and_then(vec![TxnOp::put(
-                self.key.as_str(),
-                self.value.as_str(),
-                Some(PutOptions::new().with_lease(self.lease)),
-            )])
-            .or_else(vec![TxnOp::get(self.key.as_str(), None)]);
+            .and_then(vec![
+                TxnOp::put(
+                    self.key.as_str(),
+                    self.value.as_str(),
+                    Some(PutOptions::new().with_lease(self.lease)),
+                ),
+                head(),
+            ])
+            .or_else(vec![TxnOp::get(self.key.as_str(), None), head()]);
         self.sent = true;
         let resp = kv.txn(txn).await.map_err(map_err)?;
+        let answers = resp.op_responses();
+        let first = match answers.get(1) {
+            Some(TxnOpResponse::Get(get)) => get.kvs().first().map(|kv| kv.key().to_vec()),
+            _ => return Err(Error::protocol("etcd", "unexpected txn answer")),
+        };
+        let is_first = first.as_deref() == Some(self.key.as_bytes());
         if resp.succeeded() {
             let revision = resp
                 .header()
                 .map(|h| h.revision())
                 .ok_or_else(|| Error::protocol("etcd", "txn without header"))?;
-            return Ok(revision);
+            return Ok((revision, is_first));
         }
-        match resp.op_responses().first() {
+        match answers.first() {
             Some(TxnOpResponse::Get(get)) => get
                 .kvs()
                 .first()
-                .map(|kv| kv.create_revision())
+                .map(|kv| (kv.create_revision(), is_first))
                 .ok_or_else(|| Error::protocol("etcd", "own key vanished inside a txn")),
             _ => Err(Error::protocol("etcd", "unexpected txn answer")),
         }
+    }
+
+    fn granted(&self, own: i64) -> Take {
+        Take::Granted(Hold {
+            name: self.name.clone(),
+            token: FencingToken::new(own as u64),
+            key: self.key.clone(),
+        })
     }
 }
 
@@ -307,8 +333,11 @@ impl Attempt for EtcdAttempt {
             let own = match self.own {
                 Some(own) => own,
                 None => {
-                    let own = self.enqueue().await?;
+                    let (own, first) = self.enqueue().await?;
                     self.own = Some(own);
+                    if first {
+                        return Ok(self.granted(own));
+                    }
                     own
                 }
             };
@@ -340,11 +369,7 @@ impl Attempt for EtcdAttempt {
                 _ => return Err(Error::protocol("etcd", "unexpected txn answer")),
             };
             return Ok(match first_ahead {
-                None => Take::Granted(Hold {
-                    name: self.name.clone(),
-                    token: FencingToken::new(own as u64),
-                    key: self.key.clone(),
-                }),
+                None => self.granted(own),
                 Some(key) => {
                     self.ahead = Some((key, revision + 1));
                     Take::Busy(Busy::default())
@@ -358,17 +383,41 @@ impl Attempt for EtcdAttempt {
     }
 
     async fn wait(&mut self, until: Instant) -> Result<(), Error> {
-        let Some((ahead, from)) = self.ahead.clone() else {
+        let Some((ahead, _)) = self.ahead.clone() else {
             sleep_until(until).await;
             return Ok(());
         };
         if self.watching.as_ref().is_none_or(|(k, _)| *k != ahead) {
+            // Watch "from now" (no start revision): etcd serves a watcher whose
+            // start revision is at or below its current revision from the
+            // unsynced group, which a 100 ms loop drains — under contention,
+            // "read revision + 1" is already in the past when the watch is
+            // created. Wait for the watch to exist, then look once more: a
+            // deletion before that read is seen by the read, one after it by
+            // the watch.
             let mut watch = self.inner.client.watch_client();
-            let options = WatchOptions::new().with_start_revision(from);
-            let stream = watch
-                .watch(ahead.clone(), Some(options))
+            let mut stream = watch.watch(ahead.clone(), None).await.map_err(map_err)?;
+            match stream.message().await {
+                Ok(Some(created)) if created.created() && !created.canceled() => {}
+                Ok(Some(other)) => {
+                    return Err(Error::unavailable(
+                        "etcd",
+                        format!("watch not created: {}", other.cancel_reason()),
+                    ));
+                }
+                Ok(None) => return Err(Error::unavailable("etcd", "watch stream closed")),
+                Err(e) => return Err(map_err(e)),
+            }
+            let mut kv = self.inner.client.kv_client();
+            let present = kv
+                .get(ahead.clone(), Some(GetOptions::new().with_count_only()))
                 .await
-                .map_err(map_err)?;
+                .map_err(map_err)?
+                .count()
+                > 0;
+            if !present {
+                return Ok(());
+            }
             self.watching = Some((ahead, stream));
         }
         let (_, stream) = self.watching.as_mut().expect("just set");

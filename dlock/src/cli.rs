@@ -1,9 +1,12 @@
 //! The command line: clap types, duration parsing and the help texts.
 
 use std::ffi::OsString;
+use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::{Args, Parser, Subcommand};
+use clap::{ArgAction, Args, Parser, Subcommand};
+
+use crate::exit::Failure;
 
 /// The exit statuses, shown by `dlock --help` and `dlock run --help`.
 pub(crate) const EXIT_STATUS: &str = "\
@@ -41,20 +44,42 @@ If the lock is lost while COMMAND runs (the store expired it, or an admin ran
 `dlock release --force`), dlock says so on stderr, sends COMMAND SIGTERM, then
 SIGKILL after --grace, and exits with 76.";
 
+const BENCH_ABOUT: &str = "\
+Measures every backend given with --url (repeat it) in one run, with the
+same workloads, and writes a Markdown table, a JSON file and an SVG chart.
+
+Each backend gets --clients clients, each with its own connection and
+session (TTL --ttl). Phases, run phase by phase across the backends:
+  1. baseline: --cycles raw round trips (PING, SELECT 1) -> p50/p99;
+  2. uncontended acquire+release of one free lock, alternating with the
+     pings cycle by cycle (and across backends) so noise hits both;
+  3. hot lock: all clients acquire, write a fenced register and release
+     one lock for --duration: handoffs/s, release->next-grant latency,
+     per-client counts and Jain's fairness index;
+  4. independent locks: each client on its own lock for --duration:
+     acquisitions/s;
+  5. safety: the register's refusals and the history check (overlapping
+     holds, grant order) over phase 3.
+Lock names are under a fresh bench/<random>/ prefix. The table goes to
+stdout (the JSON with --json); DIR/bench.md, DIR/bench.json and
+DIR/bench.svg are written. Exits 1 if the safety check fails.";
+
 /// `dlock`: run a command under a distributed lock, or inspect and break locks.
 #[derive(Debug, Parser)]
 #[command(name = "dlock", version, about = ABOUT, after_help = EXIT_STATUS)]
 pub(crate) struct Cli {
-    /// The backend URL (sqlite://PATH, postgres://USER:PASS@HOST/DB, mysql://..., memory://).
+    /// The backend URL (sqlite://PATH, postgres://USER:PASS@HOST/DB, mysql://..., memory://);
+    /// `bench` takes it several times.
     #[arg(
         long,
         global = true,
         value_name = "URL",
         env = "DLOCK_URL",
         hide_env_values = true,
-        default_value = dlock::DEFAULT_URL
+        default_value = dlock::DEFAULT_URL,
+        action = ArgAction::Append
     )]
-    pub(crate) url: String,
+    pub(crate) url: Vec<String>,
 
     /// What to do.
     #[command(subcommand)]
@@ -73,6 +98,9 @@ pub(crate) enum Command {
     List(ListArgs),
     /// Break a lock whoever holds it (admin); needs --force.
     Release(ReleaseArgs),
+    /// Benchmark backends: latency, hot-lock handoffs, throughput, safety.
+    #[command(long_about = BENCH_ABOUT, after_help = EXIT_STATUS)]
+    Bench(BenchArgs),
 }
 
 /// `dlock run`.
@@ -147,6 +175,62 @@ pub(crate) struct ReleaseArgs {
     pub(crate) force: bool,
 }
 
+/// `dlock bench`.
+#[derive(Debug, Args)]
+pub(crate) struct BenchArgs {
+    /// Clients per backend, each with its own connection and session.
+    #[arg(long, value_name = "N", default_value_t = 8,
+          value_parser = clap::value_parser!(u32).range(2..=256))]
+    pub(crate) clients: u32,
+
+    /// Latency samples per backend: this many pings and as many
+    /// acquire+release cycles (after a short warm-up).
+    #[arg(long, value_name = "N", default_value_t = 2000,
+          value_parser = clap::value_parser!(u64).range(1..=10_000_000))]
+    pub(crate) cycles: u64,
+
+    /// How long each contended phase (hot lock, independent locks) runs on
+    /// each backend.
+    #[arg(long, value_name = "D", default_value = "10s", value_parser = parse_positive_duration)]
+    pub(crate) duration: Duration,
+
+    /// The TTL of the clients' sessions (Redlock: at most its max_ttl).
+    #[arg(long, value_name = "D", default_value = "10s", value_parser = parse_duration)]
+    pub(crate) ttl: Duration,
+
+    /// Where bench.md, bench.json and bench.svg are written (created if missing).
+    #[arg(long, value_name = "DIR", default_value = "target/bench")]
+    pub(crate) out: PathBuf,
+
+    /// Print the JSON report on stdout instead of the Markdown table.
+    #[arg(long)]
+    pub(crate) json: bool,
+
+    /// No progress bars and no notes on stderr.
+    #[arg(long)]
+    pub(crate) quiet: bool,
+}
+
+/// The one URL of a command other than `bench`: `--url` given twice is a
+/// usage error there.
+pub(crate) fn single_url(urls: &[String]) -> Result<&str, Failure> {
+    match urls {
+        [url] => Ok(url),
+        [] => Ok(dlock::DEFAULT_URL),
+        _ => Err(Failure::usage(
+            "--url given more than once; only `dlock bench` takes several",
+        )),
+    }
+}
+
+/// Parses a duration that must not be zero.
+fn parse_positive_duration(text: &str) -> Result<Duration, String> {
+    match parse_duration(text)? {
+        Duration::ZERO => Err("must be more than zero".to_owned()),
+        d => Ok(d),
+    }
+}
+
 /// Parses `30s`, `500ms`, `2m`, `1h 30m` (humantime syntax).
 fn parse_duration(text: &str) -> Result<Duration, String> {
     humantime::parse_duration(text).map_err(|e| e.to_string())
@@ -181,7 +265,7 @@ fn subcommand(args: &[OsString]) -> Option<&'static str> {
             }
             w if w.starts_with('-') => {}
             w => {
-                return ["run", "status", "list", "release"]
+                return ["run", "status", "list", "release", "bench"]
                     .into_iter()
                     .find(|s| *s == w);
             }
@@ -250,5 +334,23 @@ mod tests {
         assert!(l.contains("cannot be used with"), "{l}");
         let l = line(&["bogus"]);
         assert!(l.ends_with("see 'dlock --help'"), "{l}");
+        let l = line(&["bench", "--clients", "1"]);
+        assert!(l.ends_with("see 'dlock bench --help'"), "{l}");
+        let l = line(&["bench", "--duration", "0s"]);
+        assert!(l.contains("more than zero"), "{l}");
+    }
+
+    #[test]
+    fn url_repeats_only_for_bench() {
+        let cli = parse(&["bench", "--url", "memory://a", "--url", "memory://b"]).unwrap();
+        assert_eq!(cli.url, ["memory://a", "memory://b"]);
+        assert!(single_url(&cli.url).is_err());
+        // As for any global flag, the values after the subcommand win.
+        let cli = parse(&["--url", "memory://a", "bench", "--url", "memory://b"]).unwrap();
+        assert_eq!(cli.url, ["memory://b"]);
+        let cli = parse(&["--url", "memory://a", "bench"]).unwrap();
+        assert_eq!(cli.url, ["memory://a"]);
+        let cli = parse(&["status", "x", "--url", "memory://a"]).unwrap();
+        assert_eq!(single_url(&cli.url).unwrap(), "memory://a");
     }
 }

@@ -117,18 +117,12 @@ mod tests {
         let e = connect("gopher://u:secret@h").await.unwrap_err();
         assert!(matches!(e, Error::InvalidUrl { .. }), "{e:?}");
         assert!(!e.to_string().contains("secret"));
-        let e = connect("etcd://127.0.0.1:2379").await.unwrap_err();
+        let e = connect("zk://127.0.0.1:2181").await.unwrap_err();
         assert!(
-            matches!(
-                e,
-                Error::FeatureDisabled {
-                    feature: "etcd",
-                    ..
-                }
-            ),
+            matches!(e, Error::FeatureDisabled { feature: "zk", .. }),
             "{e:?}"
         );
-        assert!(e.to_string().contains("enable the `etcd` feature"), "{e}");
+        assert!(e.to_string().contains("enable the `zk` feature"), "{e}");
     }
 
     #[tokio::test]

@@ -6,6 +6,8 @@
 //! dlock status NAME [--url URL] [--json]
 //! dlock list [PREFIX] [--url URL] [--json]
 //! dlock release --force NAME [--url URL]
+//! dlock bench [--url URL]... [--clients N] [--cycles N] [--duration D]
+//!             [--ttl D] [--out DIR] [--json] [--quiet]
 //! ```
 //!
 //! `run` opens a session (TTL 30 s by default, renewed every TTL/3), acquires
@@ -14,6 +16,11 @@
 //! environment. SIGINT, SIGTERM, SIGHUP and SIGQUIT are forwarded to CMD. If
 //! the lock is lost meanwhile, CMD gets SIGTERM, then SIGKILL after `--grace`
 //! (10 s). When CMD exits, the lock is released.
+//!
+//! `bench` runs the same workloads on every backend given (`--url` repeated)
+//! and writes a Markdown table, a JSON report and an SVG chart to `--out`
+//! (`target/bench`); see `dlock bench --help`. It exits 1 if the safety check
+//! over its hot-lock phase fails.
 //!
 //! The URL comes from `--url`, else `DLOCK_URL`, else [`dlock::DEFAULT_URL`].
 //! Durations are humantime's: `500ms`, `30s`, `2m`. Logs go to stderr,
@@ -39,6 +46,7 @@
 //! indistinguishable from dlock's own statuses.
 
 mod admin;
+mod bench;
 mod cli;
 mod exit;
 mod run;
@@ -111,11 +119,13 @@ fn main() -> ExitCode {
 
 /// Runs the subcommand; returns the exit status.
 async fn dispatch(cli: Cli) -> Result<u8, Failure> {
+    let urls = &cli.url;
     match cli.command {
-        Command::Run(args) => run::run(&cli.url, args).await,
-        Command::Status(args) => admin::status(&cli.url, args).await,
-        Command::List(args) => admin::list(&cli.url, args).await,
-        Command::Release(args) => admin::release(&cli.url, args).await,
+        Command::Run(args) => run::run(cli::single_url(urls)?, args).await,
+        Command::Status(args) => admin::status(cli::single_url(urls)?, args).await,
+        Command::List(args) => admin::list(cli::single_url(urls)?, args).await,
+        Command::Release(args) => admin::release(cli::single_url(urls)?, args).await,
+        Command::Bench(args) => bench::bench(urls, args).await,
     }
 }
 

@@ -450,7 +450,9 @@ fn bad_input(store: &Store) {
             "run",
             &name,
             "--url",
-            "etcd://u:hunter2@h:2379",
+            // Exit 2 either way: compiled out (FeatureDisabled), or compiled
+            // in and refused (two hosts in a plain redis:// URL).
+            "redis://u:hunter2@h:1,h:2",
             "--",
             "true",
         ],

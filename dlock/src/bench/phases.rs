@@ -1,0 +1,457 @@
+//! The workloads: connecting the clients, the latency phases (baseline and
+//! uncontended acquire+release), the hot lock, the independent locks, and the
+//! safety verdict over the hot lock's history.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use dlock::{Backend, Error, Lock, LockName, Session, SessionOptions};
+use dlock_conformance::checker::{FencedRegister, History, Op, Phase};
+use indicatif::ProgressBar;
+use tokio::task::JoinSet;
+use tokio::time::{Instant, sleep, timeout};
+
+use super::report::{HotLock, Independent, Safety};
+use super::stats::{self, Latency};
+use crate::exit::{FAILURE, Failure, UNAVAILABLE, code_for};
+
+/// The longest one operation outside the contended phases may take.
+const OP_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long the clients of a contended phase may run past its end before
+/// the backend is declared stuck.
+const OVERRUN: Duration = Duration::from_secs(30);
+
+/// The pause after a failed operation in a contended phase, so that a broken
+/// backend is not hammered in a tight loop.
+const ERROR_PAUSE: Duration = Duration::from_millis(20);
+
+/// How often a contended phase's progress bar moves.
+const TICK: Duration = Duration::from_millis(100);
+
+/// One benchmark client: its own connection to the store and its own session.
+struct Client {
+    /// The client's own connection (pool) to the store.
+    backend: Arc<dyn Backend>,
+    /// The client's own session on it.
+    session: Session,
+}
+
+/// One backend under test, with its clients.
+pub(crate) struct Target {
+    /// Short label for tables (the scheme, made unique by the caller).
+    pub(crate) label: String,
+    /// The URL, password redacted.
+    pub(crate) url: String,
+    /// The name prefix of this backend's locks in this run.
+    prefix: String,
+    /// The clients; the first also runs the latency phases.
+    clients: Vec<Client>,
+}
+
+impl Target {
+    /// Opens `clients` connections to `url`, each with its own session of
+    /// TTL `ttl`; lock names will start with `prefix`.
+    pub(crate) async fn connect(
+        url: &str,
+        clients: usize,
+        ttl: Duration,
+        prefix: String,
+    ) -> Result<Self, Failure> {
+        let shown = dlock_core::url::redact(url);
+        let mut opened = Vec::with_capacity(clients);
+        for _ in 0..clients {
+            let backend = crate::connect(url).await?;
+            let options = SessionOptions::new().ttl(ttl).label("dlock-bench");
+            let session = within(&shown, "opening a session", backend.session(options)).await?;
+            opened.push(Client { backend, session });
+        }
+        let label = opened
+            .first()
+            .map_or("?", |c| c.backend.scheme())
+            .to_owned();
+        Ok(Self {
+            label,
+            url: shown,
+            prefix,
+            clients: opened,
+        })
+    }
+
+    /// Number of clients.
+    pub(crate) fn clients(&self) -> usize {
+        self.clients.len()
+    }
+
+    /// The lock `<prefix>/<suffix>`.
+    fn name(&self, suffix: &str) -> Result<LockName, Failure> {
+        Ok(LockName::new(format!("{}/{suffix}", self.prefix))?)
+    }
+
+    /// Take attempts and waits over all clients' sessions so far.
+    fn counters(&self) -> (u64, u64) {
+        self.clients.iter().fold((0, 0), |(takes, waits), c| {
+            let s = c.session.stats();
+            (takes + s.take_attempts, waits + s.waits)
+        })
+    }
+
+    /// Closes every client's session (bounded; errors only logged).
+    pub(crate) async fn close(&self) {
+        for c in &self.clients {
+            match timeout(OP_TIMEOUT, c.session.close()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    tracing::debug!(backend = %self.label, error = %e, "closing a session")
+                }
+                Err(_) => tracing::debug!(backend = %self.label, "closing a session timed out"),
+            }
+        }
+    }
+}
+
+/// Phases 1 and 2 on every target: `warmup + cycles` rounds; in each round,
+/// every target in turn does one ping and one acquire+release of a free lock
+/// (which of the two goes first alternates), so that noise hits all of them
+/// alike. Returns (ping, acquire+release) per target; the bar counts rounds.
+pub(crate) async fn latency(
+    targets: &[Target],
+    warmup: u64,
+    cycles: u64,
+    bar: &ProgressBar,
+) -> Result<Vec<(Option<Latency>, Option<Latency>)>, Failure> {
+    let mut locks = Vec::with_capacity(targets.len());
+    for t in targets {
+        locks.push(first_client(t)?.session.lock(t.name("solo")?)?);
+    }
+    let mut pings: Vec<_> = targets.iter().map(|_| stats::histogram()).collect();
+    let mut takes: Vec<_> = targets.iter().map(|_| stats::histogram()).collect();
+    for round in 0..warmup + cycles {
+        for (k, (t, lock)) in targets.iter().zip(&locks).enumerate() {
+            let backend = &first_client(t)?.backend;
+            let (ping, take) = if round % 2 == 0 {
+                let ping = timed(t, "ping", backend.ping()).await?;
+                (ping, timed(t, "acquire+release", cycle(lock)).await?)
+            } else {
+                let take = timed(t, "acquire+release", cycle(lock)).await?;
+                (timed(t, "ping", backend.ping()).await?, take)
+            };
+            if round >= warmup {
+                stats::record(&mut pings[k], ping);
+                stats::record(&mut takes[k], take);
+            }
+        }
+        bar.inc(1);
+    }
+    Ok(pings
+        .iter()
+        .zip(&takes)
+        .map(|(p, t)| (Latency::of(p), Latency::of(t)))
+        .collect())
+}
+
+/// One uncontended acquire+release.
+async fn cycle(lock: &Lock) -> Result<(), Error> {
+    lock.acquire_timeout(OP_TIMEOUT).await?.release().await
+}
+
+/// Phase 3 and the safety verdict (phase 5): every client loops acquire →
+/// fenced register write → release on one lock for `duration`, recording a
+/// [`History`]. The bar counts milliseconds.
+pub(crate) async fn hot_lock(
+    t: &Target,
+    duration: Duration,
+    bar: &ProgressBar,
+) -> Result<(HotLock, Safety), Failure> {
+    let name = t.name("hot")?;
+    let history = Arc::new(History::new());
+    let register = Arc::new(FencedRegister::new());
+    let (takes_before, waits_before) = t.counters();
+    let start = Instant::now();
+    let deadline = start + duration;
+    let mut tasks = JoinSet::new();
+    for (i, c) in t.clients.iter().enumerate() {
+        let lock = c.session.lock(name.clone())?;
+        tasks.spawn(hot_client(
+            i,
+            lock,
+            deadline,
+            history.clone(),
+            register.clone(),
+        ));
+    }
+    let outcomes = join(t, tasks, start, deadline, bar).await?;
+    let seconds = start.elapsed().as_secs_f64();
+    let (takes_after, waits_after) = t.counters();
+
+    let mut release_to_grant = stats::histogram();
+    let handoffs = stats::handoffs(&history.events());
+    for d in &handoffs {
+        stats::record(&mut release_to_grant, *d);
+    }
+    let per_client: Vec<u64> = outcomes.iter().map(|o| o.done).collect();
+    let grants: u64 = per_client.iter().sum();
+    let per_grant = |n: u64| n as f64 / grants.max(1) as f64;
+    let (errors, first_error) = errors(&outcomes);
+    let hot = HotLock {
+        clients: t.clients(),
+        seconds,
+        grants,
+        grants_per_s: grants as f64 / seconds,
+        handoffs: handoffs.len() as u64,
+        handoffs_per_s: handoffs.len() as f64 / seconds,
+        release_to_grant: Latency::of(&release_to_grant),
+        min: per_client.iter().copied().min().unwrap_or(0),
+        max: per_client.iter().copied().max().unwrap_or(0),
+        jain: stats::jain(&per_client),
+        per_client,
+        take_attempts_per_grant: per_grant(takes_after - takes_before),
+        waits_per_grant: per_grant(waits_after - waits_before),
+        errors,
+        first_error,
+    };
+    Ok((hot, safety(&history, &register)))
+}
+
+/// One hot-lock client: `i` is its number in the history.
+async fn hot_client(
+    i: usize,
+    lock: Lock,
+    deadline: Instant,
+    history: Arc<History>,
+    register: Arc<FencedRegister>,
+) -> Outcome {
+    let mut out = Outcome::new(i);
+    loop {
+        let now = Instant::now();
+        if now >= deadline {
+            break;
+        }
+        history.record(i, Op::Acquire, Phase::Invoke, None);
+        match lock.acquire_timeout(deadline - now).await {
+            Ok(guard) => {
+                let token = guard.token();
+                history.record(i, Op::Acquire, Phase::Ok, Some(token));
+                out.done += 1;
+                register.write(i, token);
+                history.record(i, Op::Release, Phase::Invoke, None);
+                if let Err(e) = guard.release().await {
+                    history.record(i, Op::Release, Phase::Fail, None);
+                    out.failed(&e).await;
+                }
+            }
+            Err(Error::Timeout { .. }) => {
+                history.record(i, Op::Acquire, Phase::Fail, None);
+                break;
+            }
+            Err(e) => {
+                history.record(i, Op::Acquire, Phase::Unknown, None);
+                out.failed(&e).await;
+            }
+        }
+    }
+    out
+}
+
+/// Phase 4: every client loops acquire+release on its own lock for
+/// `duration`. The bar counts milliseconds.
+pub(crate) async fn independent(
+    t: &Target,
+    duration: Duration,
+    bar: &ProgressBar,
+) -> Result<Independent, Failure> {
+    let start = Instant::now();
+    let deadline = start + duration;
+    let mut tasks = JoinSet::new();
+    for (i, c) in t.clients.iter().enumerate() {
+        let lock = c.session.lock(t.name(&format!("free/{i}"))?)?;
+        tasks.spawn(async move {
+            let mut out = Outcome::new(i);
+            while Instant::now() < deadline {
+                match cycle(&lock).await {
+                    Ok(()) => out.done += 1,
+                    Err(e) => out.failed(&e).await,
+                }
+            }
+            out
+        });
+    }
+    let outcomes = join(t, tasks, start, deadline, bar).await?;
+    let seconds = start.elapsed().as_secs_f64();
+    let acquisitions = outcomes.iter().map(|o| o.done).sum();
+    let (errors, first_error) = errors(&outcomes);
+    Ok(Independent {
+        clients: t.clients(),
+        seconds,
+        acquisitions,
+        per_s: acquisitions as f64 / seconds,
+        errors,
+        first_error,
+    })
+}
+
+/// Phase 5: the fenced register's refusals and the history check (overlapping
+/// holds, grant order, reused tokens).
+fn safety(history: &History, register: &FencedRegister) -> Safety {
+    let mut problems = Vec::new();
+    if let Err(refused) = register.check() {
+        problems.push(refused);
+    }
+    let holds_checked = match history.check() {
+        Ok(summary) => summary.holds,
+        Err(violation) => {
+            problems.push(violation.to_string());
+            history.intervals().len()
+        }
+    };
+    Safety {
+        verdict: if problems.is_empty() {
+            "ok".to_owned()
+        } else {
+            problems.join("; ")
+        },
+        register_accepted: register.accepted(),
+        register_rejections: register.rejections(),
+        holds_checked,
+    }
+}
+
+/// What one client of a contended phase did.
+struct Outcome {
+    /// The client's number.
+    client: usize,
+    /// Successful acquisitions.
+    done: u64,
+    /// Failed operations.
+    errors: u64,
+    /// The first failure.
+    first_error: Option<String>,
+}
+
+impl Outcome {
+    /// Nothing done yet by client `client`.
+    fn new(client: usize) -> Self {
+        Self {
+            client,
+            done: 0,
+            errors: 0,
+            first_error: None,
+        }
+    }
+
+    /// Counts `e` and pauses briefly.
+    async fn failed(&mut self, e: &Error) {
+        self.errors += 1;
+        self.first_error.get_or_insert_with(|| e.to_string());
+        sleep(ERROR_PAUSE).await;
+    }
+}
+
+/// Total errors and the first one, over all clients.
+fn errors(outcomes: &[Outcome]) -> (u64, Option<String>) {
+    let total = outcomes.iter().map(|o| o.errors).sum();
+    let first = outcomes.iter().find_map(|o| o.first_error.clone());
+    (total, first)
+}
+
+/// Waits for a contended phase's clients while moving the bar; fails if they
+/// are still busy [`OVERRUN`] after `deadline`. Outcomes in client order.
+async fn join(
+    t: &Target,
+    mut tasks: JoinSet<Outcome>,
+    start: Instant,
+    deadline: Instant,
+    bar: &ProgressBar,
+) -> Result<Vec<Outcome>, Failure> {
+    let mut outcomes = Vec::with_capacity(tasks.len());
+    let mut tick = tokio::time::interval(TICK);
+    let total = deadline.saturating_duration_since(start);
+    loop {
+        tokio::select! {
+            joined = tasks.join_next() => match joined {
+                None => break,
+                Some(Ok(outcome)) => outcomes.push(outcome),
+                Some(Err(e)) => {
+                    return Err(Failure::new(
+                        FAILURE,
+                        format!("{}: a benchmark client failed: {e}", t.label),
+                    ));
+                }
+            },
+            _ = tick.tick() => {
+                bar.set_position(millis(start.elapsed().min(total)));
+                if Instant::now() > deadline + OVERRUN {
+                    tasks.abort_all();
+                    return Err(Failure::new(
+                        UNAVAILABLE,
+                        format!(
+                            "{} ({}): clients still busy {} after the phase ended; is the backend stuck?",
+                            t.label,
+                            t.url,
+                            humantime::format_duration(OVERRUN)
+                        ),
+                    ));
+                }
+            }
+        }
+    }
+    bar.set_position(millis(total));
+    outcomes.sort_by_key(|o| o.client);
+    Ok(outcomes)
+}
+
+/// A duration in whole milliseconds (for progress bars).
+pub(crate) fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// The first client of `t` (there is always one).
+fn first_client(t: &Target) -> Result<&Client, Failure> {
+    t.clients
+        .first()
+        .ok_or_else(|| Failure::new(FAILURE, format!("{}: no clients", t.label)))
+}
+
+/// Runs one operation of the latency phases within [`OP_TIMEOUT`]; returns
+/// how long it took.
+async fn timed(
+    t: &Target,
+    what: &str,
+    op: impl Future<Output = Result<(), Error>>,
+) -> Result<Duration, Failure> {
+    let measured = async {
+        let start = Instant::now();
+        op.await?;
+        Ok(start.elapsed())
+    };
+    within(&format!("{} ({})", t.label, t.url), what, measured).await
+}
+
+/// Runs `op` within [`OP_TIMEOUT`]; a failure names `who` and `what`.
+async fn within<T>(
+    who: &str,
+    what: &str,
+    op: impl Future<Output = Result<T, Error>>,
+) -> Result<T, Failure> {
+    match timeout(OP_TIMEOUT, op).await {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(e)) => {
+            let code = match e {
+                // Nobody else uses the run's names: a free lock that cannot be
+                // had within the limit means the store is not answering.
+                Error::Timeout { .. } => UNAVAILABLE,
+                Error::Lost { .. } => FAILURE,
+                _ => code_for(&e),
+            };
+            Err(Failure::new(code, format!("{who}: {what}: {e}")))
+        }
+        Err(_) => Err(Failure::new(
+            UNAVAILABLE,
+            format!(
+                "{who}: {what}: no answer within {}",
+                humantime::format_duration(OP_TIMEOUT)
+            ),
+        )),
+    }
+}

@@ -1,0 +1,286 @@
+//! The results of a run (serialized as `bench.json`) and their Markdown
+//! rendering (the table on stdout and `bench.md`).
+
+use std::fmt::Write as _;
+
+use serde::Serialize;
+
+use super::stats::Latency;
+
+/// Everything one `dlock bench` run measured.
+#[derive(Debug, Serialize)]
+pub(crate) struct Report {
+    /// The command line, passwords redacted.
+    pub(crate) command: String,
+    /// When the run started (RFC 3339, UTC).
+    pub(crate) date: String,
+    /// The workload settings.
+    pub(crate) settings: Settings,
+    /// One entry per `--url`, in the order given.
+    pub(crate) backends: Vec<BackendReport>,
+}
+
+/// The workload settings of a run.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct Settings {
+    /// Clients per backend.
+    pub(crate) clients: usize,
+    /// Measured latency cycles per backend.
+    pub(crate) cycles: u64,
+    /// Unmeasured cycles before them.
+    pub(crate) warmup_cycles: u64,
+    /// Length of each contended phase, in milliseconds.
+    pub(crate) duration_ms: u64,
+    /// Session TTL, in milliseconds.
+    pub(crate) ttl_ms: u64,
+}
+
+/// The results for one backend.
+#[derive(Debug, Serialize)]
+pub(crate) struct BackendReport {
+    /// Short label: the backend's scheme (`#2`, `#3` added for repeats).
+    pub(crate) backend: String,
+    /// The URL, password redacted.
+    pub(crate) url: String,
+    /// Phase 1: one raw round trip (`Backend::ping`).
+    pub(crate) baseline: Option<Latency>,
+    /// Phase 2: acquire + release of a free lock.
+    pub(crate) acquire_release: Option<Latency>,
+    /// Phase 2's p50 divided by phase 1's.
+    pub(crate) acquire_release_x_baseline: Option<f64>,
+    /// Phase 3.
+    pub(crate) hot_lock: HotLock,
+    /// Phase 4.
+    pub(crate) independent: Independent,
+    /// Phase 5: the checker's verdict over phase 3.
+    pub(crate) safety: Safety,
+}
+
+/// Phase 3: all clients on one lock.
+#[derive(Debug, Serialize)]
+pub(crate) struct HotLock {
+    /// Clients contending.
+    pub(crate) clients: usize,
+    /// How long the phase ran, until the last client stopped.
+    pub(crate) seconds: f64,
+    /// Successful acquisitions.
+    pub(crate) grants: u64,
+    /// `grants / seconds`.
+    pub(crate) grants_per_s: f64,
+    /// Grants that went to a different client than the previous one.
+    pub(crate) handoffs: u64,
+    /// `handoffs / seconds`.
+    pub(crate) handoffs_per_s: f64,
+    /// From a release's invocation to the next grant returning to another
+    /// client.
+    pub(crate) release_to_grant: Option<Latency>,
+    /// Grants per client.
+    pub(crate) per_client: Vec<u64>,
+    /// Fewest grants of a client.
+    pub(crate) min: u64,
+    /// Most grants of a client.
+    pub(crate) max: u64,
+    /// Jain's fairness index of `per_client` (1 = perfectly even).
+    pub(crate) jain: f64,
+    /// Store take attempts per grant, over all clients (1 = no retries).
+    pub(crate) take_attempts_per_grant: f64,
+    /// Waits for a wake-up or timer per grant, over all clients.
+    pub(crate) waits_per_grant: f64,
+    /// Failed acquires and releases (other than the final time-out).
+    pub(crate) errors: u64,
+    /// The first of them.
+    pub(crate) first_error: Option<String>,
+}
+
+/// Phase 4: each client on its own lock.
+#[derive(Debug, Serialize)]
+pub(crate) struct Independent {
+    /// Clients, one lock each.
+    pub(crate) clients: usize,
+    /// How long the phase ran.
+    pub(crate) seconds: f64,
+    /// Successful acquisitions, all clients together.
+    pub(crate) acquisitions: u64,
+    /// `acquisitions / seconds`.
+    pub(crate) per_s: f64,
+    /// Failed acquires and releases.
+    pub(crate) errors: u64,
+    /// The first of them.
+    pub(crate) first_error: Option<String>,
+}
+
+/// Phase 5: the safety checker's verdict over the hot-lock history.
+#[derive(Debug, Serialize)]
+pub(crate) struct Safety {
+    /// `"ok"`, or what was violated.
+    pub(crate) verdict: String,
+    /// Writes the fenced register accepted.
+    pub(crate) register_accepted: usize,
+    /// Writes it refused (a stale token: a violation).
+    pub(crate) register_rejections: usize,
+    /// Hold intervals the history check looked at.
+    pub(crate) holds_checked: usize,
+}
+
+impl Safety {
+    /// Whether the verdict is "ok".
+    pub(crate) fn ok(&self) -> bool {
+        self.verdict == "ok"
+    }
+}
+
+/// The Markdown table: one row per backend.
+pub(crate) fn table(report: &Report) -> String {
+    let mut out = String::from(
+        "| backend | baseline p50 | acquire+release p50 / p99 (×baseline) | hot-lock handoffs/s \
+         | release→grant p50 / p99 | fairness min/max, Jain | independent acq/s | safety |\n\
+         |---|--:|--:|--:|--:|--:|--:|---|\n",
+    );
+    for b in &report.backends {
+        let acquire = match (&b.acquire_release, b.acquire_release_x_baseline) {
+            (Some(l), Some(x)) => format!("{} / {} ({x:.1}×)", us(l.p50_us), us(l.p99_us)),
+            (Some(l), None) => format!("{} / {}", us(l.p50_us), us(l.p99_us)),
+            _ => "-".to_owned(),
+        };
+        let h = &b.hot_lock;
+        let handoff = h.release_to_grant.as_ref().map_or_else(
+            || "-".to_owned(),
+            |l| format!("{} / {}", us(l.p50_us), us(l.p99_us)),
+        );
+        let safety = if b.safety.ok() {
+            "ok".to_owned()
+        } else {
+            "**violation** (below)".to_owned()
+        };
+        let _ = writeln!(
+            out,
+            "| {} | {} | {acquire} | {} | {handoff} | {}/{}, {:.2} | {} | {safety} |",
+            b.backend,
+            b.baseline
+                .as_ref()
+                .map_or_else(|| "-".to_owned(), |l| us(l.p50_us)),
+            rate(h.handoffs_per_s),
+            h.min,
+            h.max,
+            h.jain,
+            rate(b.independent.per_s),
+        );
+    }
+    out
+}
+
+/// Lines under the table for what the table cannot show: violations and
+/// errors. Empty when there is nothing to say.
+pub(crate) fn notes(report: &Report) -> String {
+    let mut out = String::new();
+    for b in &report.backends {
+        if !b.safety.ok() {
+            let _ = writeln!(out, "- {}: safety: {}", b.backend, b.safety.verdict);
+        }
+        for (phase, errors, first) in [
+            ("hot lock", b.hot_lock.errors, &b.hot_lock.first_error),
+            (
+                "independent locks",
+                b.independent.errors,
+                &b.independent.first_error,
+            ),
+        ] {
+            if errors > 0 {
+                let _ = writeln!(
+                    out,
+                    "- {}: {errors} error(s) in the {phase} phase; first: {}",
+                    b.backend,
+                    first.as_deref().unwrap_or("?")
+                );
+            }
+        }
+    }
+    out
+}
+
+/// The whole `bench.md`: command, date, settings, table, column notes.
+pub(crate) fn markdown(report: &Report) -> String {
+    let s = &report.settings;
+    let mut out = format!(
+        "# dlock bench\n\n\
+         - command: `{}`\n\
+         - date: {}\n\
+         - settings: {} clients per backend (each its own connection and session), \
+         {} latency cycles (+{} warm-up), {} per contended phase, session TTL {}\n\n",
+        report.command,
+        report.date,
+        s.clients,
+        s.cycles,
+        s.warmup_cycles,
+        ms(s.duration_ms),
+        ms(s.ttl_ms),
+    );
+    out.push_str(&table(report));
+    let notes = notes(report);
+    if !notes.is_empty() {
+        out.push('\n');
+        out.push_str(&notes);
+    }
+    out.push_str(
+        "\nbaseline: one raw round trip (`Backend::ping`: PING, `SELECT 1`). \
+         acquire+release: a free lock, alternating with the pings cycle by cycle. \
+         hot lock: all clients acquire, write a fenced register and release one lock; \
+         a handoff is a grant to a different client than the previous holder, and \
+         release→grant runs from the release's call to that grant's return. \
+         fairness: fewest/most grants of a client and Jain's index (1 = even). \
+         independent: each client on its own lock. safety: fenced-register refusals \
+         and the history check (overlapping holds, grant order) over the hot-lock phase.\n",
+    );
+    out
+}
+
+/// A latency given in microseconds, in a readable unit.
+pub(crate) fn us(micros: f64) -> String {
+    if micros < 10.0 {
+        format!("{micros:.1} µs")
+    } else if micros < 1_000.0 {
+        format!("{micros:.0} µs")
+    } else if micros < 10_000.0 {
+        format!("{:.2} ms", micros / 1_000.0)
+    } else {
+        format!("{:.1} ms", micros / 1_000.0)
+    }
+}
+
+/// A rate per second: whole numbers with thousands separators from 100 on.
+pub(crate) fn rate(per_s: f64) -> String {
+    if per_s < 100.0 {
+        return format!("{per_s:.1}");
+    }
+    let digits = format!("{per_s:.0}");
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// Milliseconds as humantime prints them (`10s`, `300ms`).
+fn ms(millis: u64) -> String {
+    humantime::format_duration(std::time::Duration::from_millis(millis)).to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn units() {
+        assert_eq!(us(0.42), "0.4 µs");
+        assert_eq!(us(412.4), "412 µs");
+        assert_eq!(us(2153.0), "2.15 ms");
+        assert_eq!(us(12_345.0), "12.3 ms");
+        assert_eq!(rate(42.26), "42.3");
+        assert_eq!(rate(1234.4), "1,234");
+        assert_eq!(rate(123_456_789.0), "123,456,789");
+        assert_eq!(ms(300), "300ms");
+    }
+}

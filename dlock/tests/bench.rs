@@ -1,0 +1,244 @@
+//! End-to-end tests of `dlock bench`: the real binary with tiny settings on
+//! `memory://`, a temporary SQLite file and, with the `postgres` feature, the
+//! PostgreSQL server from `scripts/services` (`DLOCK_TEST_POSTGRES_URL`).
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use tempfile::TempDir;
+
+const BIN: &str = env!("CARGO_BIN_EXE_dlock");
+
+/// The tiny workload every run here uses.
+const TINY: &[&str] = &["--cycles", "50", "--duration", "300ms", "--clients", "3"];
+
+/// A finished `dlock bench`.
+#[derive(Debug)]
+struct Ran {
+    code: Option<i32>,
+    stdout: String,
+    stderr: String,
+}
+
+/// Runs `dlock bench ARGS` with no `DLOCK_URL` from the environment.
+fn bench(args: &[&str]) -> Ran {
+    let out = Command::new(BIN)
+        .arg("bench")
+        .args(args)
+        .env_remove("DLOCK_URL")
+        .env_remove("DLOCK_LOG")
+        .stdin(Stdio::null())
+        .output()
+        .expect("spawn dlock");
+    Ran {
+        code: out.status.code(),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+/// Runs the tiny workload on `urls` with `--json`, checks the exit status,
+/// the files and the sanity of every backend's numbers; returns the JSON.
+fn run_tiny(urls: &[&str]) -> Value {
+    let out = TempDir::new().unwrap();
+    let dir = out.path().join("results");
+    let mut args: Vec<&str> = TINY.to_vec();
+    for url in urls {
+        args.extend(["--url", url]);
+    }
+    let dir_text = dir.to_str().unwrap();
+    args.extend(["--out", dir_text, "--json", "--quiet"]);
+    let start = Instant::now();
+    let ran = bench(&args);
+    let took = start.elapsed();
+    assert_eq!(ran.code, Some(0), "{ran:#?}");
+    assert!(ran.stderr.is_empty(), "--quiet: {ran:#?}");
+    assert!(
+        took < Duration::from_secs(10),
+        "took {took:?} for {} backend(s)",
+        urls.len()
+    );
+
+    let json: Value = serde_json::from_str(&ran.stdout).expect("stdout is the JSON report");
+    let on_disk: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("bench.json")).unwrap()).unwrap();
+    assert_eq!(json, on_disk);
+    assert_eq!(json["settings"]["clients"], 3);
+    assert_eq!(json["settings"]["cycles"], 50);
+    assert!(
+        json["command"]
+            .as_str()
+            .unwrap()
+            .starts_with("dlock bench ")
+    );
+    let backends = json["backends"].as_array().unwrap();
+    assert_eq!(backends.len(), urls.len(), "{json:#}");
+    for b in backends {
+        check_backend(b);
+    }
+    check_files(&dir, backends);
+    json
+}
+
+/// The numbers of one backend make sense.
+fn check_backend(b: &Value) {
+    let name = b["backend"].as_str().unwrap();
+    let num = |v: &Value| v.as_f64().unwrap_or_else(|| panic!("{name}: {v} in {b:#}"));
+    assert_eq!(b["baseline"]["samples"], 50, "{b:#}");
+    assert_eq!(b["acquire_release"]["samples"], 50, "{b:#}");
+    assert!(num(&b["baseline"]["p50_us"]) > 0.0, "{b:#}");
+    assert!(
+        num(&b["acquire_release"]["p99_us"]) >= num(&b["acquire_release"]["p50_us"]),
+        "{b:#}"
+    );
+    assert!(num(&b["acquire_release_x_baseline"]) > 0.0, "{b:#}");
+
+    let hot = &b["hot_lock"];
+    assert!(num(&hot["handoffs"]) > 0.0, "{b:#}");
+    assert!(num(&hot["handoffs_per_s"]) > 0.0, "{b:#}");
+    assert!(num(&hot["grants"]) >= num(&hot["handoffs"]), "{b:#}");
+    assert!(num(&hot["release_to_grant"]["p50_us"]) > 0.0, "{b:#}");
+    let per_client: Vec<f64> = hot["per_client"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(num)
+        .collect();
+    assert_eq!(per_client.len(), 3, "{b:#}");
+    assert_eq!(per_client.iter().sum::<f64>(), num(&hot["grants"]), "{b:#}");
+    let jain = num(&hot["jain"]);
+    assert!((1.0 / 3.0 - 1e-9..=1.0 + 1e-9).contains(&jain), "{b:#}");
+    assert_eq!(hot["errors"], 0, "{b:#}");
+
+    assert!(num(&b["independent"]["acquisitions"]) > 0.0, "{b:#}");
+    assert_eq!(b["independent"]["errors"], 0, "{b:#}");
+
+    let safety = &b["safety"];
+    assert_eq!(safety["verdict"], "ok", "{b:#}");
+    assert_eq!(safety["register_rejections"], 0, "{b:#}");
+    assert_eq!(safety["register_accepted"], hot["grants"], "{b:#}");
+    assert_eq!(safety["holds_checked"], hot["grants"], "{b:#}");
+}
+
+/// `bench.md` has the command, the date and a row per backend; `bench.svg` is
+/// an SVG with bars and the backends' names.
+fn check_files(dir: &Path, backends: &[Value]) {
+    let md = std::fs::read_to_string(dir.join("bench.md")).unwrap();
+    assert!(md.contains("- command: `dlock bench "), "{md}");
+    assert!(md.contains("- date: 20"), "{md}");
+    assert!(md.contains("| backend | baseline p50 |"), "{md}");
+    let svg = std::fs::read_to_string(dir.join("bench.svg")).unwrap();
+    assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+    assert!(svg.matches("<rect").count() >= 5 * backends.len(), "{svg}");
+    for b in backends {
+        let name = b["backend"].as_str().unwrap();
+        assert!(md.contains(&format!("| {name} |")), "{md}");
+        assert!(md.contains(" | ok |"), "{md}");
+        let text = svg.replace('\n', "");
+        assert!(text.contains(&format!(">{name}</text>")), "{name} in {svg}");
+    }
+}
+
+#[test]
+fn bench_memory() {
+    let json = run_tiny(&["memory://"]);
+    assert_eq!(json["backends"][0]["backend"], "memory");
+}
+
+#[test]
+fn bench_sqlite_and_memory_in_one_run() {
+    let dir = TempDir::new().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("bench.db").display());
+    let json = run_tiny(&[&url, "memory://"]);
+    assert_eq!(json["backends"][0]["backend"], "sqlite");
+    assert_eq!(json["backends"][1]["backend"], "memory");
+}
+
+#[cfg(feature = "postgres")]
+#[test]
+fn bench_postgres() {
+    let url = std::env::var("DLOCK_TEST_POSTGRES_URL")
+        .unwrap_or_else(|_| "postgres://dlock:dlock@127.0.0.1:15432/dlock".to_owned());
+    let json = run_tiny(&[&url]);
+    assert_eq!(json["backends"][0]["backend"], "postgres");
+    assert!(
+        !json["backends"][0]["url"]
+            .as_str()
+            .unwrap()
+            .contains(":dlock@")
+    );
+}
+
+#[test]
+fn table_on_stdout_by_default() {
+    let out = TempDir::new().unwrap();
+    let dir = out.path().to_str().unwrap();
+    let mut args = TINY.to_vec();
+    args.extend(["--url", "memory://", "--url", "memory://", "--out", dir]);
+    let ran = bench(&args);
+    assert_eq!(ran.code, Some(0), "{ran:#?}");
+    let lines: Vec<_> = ran.stdout.lines().collect();
+    assert_eq!(lines.len(), 4, "header, rule, two rows: {ran:#?}");
+    assert!(lines[2].starts_with("| memory |"), "{ran:#?}");
+    assert!(lines[3].starts_with("| memory#2 |"), "{ran:#?}");
+    // stderr is not a terminal here: no progress bars, only where the files went.
+    assert_eq!(ran.stderr.lines().count(), 1, "{ran:#?}");
+    assert!(ran.stderr.contains("bench.{md,json,svg}"), "{ran:#?}");
+}
+
+#[test]
+fn bad_flags_exit_2_with_one_line() {
+    for args in [
+        &["--clients", "1"][..],
+        &["--clients", "many"][..],
+        &["--cycles", "0"][..],
+        &["--duration", "0s"][..],
+        &["--duration", "soon"][..],
+        &["--ttl", "1ms", "--url", "memory://"][..],
+        &["--url", "gopher://u:hunter2@h"][..],
+        &["--frobnicate"][..],
+    ] {
+        let ran = bench(args);
+        assert_eq!(ran.code, Some(2), "{args:?}: {ran:#?}");
+        let lines: Vec<_> = ran.stderr.lines().collect();
+        assert_eq!(lines.len(), 1, "{args:?}: {ran:#?}");
+        assert!(lines[0].starts_with("dlock: "), "{args:?}: {ran:#?}");
+        assert!(!ran.stderr.contains("hunter2"), "{args:?}: {ran:#?}");
+        assert!(ran.stdout.is_empty(), "{args:?}: {ran:#?}");
+    }
+}
+
+#[test]
+fn other_commands_take_one_url() {
+    let out = Command::new(BIN)
+        .args(["status", "x", "--url", "memory://", "--url", "memory://"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("only `dlock bench` takes several"));
+}
+
+#[cfg(feature = "postgres")]
+#[test]
+fn unreachable_backend_exits_69() {
+    let out = TempDir::new().unwrap();
+    let dir = out.path().join("results");
+    let ran = bench(&[
+        "--url",
+        "memory://",
+        "--url",
+        "postgres://dlock:hunter2@127.0.0.1:1/dlock",
+        "--out",
+        dir.to_str().unwrap(),
+    ]);
+    assert_eq!(ran.code, Some(69), "{ran:#?}");
+    assert_eq!(ran.stderr.lines().count(), 1, "{ran:#?}");
+    assert!(ran.stderr.contains("dlock:***@127.0.0.1:1"), "{ran:#?}");
+    assert!(!ran.stderr.contains("hunter2"), "{ran:#?}");
+    assert!(
+        !dir.exists(),
+        "nothing is written when a backend is unreachable"
+    );
+}

@@ -194,18 +194,25 @@ impl Shared {
     /// Ends a hold other than by release: fires `lost()`, forgets it and, if the
     /// store might still have it, releases it there in the background so
     /// others need not wait for the store's expiry.
+    ///
+    /// The clean-up keys on removing the hold from the session, not on being
+    /// the first to mark it lost: a `lost()` future may have marked it first
+    /// (it watches the deadline itself), and the hold must still be released.
     pub(crate) fn lose(self: &Arc<Self>, held: &Arc<HeldState>, reason: LostReason) {
-        self.forget(held);
-        if held.lose(reason) {
-            Stats::bump(&self.stats.losses);
-            tracing::warn!(lock = %held.hold.name, token = %held.hold.token, session = %self.id, %reason, "lock lost");
-            if matches!(reason, LostReason::Expired | LostReason::Closed) {
-                let shared = self.clone();
-                let hold = held.hold.clone();
-                self.spawn(async move {
-                    let _ = timeout(shared.timing.request_timeout, shared.raw.release(&hold)).await;
-                });
-            }
+        held.lose(reason);
+        let removed = self.held.lock().unwrap().remove(&held.id).is_some();
+        if !removed {
+            return;
+        }
+        let reason = held.reason().unwrap_or(reason);
+        Stats::bump(&self.stats.losses);
+        tracing::warn!(lock = %held.hold.name, token = %held.hold.token, session = %self.id, %reason, "lock lost");
+        if matches!(reason, LostReason::Expired | LostReason::Closed) {
+            let shared = self.clone();
+            let hold = held.hold.clone();
+            self.spawn(async move {
+                let _ = timeout(shared.timing.request_timeout, shared.raw.release(&hold)).await;
+            });
         }
     }
 

@@ -123,26 +123,26 @@ pub(crate) fn map_err(e: etcd_client::Error) -> Error {
     }
 }
 
-/// Runs a unary request up to three times while it fails with
-/// `Unavailable`: with several endpoints, the client's balancer keeps a dead
-/// member in rotation for a while, and the next try reaches a live one.
+/// Runs a unary request again while it fails with `Unavailable`, for up to
+/// about a second: with several endpoints, the client's balancer keeps a dead
+/// member in rotation for a while, and a later try reaches a live one.
 pub(crate) async fn retrying<T, F, Fut>(mut call: F) -> Result<T, Error>
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<T, Error>>,
 {
-    let mut delay = Duration::from_millis(20);
-    for _ in 0..2 {
+    let give_up = tokio::time::Instant::now() + Duration::from_secs(1);
+    let mut delay = Duration::from_millis(10);
+    loop {
         match call().await {
-            Err(e) if e.is_retryable() => {
+            Err(e) if e.is_retryable() && tokio::time::Instant::now() + delay < give_up => {
                 tracing::debug!(error = %e, "etcd request failed; retrying");
                 tokio::time::sleep(delay).await;
-                delay *= 4;
+                delay = (delay * 2).min(Duration::from_millis(200));
             }
             other => return other,
         }
     }
-    call().await
 }
 
 struct Parsed {

@@ -91,9 +91,12 @@ async fn leader_kill_with_a_held_lock_and_waiters() {
     let _restore = Restore(leader.clone());
     // Recovery: a write (a lease grant) through the surviving members
     // succeeds again.
-    let probe = EtcdBackend::connect(&url).await.unwrap();
     loop {
-        match probe.session(options.clone()).await {
+        let probe = match EtcdBackend::connect(&url).await {
+            Ok(b) => b.session(options.clone()).await,
+            Err(e) => Err(e),
+        };
+        match probe {
             Ok(_) => break,
             Err(e) if killed.elapsed() < Duration::from_secs(15) => {
                 eprintln!("probe after {:?}: {e}", killed.elapsed());

@@ -9,6 +9,7 @@
 //! | `mysql` | `mysql://user:pass@host/db` (MariaDB too) | [`sql`] |
 //! | `redis` | `redis://`, `rediss://`, `redlock://h1:p1,h2:p2,h3:p3` | [`redis`] |
 //! | `etcd` | `etcd://h1:p1,h2:p2[/prefix]`, `etcds://` | [`etcd`] |
+//! | `zk` | `zk://[user:pass@]h1:p1,h2:p2[/root]` | [`zk`] |
 //! | always | `memory://[name]` | [`memory`] (in-process) |
 //!
 //! ```
@@ -55,6 +56,11 @@ pub use dlock_redis as redis;
 #[doc(inline)]
 pub use dlock_etcd as etcd;
 
+/// ZooKeeper.
+#[cfg(feature = "zk")]
+#[doc(inline)]
+pub use dlock_zk as zk;
+
 /// The URL used when none is given: an SQLite file in the current directory.
 pub const DEFAULT_URL: &str = "sqlite://dlock.db";
 
@@ -88,6 +94,9 @@ pub async fn connect(url: &str) -> Result<Arc<dyn Backend>> {
         "etcd" | "etcds" => Ok(Arc::new(etcd::EtcdBackend::connect(url).await?)),
         #[cfg(not(feature = "etcd"))]
         "etcd" | "etcds" => Err(disabled("etcd")),
+        #[cfg(feature = "zk")]
+        "zk" => Ok(Arc::new(zk::ZkBackend::connect(url).await?)),
+        #[cfg(not(feature = "zk"))]
         "zk" => Err(disabled("zk")),
         "mongodb" | "mongodb+srv" => Err(disabled("mongo")),
         _ => Err(Error::invalid_url(
@@ -117,12 +126,18 @@ mod tests {
         let e = connect("gopher://u:secret@h").await.unwrap_err();
         assert!(matches!(e, Error::InvalidUrl { .. }), "{e:?}");
         assert!(!e.to_string().contains("secret"));
-        let e = connect("zk://127.0.0.1:2181").await.unwrap_err();
+        let e = connect("mongodb://127.0.0.1:27017").await.unwrap_err();
         assert!(
-            matches!(e, Error::FeatureDisabled { feature: "zk", .. }),
+            matches!(
+                e,
+                Error::FeatureDisabled {
+                    feature: "mongo",
+                    ..
+                }
+            ),
             "{e:?}"
         );
-        assert!(e.to_string().contains("enable the `zk` feature"), "{e}");
+        assert!(e.to_string().contains("enable the `mongo` feature"), "{e}");
     }
 
     #[tokio::test]

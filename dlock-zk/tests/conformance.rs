@@ -1,0 +1,105 @@
+//! The conformance suite on a real standalone ZooKeeper and on a real
+//! 3-node ensemble, both from `scripts/services`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use dlock_conformance::{Capabilities, Harness, conformance_tests};
+use dlock_core::{Backend, Error};
+use dlock_zk::ZkBackend;
+
+struct ZkHarness {
+    store: &'static str,
+    url: String,
+}
+
+impl ZkHarness {
+    fn standalone() -> Self {
+        let url =
+            std::env::var("DLOCK_TEST_ZK_URL").unwrap_or_else(|_| "zk://127.0.0.1:12181".into());
+        Self {
+            store: "zk",
+            url: format!("{url}/dlock-test"),
+        }
+    }
+
+    fn ensemble() -> Self {
+        let url = std::env::var("DLOCK_TEST_ZK_ENSEMBLE_URL")
+            .unwrap_or_else(|_| "zk://127.0.0.1:22181,127.0.0.1:23181,127.0.0.1:24181".into());
+        Self {
+            store: "zk-ensemble",
+            url: format!("{url}/dlock-test"),
+        }
+    }
+}
+
+#[async_trait]
+impl Harness for ZkHarness {
+    fn store(&self) -> &str {
+        self.store
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        // The test servers run with tickTime 100 ms (sessions from 200 ms).
+        let ttl = if self.store == "zk-ensemble" { 2 } else { 1 };
+        let mut caps = Capabilities::new(Duration::from_secs(ttl));
+        caps.fair = true;
+        caps.durable_tokens = true;
+        caps.notify_wakeup = true;
+        caps.no_herd = true;
+        caps.survives_reconnect = true;
+        caps.wakeup_bound = Duration::from_millis(150);
+        // Session expiry is checked every tick; ephemeral nodes go with it.
+        caps.recovery_bound = Duration::from_millis(1000);
+        caps
+    }
+
+    fn start_hint(&self) -> String {
+        match self.store {
+            "zk-ensemble" => "scripts/services up zk-ensemble".into(),
+            _ => "scripts/services up zk".into(),
+        }
+    }
+
+    async fn connect(&self) -> Result<Arc<dyn Backend>, Error> {
+        Ok(Arc::new(ZkBackend::connect(&self.url).await?))
+    }
+
+    async fn connect_url(&self, url: &str) -> Option<Result<Arc<dyn Backend>, Error>> {
+        Some(
+            ZkBackend::connect(url)
+                .await
+                .map(|b| Arc::new(b) as Arc<dyn Backend>),
+        )
+    }
+
+    fn bad_urls(&self) -> Vec<String> {
+        [
+            "zk://",
+            "zk://127.0.0.1",
+            "zk://u:secret@127.0.0.1:12181/bad root",
+            "zk://127.0.0.1:12181/zookeeper",
+            "zookeeper://127.0.0.1:12181",
+        ]
+        .map(String::from)
+        .to_vec()
+    }
+
+    async fn leftover_objects(&self, prefix: &str) -> Option<Result<usize, Error>> {
+        Some(match ZkBackend::connect(&self.url).await {
+            Ok(b) => b.nodes_under(prefix).await,
+            Err(e) => Err(e),
+        })
+    }
+}
+
+mod zk {
+    use super::*;
+    conformance_tests!(ZkHarness::standalone());
+}
+
+mod zk_ensemble {
+    use super::*;
+    conformance_tests!(ZkHarness::ensemble());
+}

@@ -7,13 +7,15 @@
 //! cargo run --release -p dlock-etcd --example etcd_latency -- 1000 10 etcd://127.0.0.1:12379
 //! ```
 
-use std::future::Future;
-use std::sync::{Arc, Mutex};
+#[path = "../../support/hot_lock.rs"]
+mod hot_lock;
+
 use std::time::{Duration, Instant};
 
 use dlock_core::{Backend, SessionOptions};
 use dlock_etcd::EtcdBackend;
 use etcd_client::{Client, Compare, CompareOp, LockOptions, PutOptions, Txn, TxnOp};
+use hot_lock::{BoxErr, hot_lock, percentiles, releaser, us};
 
 const CLIENTS: usize = 8;
 
@@ -106,20 +108,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                     let s = s.clone();
                     async move {
                         let g = s.lock("bench/hot")?.acquire().await?;
-                        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(Box::new(move || {
-                            Box::pin(async move { g.release().await.map_err(Into::into) })
-                                as std::pin::Pin<
-                                    Box<
-                                        dyn Future<
-                                                Output = Result<
-                                                    (),
-                                                    Box<dyn std::error::Error + Send + Sync>,
-                                                >,
-                                            > + Send,
-                                    >,
-                                >
-                        })
-                            as Releaser)
+                        Ok::<_, BoxErr>(releaser(
+                            async move { g.release().await.map_err(Into::into) },
+                        ))
                     }
                 }
             })
@@ -155,22 +146,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                             .await?
                             .key()
                             .to_vec();
-                        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(Box::new(move || {
-                            Box::pin(
-                                async move { c.unlock(key).await.map(|_| ()).map_err(Into::into) },
-                            )
-                                as std::pin::Pin<
-                                    Box<
-                                        dyn Future<
-                                                Output = Result<
-                                                    (),
-                                                    Box<dyn std::error::Error + Send + Sync>,
-                                                >,
-                                            > + Send,
-                                    >,
-                                >
-                        })
-                            as Releaser)
+                        Ok::<_, BoxErr>(releaser(async move {
+                            c.unlock(key).await.map(|_| ()).map_err(Into::into)
+                        }))
                     }
                 }
             })
@@ -179,69 +157,4 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     .await;
     println!("| etcd lock service (etcd-client lock/unlock) | {report} |");
     Ok(())
-}
-
-type BoxErr = Box<dyn std::error::Error + Send + Sync>;
-type Releaser =
-    Box<dyn FnOnce() -> std::pin::Pin<Box<dyn Future<Output = Result<(), BoxErr>> + Send>> + Send>;
-
-/// Runs every client's acquire → release loop on one lock for `duration`;
-/// returns "handoffs/s | p50 | p99 | counts".
-async fn hot_lock<F, Fut>(duration: Duration, clients: Vec<F>) -> String
-where
-    F: Fn() -> Fut + Send + 'static,
-    Fut: Future<Output = Result<Releaser, BoxErr>> + Send,
-{
-    let last_release: Arc<Mutex<Option<(usize, Instant)>>> = Arc::default();
-    let latencies: Arc<Mutex<Vec<Duration>>> = Arc::default();
-    let end = Instant::now() + duration;
-    let mut tasks = Vec::new();
-    for (i, acquire) in clients.into_iter().enumerate() {
-        let (last_release, latencies) = (last_release.clone(), latencies.clone());
-        tasks.push(tokio::spawn(async move {
-            let mut count = 0usize;
-            while Instant::now() < end {
-                let release = match acquire().await {
-                    Ok(r) => r,
-                    Err(e) => panic!("acquire failed: {e}"),
-                };
-                let granted = Instant::now();
-                if let Some((who, at)) = *last_release.lock().unwrap()
-                    && who != i
-                {
-                    latencies.lock().unwrap().push(granted - at);
-                }
-                count += 1;
-                *last_release.lock().unwrap() = Some((i, Instant::now()));
-                release().await.expect("release");
-            }
-            count
-        }));
-    }
-    let mut counts = Vec::new();
-    for t in tasks {
-        counts.push(t.await.expect("client task"));
-    }
-    let total: usize = counts.iter().sum();
-    let mut lat = latencies.lock().unwrap().clone();
-    let (p50, p99) = if lat.is_empty() {
-        (Duration::ZERO, Duration::ZERO)
-    } else {
-        percentiles(&mut lat)
-    };
-    format!(
-        "{:.0} | {} | {} | {counts:?}",
-        total as f64 / duration.as_secs_f64(),
-        us(p50),
-        us(p99)
-    )
-}
-
-fn percentiles(v: &mut [Duration]) -> (Duration, Duration) {
-    v.sort();
-    (v[v.len() / 2], v[(v.len() * 99) / 100])
-}
-
-fn us(d: Duration) -> String {
-    format!("{:.0} µs", d.as_secs_f64() * 1e6)
 }

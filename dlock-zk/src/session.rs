@@ -148,7 +148,10 @@ impl RawSession for ZkSession {
             Err(zk::Error::NoNode | zk::Error::BadVersion) => return Err(not_held()),
             Err(e) => return Err(map_err(e)),
         }
-        remove_if_empty(&self.client, &self.inner.parent(&hold.name)).await;
+        // Off the release path: the next holder should not wait for it.
+        let client = self.client.clone();
+        let parent = self.inner.parent(&hold.name);
+        tokio::spawn(async move { remove_if_empty(&client, &parent).await });
         Ok(())
     }
 

@@ -24,6 +24,8 @@ pub struct Faults {
     lose_take_replies: AtomicU32,
     lose_release_replies: AtomicU32,
     deaf: AtomicBool,
+    /// How long a lost take reply keeps the caller waiting.
+    lost_take_delay: std::sync::Mutex<Duration>,
     drop_abandons: AtomicBool,
 }
 
@@ -42,6 +44,13 @@ impl Faults {
 
     /// The next `n` takes reach the store but their replies are lost.
     pub fn lose_take_replies(&self, n: u32) {
+        self.lose_take_replies.store(n, Ordering::SeqCst);
+    }
+
+    /// Like [`Faults::lose_take_replies`], but each lost reply keeps the
+    /// caller waiting `delay` first (a slow network, then a timeout).
+    pub fn lose_take_replies_after(&self, n: u32, delay: Duration) {
+        *self.lost_take_delay.lock().unwrap() = delay;
         self.lose_take_replies.store(n, Ordering::SeqCst);
     }
 
@@ -209,6 +218,8 @@ impl Attempt for FaultyAttempt {
         self.faults.crashed()?;
         let result = self.inner.try_take().await;
         if Faults::take_one(&self.faults.lose_take_replies) {
+            let delay = *self.faults.lost_take_delay.lock().unwrap();
+            tokio::time::sleep(delay).await;
             return Err(lost_reply());
         }
         result

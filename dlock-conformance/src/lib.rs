@@ -43,6 +43,7 @@
 //! | `reentrancy` | S1 (handles exclude each other) |
 //! | `cancellation_sweep` | S5 |
 //! | `acquire_retried_after_lost_reply` | S5, idempotent take |
+//! | `idempotent_take_extends_expiry` | S4 (a retried take re-extends the store's expiry) |
 //! | `ten_thousand_names` | S5 (no leaked state) |
 //! | `bad_input` | typed errors; names `a`, `a/b`, `A` distinct |
 //! | `session_close` | S5 (no task outlives its session), L3 |
@@ -148,6 +149,7 @@ macro_rules! conformance_tests {
             reentrancy,
             cancellation_sweep,
             acquire_retried_after_lost_reply,
+            idempotent_take_extends_expiry,
             ten_thousand_names,
             bad_input,
             session_close,

@@ -25,7 +25,9 @@
 //!    holder is this session *and* the hold's token; otherwise they change
 //!    nothing (`release` returns [`Error::NotHeld`], `renew` reports `false`).
 //! 4. **Idempotent take.** If the attempt already holds the lock (its earlier
-//!    reply was lost), `try_take` returns `Granted` with the same token.
+//!    reply was lost), `try_take` returns `Granted` with the same token *and
+//!    extends the hold's expiry as a fresh take would*: the core counts the
+//!    grant's validity from when this retry was sent (rule 5).
 //! 5. **Store expiry ≥ TTL from send (S4).** A hold granted or renewed by a
 //!    request sent at client time `t` is not given to anyone else before
 //!    `t + ttl` (the core subtracts the drift margin). For

@@ -15,7 +15,8 @@ use std::sync::LazyLock;
 
 /// Take if free. KEYS: lock, last, boot. ARGV: owner, session, why, ttl_ms,
 /// keep_last_ms, min_uptime_ms. Returns `{1, token}` (granted, also when
-/// this owner already holds it) or `{0, ms_until_retry}`.
+/// this owner already holds it — then the expiry is extended too) or
+/// `{0, ms_until_retry}`.
 pub(crate) static TAKE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r#"
@@ -23,6 +24,8 @@ if redis.replicate_commands then redis.replicate_commands() end
 local owner = redis.call('HGET', KEYS[1], 'owner')
 if owner then
   if owner == ARGV[1] then
+    -- A retry after a lost reply: the client counts validity from now.
+    redis.call('PEXPIRE', KEYS[1], ARGV[4])
     return {1, tonumber(redis.call('HGET', KEYS[1], 'token'))}
   end
   return {0, redis.call('PTTL', KEYS[1])}

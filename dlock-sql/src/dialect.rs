@@ -123,6 +123,8 @@ pub(crate) struct Statements {
     /// owner, token, expires_at - now.
     pub(crate) state: Sql,
     pub(crate) release: Sql,
+    /// Extends an attempt's own live hold (a retried take after a lost reply).
+    pub(crate) extend: Sql,
     pub(crate) abandon: Sql,
     /// Extends all live holds of a session; returns (name, token) where the
     /// dialect has `RETURNING`.
@@ -204,6 +206,10 @@ impl Statements {
                 "UPDATE {{t}} SET {free} WHERE name = ?1 AND owner = ?2 AND token = ?3 \
                  AND holder = ?4 AND expires_at > {{now}}{notify}"
             )),
+            extend: sql(
+                "UPDATE {t} SET expires_at = {now} + ?3 WHERE name = ?1 AND owner = ?2 \
+                 AND expires_at > {now}",
+            ),
             abandon: sql(&format!(
                 "UPDATE {{t}} SET {free} WHERE name = ?1 AND owner = ?2 AND expires_at > {{now}}{notify}"
             )),

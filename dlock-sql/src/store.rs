@@ -250,7 +250,22 @@ impl Attempt for SqlAttempt {
         let token: i64 = row.try_get(1).map_err(|e| map_err(scheme, e))?;
         let remaining: i64 = row.try_get(2).map_err(|e| map_err(scheme, e))?;
         if remaining > 0 && owner.as_deref() == Some(self.owner.as_str()) {
-            return self.granted(token);
+            // A retry after a lost reply: the core counts validity from this
+            // retry, so the store's expiry must be extended to match.
+            let extended = sql
+                .extend
+                .bind(&[
+                    Arg::Text(self.name.as_str()),
+                    Arg::Text(&self.owner),
+                    Arg::Int(self.ttl_ms),
+                ])
+                .execute(pool)
+                .await
+                .map_err(|e| map_err(scheme, e))?;
+            if extended.rows_affected() == 1 {
+                return self.granted(token);
+            }
+            return Ok(Take::Busy(Busy { retry_after: None }));
         }
         Ok(Take::Busy(Busy {
             retry_after: Some(Duration::from_millis(remaining.max(0) as u64)),

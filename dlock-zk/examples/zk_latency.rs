@@ -119,7 +119,6 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .await?,
         );
     }
-    raw.mkdir("/dlock-bench-native", &persistent).await?;
     let clients = natives
         .into_iter()
         .map(|c| {

@@ -124,6 +124,50 @@ async fn session_expiry_frees_the_lock_for_a_waiter() {
     gb.release().await.unwrap();
 }
 
+/// `survives_reconnect`: the standalone server restarts (ZooKeeper keeps
+/// sessions across a restart) while a lock is held; the client reconnects
+/// within its session timeout, and the lock is still held and valid.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lock_survives_a_reconnect_within_the_session() {
+    let _serial = SERIAL.lock().await;
+    if skip("zk") {
+        return;
+    }
+    let url = std::env::var("DLOCK_TEST_ZK_URL").unwrap_or_else(|_| "zk://127.0.0.1:12181".into());
+    let url = format!("{url}/dlock-test");
+    let name = LockName::new(format!("reconnect/{:08x}", rand::random::<u32>())).unwrap();
+    let a = ZkBackend::connect(&url).await.expect("zk up");
+    let a = a
+        .session(SessionOptions::new().ttl(Duration::from_secs(12)))
+        .await
+        .unwrap();
+    let held = a.lock(&name).unwrap().acquire().await.unwrap();
+    let renewals_before = a.stats().renewals;
+    let restarted = Instant::now();
+    services(&["restart", "zk"]);
+    eprintln!("zk restart took {:?}", restarted.elapsed());
+    // Wait for a renewal after the restart: it proves the session reconnected.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while a.stats().renewals <= renewals_before + 1 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        a.stats().renewals > renewals_before + 1,
+        "no renewal succeeded after the restart"
+    );
+    assert!(
+        held.is_held(),
+        "lost after a reconnect: {:?}",
+        held.lost_reason()
+    );
+    let admin = ZkBackend::connect(&url).await.unwrap();
+    assert!(
+        admin.validate(&name, held.token()).await.unwrap(),
+        "the node did not survive"
+    );
+    held.release().await.unwrap();
+}
+
 /// Kill the ensemble's leader while a lock is held and waiters queue: the
 /// holder's session survives the reconnection, nobody gets a double grant,
 /// tokens increase, and the queue drains in FIFO order.

@@ -167,6 +167,39 @@ pub async fn acquire_retried_after_lost_reply(h: &dyn Harness) -> Outcome {
     passed()
 }
 
+/// S4 + idempotent take: a take whose reply is lost *slowly* is retried; the
+/// retry must extend the store's expiry, because the client counts the
+/// grant's validity from the retry. With renewals then stalled, the holder's
+/// `lost()` must still fire before anyone else gets the lock.
+pub async fn idempotent_take_extends_expiry(h: &dyn Harness) -> Outcome {
+    let ctx = Ctx::new(h, "idempotent_take_extends_expiry");
+    let name = ctx.name("x");
+    let t = ctx.caps.ttl;
+    let (a, faults) = ctx.faulty_client().await?;
+    let b = ctx.client().await?;
+    faults.lose_take_replies_after(1, t / 2);
+    let ga = a.lock(&name)?.acquire_timeout(t * 4).await?;
+    faults.stall_renewals();
+    let lost = ga.lost();
+    let watcher = tokio::spawn(async move { (lost.await, Instant::now()) });
+    let gb = b
+        .lock(&name)?
+        .acquire_timeout(t * 4 + ctx.caps.recovery_bound)
+        .await?;
+    let b_got = Instant::now();
+    let (_, lost_at) = within(t * 2, "holder's lost()", watcher)
+        .await?
+        .map_err(|e| crate::Failure(format!("watcher: {e}")))?;
+    ensure!(
+        lost_at <= b_got,
+        "B got the lock {:?} before A's lost() fired: the retried take did not extend the store's expiry",
+        lost_at - b_got
+    );
+    drop(ga);
+    gb.release().await?;
+    passed()
+}
+
 /// S5, L3: closing a session fires `lost()` (Closed) for its holds, frees
 /// them in the store at once, stops its tasks and refuses new acquires;
 /// dropping a session without closing frees its locks promptly too.

@@ -15,7 +15,10 @@ mod mutex;
 mod ownership;
 mod wakeup;
 
-pub use cancel::{acquire_retried_after_lost_reply, cancellation_sweep, session_close};
+pub use cancel::{
+    acquire_retried_after_lost_reply, cancellation_sweep, idempotent_take_extends_expiry,
+    session_close,
+};
 pub use expiry::{
     force_release, holder_crash_recovery, lost_signal_by_local_deadline,
     no_early_grant_while_renewing, pause_scenario, tokens_after_expiry, tokens_after_restart,

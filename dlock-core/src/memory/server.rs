@@ -130,9 +130,11 @@ impl Server {
         let ttl = live_session(&st.sessions, session, now)?.ttl;
         let entry = st.locks.entry(name.clone()).or_default();
         purge(entry, &st.sessions, now, name);
-        if let Some(h) = &entry.holder
+        if let Some(h) = &mut entry.holder
             && h.ticket == ticket
         {
+            // A retry after a lost reply: the core counts validity from now.
+            h.expires_at = h.expires_at.max(now + ttl);
             return Ok(Take::Granted(hold_of(name, h)));
         }
         let position = entry.queue.iter().position(|w| w.ticket == ticket);

@@ -1,0 +1,669 @@
+//! dlock on MongoDB: the seeds' `config.locks` / `config.lockpings` design
+//! (MongoDB 2.4's `distlock.cpp`), made atomic, fenced and judged by the
+//! server's clock. Official `mongodb` driver; replica sets, sharded clusters
+//! (through `mongos`) and standalone servers, MongoDB 4.4 or newer.
+//!
+//! # How it works
+//!
+//! Two collections in one database (names configurable, see [`MongoOptions`]):
+//!
+//! * `locks`, one document per lock name, **kept after release** so its token
+//!   only grows:
+//!
+//!   | field | meaning |
+//!   |---|---|
+//!   | `_id` | the lock name |
+//!   | `state` | `2` held, `0` free (the seeds' states; their `1`, "being taken", is not needed) |
+//!   | `session` | the holding session's id, `host:pid:start:random` (the seeds' `process`) |
+//!   | `who` | the holding attempt, `session#random`: the owner that release checks |
+//!   | `why` | the reason given at acquisition |
+//!   | `when` | when it was taken, by the server's clock |
+//!   | `ts` | an `ObjectId` naming the request that took it (as in the seeds) |
+//!   | `token` | the fencing token, a 64-bit integer: `token + 1` on every grant |
+//!   | `expiresAt` | when the hold ends unless renewed, by the server's clock |
+//!   | `prev` | `state`, `session`, `who`, `why`, `token`, `expiresAt` of the hold the latest grant replaced |
+//!
+//! * `sessions`, one document per live session, `{_id: session id, ping}`,
+//!   pinged with the server's clock every renewal period (the seeds'
+//!   `config.lockpings`); a TTL index removes the documents of dead sessions
+//!   four days after their last ping (the seeds' clean-up). Lock documents are
+//!   never removed: deleting one would restart its token at 1.
+//!
+//! **Expiry is judged by the server's clock only** (invariant S6): every
+//! comparison is with `$$NOW` inside the server, never with the client's clock
+//! (the seeds compared their own clock with the config server's ping times and
+//! had to refuse takeovers on skew; dlock avoids the question).
+//!
+//! * **Take** is one `findOneAndUpdate` with `upsert: true` on `{_id: name}`
+//!   and a one-stage update pipeline: `$replaceWith` the document plus the new
+//!   holder (`token + 1`, `expiresAt = $$NOW + ttl`, `when = $$NOW`, ...) **if**
+//!   its `expiresAt` (missing = epoch) is `<= $$NOW`; if this attempt already
+//!   holds it (a retry after a lost reply) only `expiresAt` is extended to
+//!   `$$NOW + ttl`, since the core counts the grant's validity from the retry;
+//!   otherwise the document is left unchanged (a no-op that writes nothing).
+//!   The reply is the document after the update with `remaining = expiresAt −
+//!   $$NOW` projected in, so one round trip tells granted (our `who`), already
+//!   ours (same `who`, same token: the take is idempotent) or busy for
+//!   `remaining`.
+//!   The free-or-expired test lives in the pipeline rather than the filter
+//!   because **MongoDB refuses `$expr` in the filter of an upsert** (error 224),
+//!   and without `$expr` a filter cannot read `$$NOW`. A duplicate-key error
+//!   (11000) from the upsert — which the server normally retries itself for an
+//!   `_id`-only filter — means another client created the document first, and
+//!   is reported as busy.
+//! * **Takeover**: the seeds' "forcefully taking over" is now plain expiry. The
+//!   take copies the old holder into `prev`, and when a grant replaced a hold
+//!   that had expired without release it is logged at `info` with the old
+//!   holder's session, owner, reason and token.
+//! * **Release** (and renewal) are owner-checked: `_id` + `session` + `who` +
+//!   `token` and still live by `$$NOW` (S3). Release sets `state: 0`,
+//!   `expiresAt` to the epoch and removes `session`, `who` and `why`.
+//! * **Renewal**: every period, one `updateMany` extends all the session's live
+//!   holds the core names (`expiresAt = max(expiresAt, $$NOW + ttl)`), sent
+//!   together with the session's ping; a third request (a `find`) only follows
+//!   when some hold was not extended, to tell which. At most three requests,
+//!   two round trips of latency, per period whatever the number of locks.
+//! * **Wake-up**: where the deployment supports change streams (a replica set
+//!   or a sharded cluster, detected at connect with `hello`), each backend
+//!   keeps one change stream on the lock collection, filtered to events that
+//!   free a lock, and wakes this process's waiters of that name; a stream that
+//!   breaks is reopened after its last resume token, and waiters poll
+//!   meanwhile. Otherwise (a standalone server) waiters poll with a bounded
+//!   backoff (5 ms doubling to 100 ms). Either way a waiter also wakes when the
+//!   holder's `expiresAt` passes (the take reports the server-measured time
+//!   left), on the core's fallback timer, and at once when a lock is released
+//!   by this process. Not fair: whoever asks first after a release wins.
+//! * **Consistency**: every write uses write concern `majority`, every read read
+//!   concern `majority`, all on the primary, whatever the URL says — a grant
+//!   acknowledged by a primary that then loses an election must not be rolled
+//!   back, nor a read see a write that will be.
+//! * **Indexes** are created at connect if missing (by key): `locks.session`
+//!   (renewal, close) and the TTL index on `sessions.ping`.
+//!
+//! # URLs
+//!
+//! `mongodb://[user:pass@]host1[:port1][,host2...]/[authdb][?options]` and
+//! `mongodb+srv://user:pass@cluster.example.net/` — credentials, `authSource`,
+//! `tls`, `replicaSet`, timeouts and the rest as the driver parses them. dlock's
+//! own options (`dlock_db`, `dlock_locks`, `dlock_sessions`) are taken out
+//! first; see [`MongoOptions`]. Unless the URL sets `serverSelectionTimeoutMS`,
+//! dlock uses 5 s (the driver's default is 30 s). Passwords never appear in
+//! `Debug`, errors or logs.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), dlock_core::Error> {
+//! use dlock_core::{Backend, SessionOptions};
+//! let backend = dlock_mongo::MongoBackend::connect("mongodb://127.0.0.1:27017/?replicaSet=rs0").await?;
+//! let session = backend.session(SessionOptions::new()).await?;
+//! let guard = session.lock("jobs/import")?.why("nightly import").acquire().await?;
+//! guard.release().await?;
+//! # Ok(()) }
+//! ```
+//!
+//! # Guarantees and their limits
+//!
+//! * Mutual exclusion (S1) holds as long as the primary's clock runs at a sane
+//!   rate and a new primary's clock is not behind the old one's by more than
+//!   the session's drift margin: `expiresAt` is an absolute time written by one
+//!   primary and compared with `$$NOW` by the next.
+//! * Tokens (S2) are durable: they live in majority-committed, journaled
+//!   documents that are never deleted.
+//! * Recovery (L1): a crashed holder's lock is free `ttl` after its last
+//!   renewal reached the server; waiters notice at once (they wait for the
+//!   server-reported expiry), so the bound is one round trip.
+//!
+//! # What could not be verified here
+//!
+//! No MongoDB server is installable on the machine this adapter was written
+//! on, so it was written against the driver's source and MongoDB's manual, and
+//! only what needs no server is tested (`cargo test`: every filter, update,
+//! pipeline, projection and index as exact BSON; URL parsing, validation and
+//! redaction; reply interpretation; error mapping). The conformance suite is
+//! wired up (`tests/conformance.rs`, `DLOCK_TEST_MONGO_URL`) but was **skipped**
+//! here. Unverified against a real server, in particular:
+//!
+//! * that the take's `$replaceWith`/`$cond`/`$mergeObjects` pipeline is accepted
+//!   in a `findAndModify` upsert and is a true no-op (no write, no change
+//!   event) when the lock is busy;
+//! * that `$$NOW` in a `findAndModify` projection (`remaining`) is accepted
+//!   (documented for `find` projections since 4.4) and is the same instant as
+//!   in the update;
+//! * the change-stream `$match` on `updateDescription.updatedFields.state`, and
+//!   wake-up latency through it;
+//! * the idempotent index creation against existing, differently named
+//!   indexes;
+//! * error codes and labels seen during elections and shutdowns (mapped from
+//!   the driver's and server's documented codes);
+//! * behaviour through `mongos` and with `mongodb+srv` DNS records.
+
+mod notify;
+mod options;
+mod query;
+mod store;
+
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use dlock_core::backend::RawSession;
+use dlock_core::{
+    Backend, Error, FencingToken, LockInfo, LockName, SessionId, SessionOptions, name,
+};
+use futures::TryStreamExt;
+use mongodb::bson::{Bson, Document, doc};
+use mongodb::options::{
+    ClientOptions, CollectionOptions, ReadConcern, ReadPreference, ReturnDocument,
+    SelectionCriteria, WriteConcern,
+};
+use mongodb::{Client, Collection, IndexModel};
+
+use notify::Hub;
+pub use options::{DEFAULT_DATABASE, DEFAULT_LOCKS, DEFAULT_SESSIONS, MongoOptions};
+pub use query::SESSION_SWEEP;
+use store::{Class, classify, error_code, map_err, token_of};
+
+/// The URL scheme, as reported in errors and logs (also for `mongodb+srv`).
+pub(crate) const SCHEME: &str = "mongodb";
+
+/// The smallest TTL: the server's clock has millisecond resolution, and a
+/// majority write plus a renewal round must fit comfortably.
+pub const MIN_TTL: Duration = Duration::from_millis(100);
+
+/// The oldest server supported: MongoDB 4.4 (wire version 9), for update
+/// pipelines with `$$NOW` (4.2) and expressions in `findAndModify`
+/// projections (4.4).
+pub const MIN_WIRE_VERSION: i32 = 9;
+
+/// dlock's server-selection timeout when the URL sets none.
+const SERVER_SELECTION_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// What kind of deployment the backend talks to, as `hello` reported it at
+/// connect time. It decides how waiters wake.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Deployment {
+    /// One `mongod` without a replica set: no change streams; waiters poll.
+    Standalone,
+    /// A replica set (`hello` reports `setName`): change streams.
+    ReplicaSet,
+    /// A sharded cluster through `mongos` (`hello` says `isdbgrid`): change
+    /// streams.
+    Sharded,
+}
+
+impl Deployment {
+    /// Whether the deployment supports change streams.
+    pub fn has_change_streams(self) -> bool {
+        matches!(self, Deployment::ReplicaSet | Deployment::Sharded)
+    }
+
+    /// Reads a `hello` (or `isMaster`) reply.
+    fn from_hello(hello: &Document) -> Self {
+        if matches!(hello.get("msg"), Some(Bson::String(m)) if m == "isdbgrid") {
+            Deployment::Sharded
+        } else if hello.contains_key("setName") {
+            Deployment::ReplicaSet
+        } else {
+            Deployment::Standalone
+        }
+    }
+}
+
+/// A lock service on one MongoDB deployment (see the [crate docs](crate)).
+///
+/// Cheap to clone; clones share the driver's connection pool and the
+/// change stream.
+#[derive(Clone)]
+pub struct MongoBackend {
+    inner: Arc<Inner>,
+}
+
+pub(crate) struct Inner {
+    pub(crate) client: Client,
+    pub(crate) locks: Collection<Document>,
+    pub(crate) sessions: Collection<Document>,
+    pub(crate) hub: Arc<Hub>,
+    /// Whether the change stream is up (waiters rely on it rather than poll).
+    pub(crate) stream_live: Arc<AtomicBool>,
+    options: MongoOptions,
+    deployment: Deployment,
+    _watcher: Option<AbortOnDrop>,
+}
+
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+impl MongoBackend {
+    /// Connects to a `mongodb://` or `mongodb+srv://` URL (see the [crate
+    /// docs](crate)), checks the server version, creates the indexes if
+    /// missing and, where the deployment supports them, opens the wake-up
+    /// change stream.
+    ///
+    /// Errors: a malformed URL or an unknown scheme is [`Error::InvalidUrl`];
+    /// an unreachable server (after the server-selection timeout) is
+    /// [`Error::Unavailable`]; failed authentication or a server older than
+    /// 4.4 is [`Error::Backend`].
+    ///
+    /// # Cancel safety
+    /// Cancel safe: nothing is left behind but idempotently created indexes.
+    pub async fn connect(url: &str) -> Result<Self, Error> {
+        Self::with_options(MongoOptions::from_url(url)?).await
+    }
+
+    /// Connects with explicit options.
+    ///
+    /// # Cancel safety
+    /// Cancel safe, as [`MongoBackend::connect`].
+    pub async fn with_options(options: MongoOptions) -> Result<Self, Error> {
+        let url = options.driver_url();
+        let mut client_options = ClientOptions::parse(url).await.map_err(|e| {
+            if classify(&e) == Class::Transient {
+                // mongodb+srv: the DNS look-up failed.
+                map_err(e)
+            } else {
+                Error::invalid_url(url, options::scrub(&e.kind.to_string(), url))
+            }
+        })?;
+        if client_options.server_selection_timeout.is_none() {
+            client_options.server_selection_timeout = Some(SERVER_SELECTION_TIMEOUT);
+        }
+        if client_options.app_name.is_none() {
+            client_options.app_name = Some("dlock".to_owned());
+        }
+        let client = Client::with_options(client_options)
+            .map_err(|e| Error::invalid_url(url, options::scrub(&e.kind.to_string(), url)))?;
+        let hello = hello(&client).await?;
+        let wire = hello
+            .get("maxWireVersion")
+            .and_then(|v| store::int_of(Some(v)))
+            .unwrap_or(0);
+        if wire < i64::from(MIN_WIRE_VERSION) {
+            return Err(Error::backend(
+                SCHEME,
+                format!(
+                    "the server speaks wire version {wire}; dlock needs MongoDB 4.4 or newer \
+                     (wire version {MIN_WIRE_VERSION})"
+                ),
+            ));
+        }
+        let deployment = Deployment::from_hello(&hello);
+        let db = client.database(options.database());
+        let locks = db.collection_with_options::<Document>(options.locks(), collection_options());
+        let sessions =
+            db.collection_with_options::<Document>(options.sessions(), collection_options());
+        ensure_index(&locks, query::session_index()).await?;
+        ensure_index(&sessions, query::ping_index()).await?;
+        let hub = Arc::new(Hub::default());
+        let stream_live = Arc::new(AtomicBool::new(false));
+        let watcher = if deployment.has_change_streams() {
+            match notify::open(&locks, None).await {
+                Ok(stream) => {
+                    stream_live.store(true, Ordering::Release);
+                    Some(AbortOnDrop(tokio::spawn(notify::pump(
+                        locks.clone(),
+                        stream,
+                        Arc::downgrade(&hub),
+                        stream_live.clone(),
+                    ))))
+                }
+                Err(e) => {
+                    tracing::warn!(
+                        error = %e,
+                        "cannot open a change stream on the lock collection; waiters will poll"
+                    );
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        tracing::debug!(url = %options, ?deployment, "connected");
+        Ok(Self {
+            inner: Arc::new(Inner {
+                client,
+                locks,
+                sessions,
+                hub,
+                stream_live,
+                options,
+                deployment,
+                _watcher: watcher,
+            }),
+        })
+    }
+
+    /// The deployment kind detected at connect time.
+    pub fn deployment(&self) -> Deployment {
+        self.inner.deployment
+    }
+
+    /// Whether waiters are woken through a change stream right now (false on
+    /// a standalone server, or while a broken stream is being reopened).
+    pub fn change_streams(&self) -> bool {
+        self.inner.stream_live.load(Ordering::Acquire)
+    }
+
+    /// The options in use.
+    pub fn options(&self) -> &MongoOptions {
+        &self.inner.options
+    }
+
+    /// Lock documents under `prefix` that are currently held (free documents
+    /// are kept on purpose: they carry the token forward). For leak checks.
+    ///
+    /// # Cancel safety
+    /// Cancel safe (read-only).
+    pub async fn held_docs(&self, prefix: &str) -> Result<usize, Error> {
+        name::check_prefix(prefix)?;
+        let n = self
+            .inner
+            .locks
+            .count_documents(query::list_filter(prefix))
+            .await
+            .map_err(map_err)?;
+        Ok(usize::try_from(n).unwrap_or(usize::MAX))
+    }
+
+    fn info(&self, name: LockName, doc: &Document) -> Result<LockInfo, Error> {
+        let holder = match doc.get("session") {
+            Some(Bson::String(s)) => s.clone(),
+            _ => String::new(),
+        };
+        let mut info = LockInfo::new(name, holder, token_of(doc.get("token"))?);
+        info.why = match doc.get("why") {
+            Some(Bson::String(s)) => Some(s.clone()),
+            _ => None,
+        };
+        info.acquired_at = doc.get_datetime("when").ok().map(|d| d.to_system_time());
+        info.expires_at = doc
+            .get_datetime("expiresAt")
+            .ok()
+            .map(|d| d.to_system_time());
+        Ok(info)
+    }
+}
+
+fn collection_options() -> CollectionOptions {
+    CollectionOptions::builder()
+        .write_concern(WriteConcern::majority())
+        .read_concern(ReadConcern::majority())
+        .selection_criteria(SelectionCriteria::ReadPreference(ReadPreference::Primary))
+        .build()
+}
+
+/// `hello`, or `isMaster` on servers that do not know it.
+async fn hello(client: &Client) -> Result<Document, Error> {
+    let admin = client.database("admin");
+    match admin.run_command(doc! { "hello": 1 }).await {
+        Ok(reply) => Ok(reply),
+        Err(e) if error_code(&e) == Some(59) => admin
+            .run_command(doc! { "isMaster": 1 })
+            .await
+            .map_err(map_err),
+        Err(e) => Err(map_err(e)),
+    }
+}
+
+/// Creates `model` on `coll` unless an index on the same keys exists
+/// (whatever its name). Concurrent creators of the same index all succeed.
+async fn ensure_index(coll: &Collection<Document>, model: IndexModel) -> Result<(), Error> {
+    if let Some(found) = find_index(coll, &model).await? {
+        let want = model.options.as_ref().and_then(|o| o.expire_after);
+        let have = found.options.as_ref().and_then(|o| o.expire_after);
+        if want != have {
+            tracing::warn!(
+                collection = coll.name(),
+                keys = %model.keys,
+                ?want,
+                ?have,
+                "an index on these keys exists with another TTL; leaving it as it is"
+            );
+        }
+        return Ok(());
+    }
+    let Err(e) = coll.create_index(model.clone()).await else {
+        return Ok(());
+    };
+    // Another client may have created it meanwhile (or be building it).
+    if find_index(coll, &model).await?.is_some() {
+        return Ok(());
+    }
+    match error_code(&e) {
+        // IndexOptionsConflict, IndexKeySpecsConflict: someone else's index
+        // with our name; correctness does not depend on it.
+        Some(85 | 86) => {
+            tracing::warn!(collection = coll.name(), error = %e, "index not created");
+            Ok(())
+        }
+        _ => Err(map_err(e)),
+    }
+}
+
+/// The index on `model`'s keys, if `coll` has one.
+async fn find_index(
+    coll: &Collection<Document>,
+    model: &IndexModel,
+) -> Result<Option<IndexModel>, Error> {
+    let existing: Vec<IndexModel> = match coll.list_indexes().await {
+        Ok(cursor) => cursor.try_collect().await.map_err(map_err)?,
+        // NamespaceNotFound: the collection does not exist yet.
+        Err(e) if error_code(&e) == Some(26) => Vec::new(),
+        Err(e) => return Err(map_err(e)),
+    };
+    Ok(existing
+        .into_iter()
+        .find(|i| same_keys(&i.keys, &model.keys)))
+}
+
+/// Whether two index key patterns are the same: same fields in the same
+/// order, directions compared as numbers (the shell writes `1.0`, the driver
+/// `1`).
+fn same_keys(a: &Document, b: &Document) -> bool {
+    fn number(v: &Bson) -> Option<f64> {
+        match v {
+            Bson::Int32(n) => Some(f64::from(*n)),
+            Bson::Int64(n) => Some(*n as f64),
+            Bson::Double(d) => Some(*d),
+            _ => None,
+        }
+    }
+    a.len() == b.len()
+        && a.iter().zip(b.iter()).all(|((ka, va), (kb, vb))| {
+            ka == kb
+                && match (number(va), number(vb)) {
+                    (Some(x), Some(y)) => x == y,
+                    _ => va == vb,
+                }
+        })
+}
+
+impl fmt::Debug for MongoBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MongoBackend")
+            .field("url", &self.inner.options.to_string())
+            .field("database", &self.inner.options.database())
+            .field("locks", &self.inner.options.locks())
+            .field("sessions", &self.inner.options.sessions())
+            .field("deployment", &self.inner.deployment)
+            .finish()
+    }
+}
+
+#[async_trait]
+impl Backend for MongoBackend {
+    fn scheme(&self) -> &'static str {
+        SCHEME
+    }
+
+    fn min_ttl(&self) -> Duration {
+        MIN_TTL
+    }
+
+    async fn open(
+        &self,
+        id: SessionId,
+        options: &SessionOptions,
+    ) -> Result<Arc<dyn RawSession>, Error> {
+        Ok(Arc::new(
+            store::MongoSession::open(self.inner.clone(), id, options.ttl_value()).await?,
+        ))
+    }
+
+    /// `ping` on the `admin` database: one plain round trip.
+    async fn ping(&self) -> Result<(), Error> {
+        self.inner
+            .client
+            .database("admin")
+            .run_command(doc! { "ping": 1 })
+            .await
+            .map_err(map_err)?;
+        Ok(())
+    }
+
+    async fn inspect(&self, name: &LockName) -> Result<Option<LockInfo>, Error> {
+        let doc = self
+            .inner
+            .locks
+            .find_one(query::held_filter(name))
+            .projection(query::info_projection())
+            .await
+            .map_err(map_err)?;
+        doc.map(|d| self.info(name.clone(), &d)).transpose()
+    }
+
+    async fn list(&self, prefix: &str) -> Result<Vec<LockInfo>, Error> {
+        name::check_prefix(prefix)?;
+        let docs: Vec<Document> = self
+            .inner
+            .locks
+            .find(query::list_filter(prefix))
+            .sort(doc! { "_id": 1 })
+            .projection(query::info_projection())
+            .await
+            .map_err(map_err)?
+            .try_collect()
+            .await
+            .map_err(map_err)?;
+        docs.iter()
+            .map(|d| {
+                let name = match d.get("_id") {
+                    Some(Bson::String(s)) => LockName::new(s).ok(),
+                    _ => None,
+                }
+                .ok_or_else(|| {
+                    Error::protocol(
+                        SCHEME,
+                        format!(
+                            "invalid lock name {:?} in the lock collection",
+                            d.get("_id")
+                        ),
+                    )
+                })?;
+                self.info(name, d)
+            })
+            .collect()
+    }
+
+    async fn validate(&self, name: &LockName, token: FencingToken) -> Result<bool, Error> {
+        let found = self
+            .inner
+            .locks
+            .find_one(query::validate_filter(name, token.get()))
+            .projection(doc! { "_id": 1 })
+            .await
+            .map_err(map_err)?;
+        Ok(found.is_some())
+    }
+
+    async fn force_release(&self, name: &LockName) -> Result<bool, Error> {
+        let old = self
+            .inner
+            .locks
+            .find_one_and_update(query::held_filter(name), query::free_update())
+            .return_document(ReturnDocument::Before)
+            .projection(query::info_projection())
+            .await
+            .map_err(map_err)?;
+        let Some(old) = old else { return Ok(false) };
+        tracing::info!(
+            lock = %name,
+            old_session = ?old.get("session"),
+            old_token = ?old.get("token"),
+            old_why = ?old.get("why"),
+            "force-released"
+        );
+        self.inner.hub.wake(name.as_str());
+        Ok(true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn deployment_from_hello() {
+        assert_eq!(
+            Deployment::from_hello(&doc! { "isWritablePrimary": true, "maxWireVersion": 21 }),
+            Deployment::Standalone
+        );
+        assert_eq!(
+            Deployment::from_hello(&doc! { "setName": "rs0", "maxWireVersion": 21 }),
+            Deployment::ReplicaSet
+        );
+        assert_eq!(
+            Deployment::from_hello(&doc! { "msg": "isdbgrid", "maxWireVersion": 21 }),
+            Deployment::Sharded
+        );
+        assert!(!Deployment::Standalone.has_change_streams());
+        assert!(Deployment::ReplicaSet.has_change_streams());
+        assert!(Deployment::Sharded.has_change_streams());
+    }
+
+    #[test]
+    fn index_keys_compare_by_value() {
+        assert!(same_keys(&doc! { "session": 1 }, &doc! { "session": 1.0 }));
+        assert!(same_keys(&doc! { "ping": 1_i64 }, &doc! { "ping": 1 }));
+        assert!(!same_keys(&doc! { "ping": 1 }, &doc! { "ping": -1 }));
+        assert!(!same_keys(
+            &doc! { "a": 1, "b": 1 },
+            &doc! { "b": 1, "a": 1 }
+        ));
+        assert!(!same_keys(&doc! { "a": 1 }, &doc! { "a": 1, "b": 1 }));
+        assert!(!same_keys(&doc! { "a": "hashed" }, &doc! { "a": 1 }));
+    }
+
+    #[test]
+    fn collections_use_majority_on_the_primary() {
+        let o = collection_options();
+        assert_eq!(o.write_concern, Some(WriteConcern::majority()));
+        assert_eq!(
+            o.read_concern.map(|r| r.level),
+            Some(ReadConcern::majority().level)
+        );
+        assert!(matches!(
+            o.selection_criteria,
+            Some(SelectionCriteria::ReadPreference(ReadPreference::Primary))
+        ));
+    }
+
+    #[tokio::test]
+    async fn connect_refuses_bad_urls_before_any_network() {
+        for url in [
+            "redis://127.0.0.1:6379",
+            "mongodb://",
+            "mongodb://u:hunter2@h/?dlock_db=a.b",
+        ] {
+            let e = MongoBackend::connect(url).await.unwrap_err();
+            assert!(matches!(e, Error::InvalidUrl { .. }), "{url}: {e:?}");
+            assert!(!e.to_string().contains("hunter2"), "{e}");
+        }
+    }
+}

@@ -1,0 +1,648 @@
+//! The store primitives on MongoDB: sessions, attempts, error mapping.
+
+use std::collections::HashSet;
+use std::fmt;
+use std::future::IntoFuture;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use dlock_core::backend::{Attempt, Busy, ExpiryModel, Hold, RawSession, Take};
+use dlock_core::{Error, FencingToken, LockName, SessionId};
+use futures::TryStreamExt;
+use mongodb::bson::oid::ObjectId;
+use mongodb::bson::{Bson, Document};
+use mongodb::error::{ErrorKind, WriteFailure};
+use mongodb::options::ReturnDocument;
+use tokio::time::{Instant, sleep_until};
+
+use crate::notify::Subscription;
+use crate::query::{self, HoldRef, STATE_HELD, TakeSpec};
+use crate::{Inner, SCHEME};
+
+/// Polling bounds when the deployment has no change streams (or the stream is
+/// being reopened).
+pub(crate) const BACKOFF_MIN: Duration = Duration::from_millis(5);
+pub(crate) const BACKOFF_MAX: Duration = Duration::from_millis(100);
+
+/// Server error codes that mean "try again later": the node is not (or no
+/// longer) a writable primary, is shutting down or recovering, a network or
+/// time limit was hit, a write concern timed out, a write conflicted, or a
+/// majority snapshot is not there yet.
+const TRANSIENT_CODES: &[i32] = &[
+    6,     // HostUnreachable
+    7,     // HostNotFound
+    50,    // MaxTimeMSExpired
+    64,    // WriteConcernFailed (wtimeout: the outcome is unknown)
+    89,    // NetworkTimeout
+    91,    // ShutdownInProgress
+    112,   // WriteConflict
+    133,   // FailedToSatisfyReadPreference
+    134,   // ReadConcernMajorityNotAvailableYet
+    189,   // PrimarySteppedDown
+    202,   // NetworkInterfaceExceededTimeLimit
+    262,   // ExceededTimeLimit
+    9001,  // SocketException
+    10058, // LegacyNotPrimary
+    10107, // NotWritablePrimary
+    11600, // InterruptedAtShutdown
+    11602, // InterruptedDueToReplStateChange
+    13435, // NotPrimaryNoSecondaryOk
+    13436, // NotPrimaryOrSecondary
+];
+
+/// Labels the driver and server put on errors worth retrying.
+const TRANSIENT_LABELS: &[&str] = &[
+    mongodb::error::RETRYABLE_WRITE_ERROR,
+    mongodb::error::TRANSIENT_TRANSACTION_ERROR,
+    mongodb::error::RETRYABLE_ERROR,
+    mongodb::error::SYSTEM_OVERLOADED_ERROR,
+];
+
+/// Duplicate key: another client's upsert created the document first.
+pub(crate) const DUPLICATE_KEY: i32 = 11000;
+
+/// The server's error code, wherever the driver put it (command error, write
+/// error, write-concern error, or a wrapped source).
+pub(crate) fn error_code(e: &mongodb::error::Error) -> Option<i32> {
+    let own = match e.kind.as_ref() {
+        ErrorKind::Command(c) => Some(c.code),
+        ErrorKind::Write(WriteFailure::WriteError(w)) => Some(w.code),
+        ErrorKind::Write(WriteFailure::WriteConcernError(w)) => Some(w.code),
+        ErrorKind::InsertMany(m) => m
+            .write_errors
+            .as_ref()
+            .and_then(|w| w.first().map(|w| w.code))
+            .or_else(|| m.write_concern_error.as_ref().map(|w| w.code)),
+        _ => None,
+    };
+    own.or_else(|| {
+        std::error::Error::source(e)
+            .and_then(|s| s.downcast_ref::<mongodb::error::Error>())
+            .and_then(error_code)
+    })
+}
+
+/// How an error is to be treated, by meaning (rule 7 of the adapter contract).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Class {
+    /// Network, time-outs, elections, retryable labels: [`Error::Unavailable`].
+    Transient,
+    /// Bad configuration (TLS files, option values): [`Error::Config`].
+    Config,
+    /// A reply dlock cannot decode: [`Error::Protocol`].
+    Garbled,
+    /// Refused (auth, permissions, limits, validation): [`Error::Backend`].
+    Refused,
+}
+
+pub(crate) fn classify(e: &mongodb::error::Error) -> Class {
+    match e.kind.as_ref() {
+        ErrorKind::Io(_)
+        | ErrorKind::ConnectionPoolCleared { .. }
+        | ErrorKind::ServerSelection { .. }
+        | ErrorKind::DnsResolve { .. }
+        | ErrorKind::Shutdown => return Class::Transient,
+        ErrorKind::Authentication { .. } => return Class::Refused,
+        ErrorKind::InvalidTlsConfig { .. } | ErrorKind::InvalidArgument { .. } => {
+            return Class::Config;
+        }
+        ErrorKind::BsonDeserialization(_)
+        | ErrorKind::BsonSerialization(_)
+        | ErrorKind::InvalidResponse { .. }
+        | ErrorKind::MissingResumeToken => return Class::Garbled,
+        _ => {}
+    }
+    if TRANSIENT_LABELS.iter().any(|l| e.contains_label(l)) {
+        return Class::Transient;
+    }
+    match error_code(e) {
+        Some(code) if TRANSIENT_CODES.contains(&code) => Class::Transient,
+        _ => Class::Refused,
+    }
+}
+
+/// Maps a driver error to the meaning-based core error.
+pub(crate) fn map_err(e: mongodb::error::Error) -> Error {
+    match classify(&e) {
+        Class::Transient => Error::unavailable(SCHEME, e),
+        Class::Config => Error::Config(format!("{SCHEME}: {}", e.kind)),
+        Class::Garbled => Error::protocol(SCHEME, e.to_string()),
+        Class::Refused => Error::backend(SCHEME, e),
+    }
+}
+
+/// A positive token from a stored number.
+pub(crate) fn token_of(value: Option<&Bson>) -> Result<FencingToken, Error> {
+    let n = match value {
+        Some(Bson::Int64(n)) => Some(*n),
+        Some(Bson::Int32(n)) => Some(i64::from(*n)),
+        Some(Bson::Double(d)) if d.fract() == 0.0 && *d >= 1.0 && *d < 9.0e18 => Some(*d as i64),
+        _ => None,
+    };
+    n.and_then(|n| u64::try_from(n).ok())
+        .filter(|n| *n > 0)
+        .map(FencingToken::new)
+        .ok_or_else(|| {
+            Error::protocol(
+                SCHEME,
+                format!("token {value:?} in the lock document is not a positive integer"),
+            )
+        })
+}
+
+/// An integer stored as any BSON numeric type (milliseconds, versions).
+pub(crate) fn int_of(value: Option<&Bson>) -> Option<i64> {
+    match value? {
+        Bson::Int64(n) => Some(*n),
+        Bson::Int32(n) => Some(i64::from(*n)),
+        Bson::Double(d) if d.is_finite() => Some(*d as i64),
+        _ => None,
+    }
+}
+
+fn str_of<'a>(doc: &'a Document, key: &str) -> Option<&'a str> {
+    match doc.get(key) {
+        Some(Bson::String(s)) => Some(s),
+        _ => None,
+    }
+}
+
+/// What one take reply means.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum TakeReply {
+    /// The lock is this attempt's. `fresh`: granted by this very request.
+    Granted { token: FencingToken, fresh: bool },
+    /// Someone else holds it for `remaining` more (by the server's clock).
+    Busy { remaining: Duration },
+}
+
+/// Interprets the take's post-image (projected by [`query::take_projection`]).
+pub(crate) fn read_take(doc: &Document, owner: &str, ts: ObjectId) -> Result<TakeReply, Error> {
+    let remaining = int_of(doc.get("remaining"))
+        .ok_or_else(|| Error::protocol(SCHEME, "the take reply has no numeric `remaining`"))?;
+    if str_of(doc, "who") == Some(owner) && remaining > 0 {
+        let token = token_of(doc.get("token"))?;
+        let fresh = matches!(doc.get("ts"), Some(Bson::ObjectId(t)) if *t == ts);
+        return Ok(TakeReply::Granted { token, fresh });
+    }
+    Ok(TakeReply::Busy {
+        remaining: Duration::from_millis(remaining.max(0) as u64),
+    })
+}
+
+/// The previous holder in a fresh grant's `prev`, if the grant replaced a
+/// hold that had expired without release (the seeds' takeover).
+pub(crate) fn taken_over(doc: &Document) -> Option<&Document> {
+    let prev = doc.get_document("prev").ok()?;
+    let held = int_of(prev.get("state")) == Some(i64::from(STATE_HELD));
+    (held && prev.contains_key("who")).then_some(prev)
+}
+
+pub(crate) struct MongoSession {
+    inner: Arc<Inner>,
+    id: SessionId,
+    ttl: Duration,
+}
+
+impl MongoSession {
+    /// Creates the store side: the session's `sessions` document.
+    pub(crate) async fn open(
+        inner: Arc<Inner>,
+        id: SessionId,
+        ttl: Duration,
+    ) -> Result<Self, Error> {
+        let session = Self { inner, id, ttl };
+        session.ping().await?;
+        Ok(session)
+    }
+
+    async fn ping(&self) -> Result<(), Error> {
+        self.inner
+            .sessions
+            .update_one(query::ping_filter(self.id.as_str()), query::ping_update())
+            .upsert(true)
+            .await
+            .map_err(map_err)?;
+        Ok(())
+    }
+
+    fn refs<'a>(&self, holds: &'a [Hold]) -> Vec<HoldRef<'a>> {
+        holds
+            .iter()
+            .map(|h| HoldRef {
+                name: h.name.as_str(),
+                owner: &h.key,
+                token: h.token.get(),
+            })
+            .collect()
+    }
+}
+
+impl fmt::Debug for MongoSession {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MongoSession")
+            .field("id", &self.id)
+            .field("ttl", &self.ttl)
+            .finish()
+    }
+}
+
+#[async_trait]
+impl RawSession for MongoSession {
+    fn ttl(&self) -> Duration {
+        self.ttl
+    }
+
+    fn expiry(&self) -> ExpiryModel {
+        ExpiryModel::PerHold
+    }
+
+    async fn attempt(&self, name: &LockName, why: Option<&str>) -> Result<Box<dyn Attempt>, Error> {
+        Ok(Box::new(MongoAttempt {
+            subscription: self.inner.hub.subscribe(name.as_str()),
+            inner: self.inner.clone(),
+            session: self.id.clone(),
+            name: name.clone(),
+            owner: format!("{}#{:016x}", self.id, rand::random::<u64>()),
+            why: why.map(str::to_owned),
+            ttl: self.ttl,
+            sent: false,
+            backoff: BACKOFF_MIN,
+        }))
+    }
+
+    async fn renew(&self, holds: &[Hold]) -> Result<Vec<bool>, Error> {
+        if holds.is_empty() {
+            self.ping().await?;
+            return Ok(Vec::new());
+        }
+        let refs = self.refs(holds);
+        let filter = query::renew_filter(self.id.as_str(), &refs);
+        let extend = self
+            .inner
+            .locks
+            .update_many(filter.clone(), query::renew_update(self.ttl))
+            .into_future();
+        // The heartbeat and the extension go out together: one round trip of
+        // latency, two requests, whatever the number of holds.
+        let (ping, extended) = futures::join!(self.ping(), extend);
+        let extended = extended.map_err(map_err)?;
+        if let Err(e) = ping {
+            // The holds' own `expiresAt` is what protects them; the ping only
+            // keeps the session's document (for operators and the sweep).
+            tracing::warn!(session = %self.id, error = %e, "session ping failed");
+        }
+        let distinct: HashSet<&str> = refs.iter().map(|r| r.name).collect();
+        if extended.matched_count == holds.len() as u64 && distinct.len() == holds.len() {
+            // Each `$or` branch matches at most one document (`_id`), so
+            // every hold matched.
+            return Ok(vec![true; holds.len()]);
+        }
+        // Some were lost: find out which are still ours (those that matched
+        // were just extended, so they are still live now).
+        let live: HashSet<(String, String, u64)> = self
+            .inner
+            .locks
+            .find(filter)
+            .projection(query::hold_projection())
+            .await
+            .map_err(map_err)?
+            .try_collect::<Vec<Document>>()
+            .await
+            .map_err(map_err)?
+            .iter()
+            .filter_map(|d| {
+                let name = str_of(d, "_id")?.to_owned();
+                let who = str_of(d, "who")?.to_owned();
+                let token = token_of(d.get("token")).ok()?.get();
+                Some((name, who, token))
+            })
+            .collect();
+        Ok(holds
+            .iter()
+            .map(|h| live.contains(&(h.name.to_string(), h.key.clone(), h.token.get())))
+            .collect())
+    }
+
+    async fn release(&self, hold: &Hold) -> Result<(), Error> {
+        let done = self
+            .inner
+            .locks
+            .update_one(
+                query::release_filter(&hold.name, self.id.as_str(), &hold.key, hold.token.get()),
+                query::free_update(),
+            )
+            .await
+            .map_err(map_err)?;
+        if done.matched_count == 0 {
+            return Err(Error::NotHeld {
+                name: hold.name.to_string(),
+            });
+        }
+        self.inner.hub.wake(hold.name.as_str());
+        Ok(())
+    }
+
+    async fn close(&self, holds: &[Hold]) -> Result<(), Error> {
+        self.inner
+            .locks
+            .update_many(
+                query::session_filter(self.id.as_str()),
+                query::free_update(),
+            )
+            .await
+            .map_err(map_err)?;
+        for hold in holds {
+            self.inner.hub.wake(hold.name.as_str());
+        }
+        self.inner
+            .sessions
+            .delete_one(query::ping_filter(self.id.as_str()))
+            .await
+            .map_err(map_err)?;
+        Ok(())
+    }
+}
+
+/// One try to take one lock. There is no queue: a busy attempt waits for a
+/// change-stream event (or polls) and tries again.
+struct MongoAttempt {
+    inner: Arc<Inner>,
+    session: SessionId,
+    name: LockName,
+    /// This attempt's identity in the `who` field.
+    owner: String,
+    why: Option<String>,
+    ttl: Duration,
+    subscription: Subscription,
+    /// Whether a take was sent (so a grant may exist that abandon must free).
+    sent: bool,
+    backoff: Duration,
+}
+
+impl fmt::Debug for MongoAttempt {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MongoAttempt")
+            .field("name", &self.name)
+            .field("owner", &self.owner)
+            .finish()
+    }
+}
+
+#[async_trait]
+impl Attempt for MongoAttempt {
+    async fn try_take(&mut self) -> Result<Take, Error> {
+        self.sent = true;
+        let ts = ObjectId::new();
+        let spec = TakeSpec {
+            session: self.session.as_str(),
+            owner: &self.owner,
+            why: self.why.as_deref(),
+            ts,
+            ttl: self.ttl,
+        };
+        let reply = self
+            .inner
+            .locks
+            .find_one_and_update(query::take_filter(&self.name), query::take_update(&spec))
+            .upsert(true)
+            .return_document(ReturnDocument::After)
+            .projection(query::take_projection())
+            .await;
+        let doc = match reply {
+            Ok(Some(doc)) => doc,
+            // The server retries an `_id`-only upsert that loses an insert
+            // race itself; should one still surface, another client won.
+            Err(e) if error_code(&e) == Some(DUPLICATE_KEY) => {
+                return Ok(Take::Busy(Busy {
+                    retry_after: Some(Duration::ZERO),
+                }));
+            }
+            Err(e) => return Err(map_err(e)),
+            Ok(None) => {
+                return Err(Error::protocol(
+                    SCHEME,
+                    "an upserting findAndModify returned no document",
+                ));
+            }
+        };
+        match read_take(&doc, &self.owner, ts)? {
+            TakeReply::Granted { token, fresh } => {
+                if fresh && let Some(prev) = taken_over(&doc) {
+                    tracing::info!(
+                        lock = %self.name,
+                        token = %token,
+                        old_session = str_of(prev, "session").unwrap_or(""),
+                        old_who = str_of(prev, "who").unwrap_or(""),
+                        old_why = str_of(prev, "why").unwrap_or(""),
+                        old_token = ?int_of(prev.get("token")),
+                        "took over a lock whose holder let it expire"
+                    );
+                }
+                Ok(Take::Granted(Hold {
+                    name: self.name.clone(),
+                    token,
+                    key: self.owner.clone(),
+                }))
+            }
+            TakeReply::Busy { remaining } => Ok(Take::Busy(Busy {
+                retry_after: Some(remaining),
+            })),
+        }
+    }
+
+    async fn wait(&mut self, until: Instant) -> Result<(), Error> {
+        let until = if self.inner.stream_live.load(Ordering::Acquire) {
+            until
+        } else {
+            let polled = Instant::now() + self.backoff;
+            self.backoff = (self.backoff * 2).min(BACKOFF_MAX);
+            until.min(polled)
+        };
+        tokio::select! {
+            _ = self.subscription.notified() => {}
+            _ = sleep_until(until) => {}
+        }
+        Ok(())
+    }
+
+    async fn abandon(self: Box<Self>) -> Result<(), Error> {
+        let MongoAttempt {
+            inner,
+            name,
+            owner,
+            subscription,
+            sent,
+            ..
+        } = *self;
+        drop(subscription);
+        if !sent {
+            return Ok(());
+        }
+        let done = inner
+            .locks
+            .update_one(query::abandon_filter(&name, &owner), query::free_update())
+            .await
+            .map_err(map_err)?;
+        if done.matched_count > 0 {
+            inner.hub.wake(name.as_str());
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mongodb::bson::doc;
+
+    #[test]
+    fn tokens_are_read_strictly() {
+        assert_eq!(token_of(Some(&Bson::Int64(7))).unwrap().get(), 7);
+        assert_eq!(token_of(Some(&Bson::Int32(3))).unwrap().get(), 3);
+        assert_eq!(token_of(Some(&Bson::Double(4.0))).unwrap().get(), 4);
+        for bad in [
+            None,
+            Some(Bson::Int64(0)),
+            Some(Bson::Int64(-1)),
+            Some(Bson::Double(1.5)),
+            Some(Bson::String("1".into())),
+            Some(Bson::Null),
+        ] {
+            assert!(
+                matches!(token_of(bad.as_ref()), Err(Error::Protocol { .. })),
+                "{bad:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn take_replies() {
+        let ts = ObjectId::new();
+        let other_ts = ObjectId::new();
+        let mine =
+            doc! { "state": 2, "who": "s#1", "ts": ts, "token": 5_i64, "remaining": 900_i64 };
+        assert_eq!(
+            read_take(&mine, "s#1", ts).unwrap(),
+            TakeReply::Granted {
+                token: FencingToken::new(5),
+                fresh: true
+            }
+        );
+        // A retry after a lost reply finds its own grant: same token.
+        assert_eq!(
+            read_take(&mine, "s#1", other_ts).unwrap(),
+            TakeReply::Granted {
+                token: FencingToken::new(5),
+                fresh: false
+            }
+        );
+        // Someone else's: busy for the server-measured remainder.
+        assert_eq!(
+            read_take(&mine, "s#2", other_ts).unwrap(),
+            TakeReply::Busy {
+                remaining: Duration::from_millis(900)
+            }
+        );
+        let expired_mine = doc! { "who": "s#1", "token": 5_i64, "remaining": -3_i64 };
+        assert_eq!(
+            read_take(&expired_mine, "s#1", ts).unwrap(),
+            TakeReply::Busy {
+                remaining: Duration::ZERO
+            }
+        );
+        // $subtract of two dates may come back as a 32-bit or a double.
+        let int32 = doc! { "who": "x", "token": 1_i64, "remaining": 40_i32 };
+        assert_eq!(
+            read_take(&int32, "s#1", ts).unwrap(),
+            TakeReply::Busy {
+                remaining: Duration::from_millis(40)
+            }
+        );
+        assert!(matches!(
+            read_take(&doc! { "who": "s#1", "token": 1_i64 }, "s#1", ts),
+            Err(Error::Protocol { .. })
+        ));
+        assert!(matches!(
+            read_take(
+                &doc! { "who": "s#1", "token": "x", "remaining": 5_i64 },
+                "s#1",
+                ts
+            ),
+            Err(Error::Protocol { .. })
+        ));
+    }
+
+    #[test]
+    fn takeover_is_detected_from_prev() {
+        let expired = doc! { "prev": { "state": 2, "session": "a", "who": "a#1", "why": "w", "token": 4_i64 } };
+        let prev = taken_over(&expired).unwrap();
+        assert_eq!(prev.get_str("who").unwrap(), "a#1");
+        // A lock that had been released, or never taken, is not a takeover.
+        assert!(taken_over(&doc! { "prev": { "state": 0, "token": 4_i64 } }).is_none());
+        assert!(taken_over(&doc! { "prev": {} }).is_none());
+        assert!(taken_over(&doc! {}).is_none());
+    }
+
+    fn command_error(code: i32) -> mongodb::error::Error {
+        // The driver builds command errors from server replies; so do we.
+        let reply = doc! { "ok": 0, "code": code, "codeName": "X", "errmsg": "m" };
+        let err: mongodb::error::CommandError = mongodb::bson::from_document(reply).unwrap();
+        mongodb::error::Error::from(ErrorKind::Command(err))
+    }
+
+    fn write_concern_error(code: i32, labels: &[&str]) -> mongodb::error::Error {
+        let reply = doc! { "code": code, "codeName": "X", "errmsg": "m", "errorLabels": labels };
+        let err: mongodb::error::WriteConcernError = mongodb::bson::from_document(reply).unwrap();
+        mongodb::error::Error::from(ErrorKind::Write(WriteFailure::WriteConcernError(err)))
+    }
+
+    fn write_error(code: i32) -> mongodb::error::Error {
+        let reply = doc! { "code": code, "errmsg": "m" };
+        let err: mongodb::error::WriteError = mongodb::bson::from_document(reply).unwrap();
+        mongodb::error::Error::from(ErrorKind::Write(WriteFailure::WriteError(err)))
+    }
+
+    #[test]
+    fn errors_map_by_meaning() {
+        use std::io;
+        for kind in [io::ErrorKind::ConnectionRefused, io::ErrorKind::TimedOut] {
+            let e = mongodb::error::Error::from(io::Error::from(kind));
+            assert_eq!(classify(&e), Class::Transient);
+            assert!(map_err(e).is_retryable());
+        }
+        // Not writable primary, shutting down, elections, wtimeout, conflicts.
+        for code in [10107, 13435, 11600, 11602, 189, 91, 64, 112, 50, 9001] {
+            let e = command_error(code);
+            assert_eq!(classify(&e), Class::Transient, "{code}");
+            assert!(matches!(map_err(e), Error::Unavailable { .. }), "{code}");
+        }
+        // Unauthorized, auth failed, bad value, duplicate key, validation.
+        for code in [13, 18, 2, 11000, 121] {
+            let e = command_error(code);
+            assert_eq!(classify(&e), Class::Refused, "{code}");
+            assert!(matches!(map_err(e), Error::Backend { .. }), "{code}");
+        }
+        // Codes are found in write errors and write-concern errors too.
+        assert_eq!(error_code(&command_error(11000)), Some(11000));
+        assert_eq!(error_code(&write_error(11000)), Some(11000));
+        assert_eq!(classify(&write_error(11000)), Class::Refused);
+        assert_eq!(error_code(&write_concern_error(64, &[])), Some(64));
+        assert_eq!(classify(&write_concern_error(64, &[])), Class::Transient);
+        // Labels decide even for codes dlock does not know.
+        let labelled = write_concern_error(4242, &["RetryableWriteError"]);
+        assert!(labelled.contains_label("RetryableWriteError"));
+        assert_eq!(classify(&labelled), Class::Transient);
+        assert_eq!(classify(&write_concern_error(4242, &[])), Class::Refused);
+
+        let shutdown = mongodb::error::Error::from(ErrorKind::Shutdown);
+        assert!(matches!(map_err(shutdown), Error::Unavailable { .. }));
+        let garbled = mongodb::error::Error::from(ErrorKind::MissingResumeToken);
+        assert!(matches!(map_err(garbled), Error::Protocol { .. }));
+        let bad_bson = mongodb::bson::from_document::<String>(doc! {}).unwrap_err();
+        let garbled = mongodb::error::Error::from(bad_bson);
+        assert!(matches!(map_err(garbled), Error::Protocol { .. }));
+    }
+}

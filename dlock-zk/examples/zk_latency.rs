@@ -46,7 +46,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let persistent = zk::CreateMode::Persistent.with_acls(zk::Acls::anyone_all());
     raw.mkdir("/dlock-bench-raw", &persistent).await?;
     let ephemeral = zk::CreateMode::EphemeralSequential.with_acls(zk::Acls::anyone_all());
-    let (mut ours, mut raws) = (Vec::new(), Vec::new());
+    raw.mkdir("/dlock-bench-native", &persistent).await?;
+    let (mut ours, mut raws, mut recipe) = (Vec::new(), Vec::new(), Vec::new());
     for i in 0..cycles + 100 {
         let start = Instant::now();
         lock.acquire().await?.release().await?;
@@ -56,28 +57,43 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         raw.delete(&format!("/dlock-bench-raw/n-{seq}"), None)
             .await?;
         let r = start.elapsed();
+        let start = Instant::now();
+        let prefix = zk::LockPrefix::new_curator("/dlock-bench-native", "uncontended-")?;
+        let held = raw
+            .lock(prefix, b"", zk::LockOptions::new(zk::Acls::anyone_all()))
+            .await?;
+        let path = held.lock_path().to_owned();
+        std::mem::forget(held);
+        raw.delete(&path, None).await?;
+        let n = start.elapsed();
         if i >= 100 {
             ours.push(d);
             raws.push(r);
+            recipe.push(n);
         }
     }
     let (o50, o99) = percentiles(&mut ours);
     let (r50, r99) = percentiles(&mut raws);
-    println!("| zk {hosts} | cycles | p50 | p99 |");
-    println!("|---|---|---|---|");
+    let (n50, n99) = percentiles(&mut recipe);
+    let ratio = |d: Duration| d.as_secs_f64() / r50.as_secs_f64();
+    println!("| zk {hosts}, uncontended | cycles | p50 | p99 | ×raw p50 |");
+    println!("|---|---|---|---|---|");
     println!(
-        "| dlock acquire+release | {cycles} | {} | {} |",
+        "| dlock acquire+release | {cycles} | {} | {} | {:.2}× |",
         us(o50),
-        us(o99)
+        us(o99),
+        ratio(o50)
     );
     println!(
-        "| raw create ephemeral-sequential + delete | {cycles} | {} | {} |",
+        "| zookeeper-client recipe lock + delete | {cycles} | {} | {} | {:.2}× |",
+        us(n50),
+        us(n99),
+        ratio(n50)
+    );
+    println!(
+        "| raw create ephemeral-sequential + delete | {cycles} | {} | {} | 1.00× |",
         us(r50),
         us(r99)
-    );
-    println!(
-        "| ratio p50 | | {:.2}× | |",
-        o50.as_secs_f64() / r50.as_secs_f64()
     );
     session.close().await?;
 

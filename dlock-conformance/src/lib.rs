@@ -55,6 +55,7 @@ pub mod cases;
 pub mod checker;
 pub mod faults;
 mod harness;
+pub mod services;
 
 use std::future::Future;
 use std::io::Write;
@@ -103,7 +104,7 @@ where
 }
 
 /// Writes past the test harness's output capture, so a skip is always seen.
-fn loud(line: &str) {
+pub(crate) fn loud(line: &str) {
     let _ = writeln!(std::io::stderr().lock(), "{line}");
 }
 

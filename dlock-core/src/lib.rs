@@ -62,6 +62,7 @@ mod renew;
 mod session;
 mod token;
 pub mod url;
+pub mod wake;
 
 pub use backend::Backend;
 pub use error::{BoxError, Error, Result};

@@ -5,33 +5,18 @@
 //! Runs in its own test binary (cargo runs binaries one after another), so
 //! no other test uses the cluster while a member is down.
 
-use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
 use dlock_conformance::checker::{FencedRegister, History, Op, Phase};
+use dlock_conformance::services;
 use dlock_core::{Backend, SessionOptions};
 use dlock_etcd::EtcdBackend;
 use tokio::time::Instant;
 
-fn services(args: &[&str]) -> String {
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/services");
-    let out = Command::new(script)
-        .args(args)
-        .output()
-        .expect("run scripts/services");
-    assert!(
-        out.status.success(),
-        "scripts/services {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).trim().to_owned()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leader_kill_with_a_held_lock_and_waiters() {
-    if std::env::var("DLOCK_TEST_SKIP").is_ok_and(|v| v.split(',').any(|s| s == "etcd-cluster")) {
-        eprintln!("SKIPPED etcd-cluster failover: DLOCK_TEST_SKIP names etcd-cluster");
+    if services::skipped("etcd-cluster", "leader_kill_with_a_held_lock_and_waiters") {
         return;
     }
     let url = std::env::var("DLOCK_TEST_ETCD_CLUSTER_URL")
@@ -84,11 +69,11 @@ async fn leader_kill_with_a_held_lock_and_waiters() {
         }
     }
 
-    let leader = services(&["leader", "etcd-cluster"]);
+    let leader = services::run(&["leader", "etcd-cluster"]);
     assert!(leader.starts_with("etcd-c"), "leader: {leader:?}");
     let killed = Instant::now();
-    services(&["kill", &leader]);
-    let _restore = Restore(leader.clone());
+    services::run(&["kill", &leader]);
+    let _restore = services::Restore(leader.clone());
     // Recovery: a write (a lease grant) through the surviving members
     // succeeds again.
     loop {
@@ -133,13 +118,4 @@ async fn leader_kill_with_a_held_lock_and_waiters() {
     register.check().unwrap();
     history.check().unwrap();
     assert_eq!(register.accepted(), 5);
-}
-
-/// Brings the killed member back even if an assertion failed.
-struct Restore(String);
-
-impl Drop for Restore {
-    fn drop(&mut self) {
-        services(&["up", &self.0]);
-    }
 }

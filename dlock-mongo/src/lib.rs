@@ -159,7 +159,7 @@ use mongodb::options::{
 };
 use mongodb::{Client, Collection, IndexModel};
 
-use notify::Hub;
+use dlock_core::wake::WakeHub;
 pub use options::{DEFAULT_DATABASE, DEFAULT_LOCKS, DEFAULT_SESSIONS, MongoOptions};
 pub use query::SESSION_SWEEP;
 use store::{Class, classify, error_code, map_err, token_of};
@@ -224,7 +224,7 @@ pub(crate) struct Inner {
     pub(crate) client: Client,
     pub(crate) locks: Collection<Document>,
     pub(crate) sessions: Collection<Document>,
-    pub(crate) hub: Arc<Hub>,
+    pub(crate) hub: Arc<WakeHub>,
     /// Whether the change stream is up (waiters rely on it rather than poll).
     pub(crate) stream_live: Arc<AtomicBool>,
     options: MongoOptions,
@@ -300,7 +300,7 @@ impl MongoBackend {
             db.collection_with_options::<Document>(options.sessions(), collection_options());
         ensure_index(&locks, query::session_index()).await?;
         ensure_index(&sessions, query::ping_index()).await?;
-        let hub = Arc::new(Hub::default());
+        let hub = Arc::new(WakeHub::default());
         let stream_live = Arc::new(AtomicBool::new(false));
         let watcher = if deployment.has_change_streams() {
             match notify::open(&locks, None).await {
@@ -599,7 +599,7 @@ impl Backend for MongoBackend {
             old_why = ?old.get("why"),
             "force-released"
         );
-        self.inner.hub.wake(name.as_str());
+        self.inner.hub.wake_all(name.as_str());
         Ok(true)
     }
 }

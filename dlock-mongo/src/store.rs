@@ -17,9 +17,9 @@ use mongodb::error::{ErrorKind, WriteFailure};
 use mongodb::options::ReturnDocument;
 use tokio::time::{Instant, sleep_until};
 
-use crate::notify::Subscription;
 use crate::query::{self, HoldRef, STATE_HELD, TakeSpec};
 use crate::{Inner, SCHEME};
+use dlock_core::wake::Waiter;
 
 /// Polling bounds when the deployment has no change streams (or the stream is
 /// being reopened).
@@ -341,7 +341,7 @@ impl RawSession for MongoSession {
                 name: hold.name.to_string(),
             });
         }
-        self.inner.hub.wake(hold.name.as_str());
+        self.inner.hub.wake_all(hold.name.as_str());
         Ok(())
     }
 
@@ -355,7 +355,7 @@ impl RawSession for MongoSession {
             .await
             .map_err(map_err)?;
         for hold in holds {
-            self.inner.hub.wake(hold.name.as_str());
+            self.inner.hub.wake_all(hold.name.as_str());
         }
         self.inner
             .sessions
@@ -376,7 +376,7 @@ struct MongoAttempt {
     owner: String,
     why: Option<String>,
     ttl: Duration,
-    subscription: Subscription,
+    subscription: Waiter,
     /// Whether a take was sent (so a grant may exist that abandon must free).
     sent: bool,
     backoff: Duration,
@@ -487,7 +487,7 @@ impl Attempt for MongoAttempt {
             .await
             .map_err(map_err)?;
         if done.matched_count > 0 {
-            inner.hub.wake(name.as_str());
+            inner.hub.wake_all(name.as_str());
         }
         Ok(())
     }

@@ -1,16 +1,15 @@
 //! One Redis server: a multiplexed command connection (reconnecting), one
 //! shared pub/sub connection for wake-ups, and the scripted operations.
 
-use std::collections::HashMap;
 use std::fmt;
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use dlock_core::wake::{Waiter, WakeHub};
 use dlock_core::{Error, FencingToken, LockInfo, LockName};
 use futures::StreamExt;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig, PubSubSink};
 use redis::{Client, RedisError};
-use tokio::sync::Notify;
 
 use crate::script;
 
@@ -390,7 +389,8 @@ struct Subscriptions {
     client: Client,
     /// The sink of the live connection, if any.
     state: tokio::sync::Mutex<Option<PubSubSink>>,
-    waiters: Mutex<HashMap<String, Vec<Weak<Notify>>>>,
+    /// The waiters per channel (dlock-core's wake-up plumbing).
+    waiters: Arc<WakeHub>,
     /// The task reading the live connection; aborted with the hub.
     reader: Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
@@ -405,33 +405,31 @@ impl Drop for Subscriptions {
 
 /// A waiter's registration; unsubscribes the channel when the last one goes.
 pub(crate) struct Subscription {
-    pub(crate) notify: Arc<Notify>,
-    channel: String,
+    /// `Some` until dropped.
+    waiter: Option<Waiter>,
     subs: Arc<Subscriptions>,
+}
+
+impl Subscription {
+    /// Resolves at the next release notification on the channel.
+    pub(crate) async fn notified(&self) {
+        if let Some(w) = &self.waiter {
+            w.notified().await;
+        }
+    }
 }
 
 impl Drop for Subscription {
     fn drop(&mut self) {
-        let last = {
-            let mut map = self.subs.waiters.lock().unwrap();
-            let list = map.entry(self.channel.clone()).or_default();
-            list.retain(|w| {
-                w.strong_count() > 0 && !std::ptr::eq(w.as_ptr(), Arc::as_ptr(&self.notify))
-            });
-            // This waiter may have been the one woken for a release it will
-            // now never act on: pass the wake-up on (a spurious one is cheap).
-            if let Some(next) = list.iter().find_map(Weak::upgrade) {
-                next.notify_one();
-            }
-            let empty = list.is_empty();
-            if empty {
-                map.remove(&self.channel);
-            }
-            empty
+        let Some(waiter) = self.waiter.take() else {
+            return;
         };
-        if last && let Ok(rt) = tokio::runtime::Handle::try_current() {
+        let channel = waiter.key().to_owned();
+        drop(waiter);
+        if !self.subs.waiters.has_waiters(&channel)
+            && let Ok(rt) = tokio::runtime::Handle::try_current()
+        {
             let subs = self.subs.clone();
-            let channel = self.channel.clone();
             rt.spawn(async move { subs.unsubscribe_if_unused(&channel).await });
         }
     }
@@ -442,23 +440,15 @@ impl Subscriptions {
         Self {
             client,
             state: tokio::sync::Mutex::new(None),
-            waiters: Mutex::new(HashMap::new()),
+            waiters: Arc::default(),
             reader: Mutex::new(None),
         }
     }
 
     async fn subscribe(self: Arc<Self>, channel: &str) -> Result<Subscription, Error> {
-        let notify = Arc::new(Notify::new());
-        let first = {
-            let mut map = self.waiters.lock().unwrap();
-            let list = map.entry(channel.to_owned()).or_default();
-            list.retain(|w| w.strong_count() > 0);
-            list.push(Arc::downgrade(&notify));
-            list.len() == 1
-        };
+        let first = !self.waiters.has_waiters(channel);
         let subscription = Subscription {
-            notify,
-            channel: channel.to_owned(),
+            waiter: Some(self.waiters.subscribe(channel)),
             subs: self.clone(),
         };
         let mut state = self.state.lock().await;
@@ -477,7 +467,7 @@ impl Subscriptions {
     }
 
     fn channels(&self) -> Vec<String> {
-        self.waiters.lock().unwrap().keys().cloned().collect()
+        self.waiters.keys()
     }
 
     /// Opens a pub/sub connection subscribed to every channel with waiters
@@ -495,7 +485,9 @@ impl Subscriptions {
             let reader = tokio::spawn(async move {
                 while let Some(msg) = stream.next().await {
                     let Some(subs) = weak.upgrade() else { return };
-                    subs.wake(msg.get_channel_name());
+                    // One waiter per release in this process (no herd); if it
+                    // loses the race, the winner's release wakes the next.
+                    subs.waiters.wake_first(msg.get_channel_name());
                 }
                 // Connection lost: reconnect and resubscribe while anyone waits;
                 // waiters fall back to their timers meanwhile.
@@ -526,24 +518,11 @@ impl Subscriptions {
         })
     }
 
-    /// Wakes the longest-waiting live waiter of `channel` in this process:
-    /// one per release (no herd, L6); if it loses the race to another
-    /// process, that holder's release wakes the next one.
-    fn wake(&self, channel: &str) {
-        let map = self.waiters.lock().unwrap();
-        if let Some(first) = map
-            .get(channel)
-            .and_then(|l| l.iter().find_map(Weak::upgrade))
-        {
-            first.notify_one();
-        }
-    }
-
     async fn unsubscribe_if_unused(&self, channel: &str) {
         // Checked under the connection lock: a subscriber that registers
         // after this check subscribes again once it gets the lock.
         let mut state = self.state.lock().await;
-        if self.waiters.lock().unwrap().contains_key(channel) {
+        if self.waiters.has_waiters(channel) {
             return;
         }
         if let Some(sink) = state.as_mut()

@@ -273,8 +273,7 @@ impl Attempt for RedisAttempt {
             sleep_until(until).await;
             return Ok(());
         }
-        let notified =
-            futures::future::select_all(subs.iter().map(|s| Box::pin(s.notify.notified())));
+        let notified = futures::future::select_all(subs.iter().map(|s| Box::pin(s.notified())));
         tokio::select! {
             _ = notified => {}
             _ = sleep_until(until) => {}

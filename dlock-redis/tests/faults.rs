@@ -6,36 +6,15 @@
 //! its tests take a process-wide lock, so servers restart only while nothing
 //! else uses them.
 
-use std::process::Command;
 use std::time::Duration;
 
+use dlock_conformance::services;
 use dlock_core::{Backend, LostReason, SessionOptions};
 use dlock_redis::RedisBackend;
 use tokio::time::Instant;
 
 /// One fault test at a time: they restart shared servers.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-fn services(args: &[&str]) {
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/services");
-    let out = Command::new(script)
-        .args(args)
-        .output()
-        .expect("run scripts/services");
-    assert!(
-        out.status.success(),
-        "scripts/services {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-fn skip(store: &str) -> bool {
-    let skipped = std::env::var("DLOCK_TEST_SKIP").is_ok_and(|v| v.split(',').any(|s| s == store));
-    if skipped {
-        eprintln!("SKIPPED {store} fault test: DLOCK_TEST_SKIP names {store}");
-    }
-    skipped
-}
 
 fn redis_url() -> String {
     std::env::var("DLOCK_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:16379".into())
@@ -60,7 +39,7 @@ fn unique(what: &str) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tokens_survive_restart_without_persistence() {
     let _serial = SERIAL.lock().await;
-    if skip("redis") {
+    if services::skipped("redis", "fault test") {
         return;
     }
     let name = unique("restart");
@@ -74,10 +53,10 @@ async fn tokens_survive_restart_without_persistence() {
         g.release().await.unwrap();
         session.close().await.unwrap();
         if step == "restart" {
-            services(&["restart", "redis"]);
+            services::run(&["restart", "redis"]);
         } else {
-            services(&["kill", "redis"]);
-            services(&["up", "redis"]);
+            services::run(&["kill", "redis"]);
+            services::run(&["up", "redis"]);
         }
     }
     let backend = RedisBackend::connect(&redis_url())
@@ -98,7 +77,7 @@ async fn tokens_survive_restart_without_persistence() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn majority_down_fails_then_recovers() {
     let _serial = SERIAL.lock().await;
-    if skip("redlock") {
+    if services::skipped("redlock", "fault test") {
         return;
     }
     let name = unique("majority");
@@ -114,8 +93,8 @@ async fn majority_down_fails_then_recovers() {
     let before = g.token();
     g.release().await.unwrap();
 
-    services(&["kill", "redis-r1"]);
-    services(&["kill", "redis-r2"]);
+    services::run(&["kill", "redis-r1"]);
+    services::run(&["kill", "redis-r2"]);
     let r = session.lock(&name).unwrap().try_acquire().await;
     assert!(
         matches!(r, Err(ref e) if e.is_retryable()),
@@ -134,7 +113,7 @@ async fn majority_down_fails_then_recovers() {
         start.elapsed()
     );
 
-    services(&["up", "redis-r1", "redis-r2"]);
+    services::run(&["up", "redis-r1", "redis-r2"]);
     // Restarted without their data, they refuse grants for max_ttl.
     backend.wait_ready(Duration::from_secs(10)).await.unwrap();
     let g = session
@@ -151,7 +130,7 @@ async fn majority_down_fails_then_recovers() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn partial_acquire_is_cleaned_up() {
     let _serial = SERIAL.lock().await;
-    if skip("redlock") {
+    if services::skipped("redlock", "fault test") {
         return;
     }
     let name = unique("partial");
@@ -214,7 +193,7 @@ async fn partial_acquire_is_cleaned_up() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restarted_nodes_do_not_regrant_early() {
     let _serial = SERIAL.lock().await;
-    if skip("redlock") {
+    if services::skipped("redlock", "fault test") {
         return;
     }
     let name = unique("regrant");
@@ -224,7 +203,7 @@ async fn restarted_nodes_do_not_regrant_early() {
     let ttl = Duration::from_secs(6);
     let a_backend = RedisBackend::connect(&url).await.expect("redlock up");
     a_backend.wait_ready(Duration::from_secs(10)).await.unwrap();
-    services(&["kill", "redis-r3"]);
+    services::run(&["kill", "redis-r3"]);
     let a = a_backend
         .session(SessionOptions::new().ttl(ttl))
         .await
@@ -233,8 +212,8 @@ async fn restarted_nodes_do_not_regrant_early() {
     let lost = ga.lost();
     let watcher = tokio::spawn(async move { (lost.await, Instant::now()) });
 
-    services(&["restart", "redis-r1"]);
-    services(&["up", "redis-r3"]);
+    services::run(&["restart", "redis-r1"]);
+    services::run(&["up", "redis-r3"]);
     let b_backend = RedisBackend::connect(&url).await.expect("redlock back");
     let b = b_backend
         .session(SessionOptions::new().ttl(ttl))

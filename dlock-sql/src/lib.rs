@@ -61,7 +61,7 @@ use sqlx::any::{AnyPoolOptions, AnyRow};
 use sqlx::{AnyPool, Row};
 
 use dialect::{Arg, Dialect, Statements, prefix_end};
-use notify::Hub;
+use dlock_core::wake::WakeHub;
 pub use options::{DEFAULT_TABLE, SqlOptions};
 
 /// The smallest TTL: the database clock has millisecond resolution, and a
@@ -77,7 +77,7 @@ pub struct SqlBackend {
 pub(crate) struct Inner {
     pub(crate) pool: AnyPool,
     pub(crate) sql: Statements,
-    pub(crate) hub: Arc<Hub>,
+    pub(crate) hub: Arc<WakeHub>,
     pub(crate) options: SqlOptions,
     _listener: Option<AbortOnDrop>,
 }
@@ -140,7 +140,7 @@ impl SqlBackend {
                 }
             }
         }
-        let hub = Arc::new(Hub::default());
+        let hub = Arc::new(WakeHub::default());
         let listener = Self::start_listener(&options, &hub);
         tracing::debug!(backend = scheme, url = %options, "connected");
         Ok(Self {
@@ -155,7 +155,7 @@ impl SqlBackend {
     }
 
     #[cfg(feature = "postgres")]
-    fn start_listener(options: &SqlOptions, hub: &Arc<Hub>) -> Option<AbortOnDrop> {
+    fn start_listener(options: &SqlOptions, hub: &Arc<WakeHub>) -> Option<AbortOnDrop> {
         (options.dialect == Dialect::Postgres).then(|| {
             let task = tokio::spawn(notify::listen(
                 options.driver_url().to_owned(),
@@ -167,7 +167,7 @@ impl SqlBackend {
     }
 
     #[cfg(not(feature = "postgres"))]
-    fn start_listener(_: &SqlOptions, _: &Arc<Hub>) -> Option<AbortOnDrop> {
+    fn start_listener(_: &SqlOptions, _: &Arc<WakeHub>) -> Option<AbortOnDrop> {
         None
     }
 
@@ -326,7 +326,7 @@ impl Backend for SqlBackend {
         let freed = done.rows_affected() > 0;
         if freed {
             tracing::info!(lock = %name, "force-released");
-            self.inner.hub.wake(name.as_str());
+            self.inner.hub.wake_all(name.as_str());
         }
         Ok(freed)
     }

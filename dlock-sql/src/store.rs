@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use dlock_core::backend::{Attempt, Busy, ExpiryModel, Hold, RawSession, Take};
+use dlock_core::wake::Waiter;
 use dlock_core::{Error, LockName, SessionId};
 use sqlx::Row;
-use tokio::sync::Notify;
 use tokio::time::{Instant, sleep_until};
 
 use crate::dialect::{Arg, Dialect};
@@ -89,7 +89,7 @@ impl RawSession for SqlSession {
 
     async fn attempt(&self, name: &LockName, why: Option<&str>) -> Result<Box<dyn Attempt>, Error> {
         Ok(Box::new(SqlAttempt {
-            notify: self.inner.hub.subscribe(name.as_str()),
+            waiter: self.inner.hub.subscribe(name.as_str()),
             inner: self.inner.clone(),
             session: self.id.clone(),
             name: name.clone(),
@@ -148,7 +148,7 @@ impl RawSession for SqlSession {
                 name: hold.name.to_string(),
             });
         }
-        self.inner.hub.wake(hold.name.as_str());
+        self.inner.hub.wake_all(hold.name.as_str());
         Ok(())
     }
 
@@ -174,7 +174,7 @@ struct SqlAttempt {
     owner: String,
     why: Option<String>,
     ttl_ms: i64,
-    notify: Arc<Notify>,
+    waiter: Waiter,
     /// Whether a take was sent (so a grant may exist that abandon must free).
     sent: bool,
     backoff: Duration,
@@ -281,7 +281,7 @@ impl Attempt for SqlAttempt {
             until.min(polled)
         };
         tokio::select! {
-            _ = self.notify.notified() => {}
+            _ = self.waiter.notified() => {}
             _ = sleep_until(until) => {}
         }
         Ok(())
@@ -292,12 +292,11 @@ impl Attempt for SqlAttempt {
             inner,
             name,
             owner,
-            notify,
+            waiter,
             sent,
             ..
         } = *self;
-        drop(notify);
-        inner.hub.prune(name.as_str());
+        drop(waiter);
         if !sent {
             return Ok(());
         }
@@ -309,7 +308,7 @@ impl Attempt for SqlAttempt {
             .await
             .map_err(|e| map_err(inner.sql.dialect.scheme(), e))?;
         if done.rows_affected() > 0 {
-            inner.hub.wake(name.as_str());
+            inner.hub.wake_all(name.as_str());
         }
         Ok(())
     }

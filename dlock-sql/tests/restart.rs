@@ -4,24 +4,14 @@
 //! Runs in its own test binary, so no other test is connected while the
 //! server restarts (cargo runs test binaries one after another).
 
-use std::process::Command;
 use std::time::Duration;
 
+use dlock_conformance::services;
 use dlock_core::{Backend, SessionOptions};
 use dlock_sql::SqlBackend;
 
-fn services(args: &[&str]) {
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/services");
-    let status = Command::new(script)
-        .args(args)
-        .status()
-        .expect("run scripts/services");
-    assert!(status.success(), "scripts/services {args:?} failed");
-}
-
 async fn tokens_survive_restart(store: &str, default: &str) {
-    if std::env::var("DLOCK_TEST_SKIP").is_ok_and(|v| v.split(',').any(|s| s == store)) {
-        eprintln!("SKIPPED {store}::tokens_survive_restart: DLOCK_TEST_SKIP names {store}");
+    if services::skipped(store, "tokens_survive_restart") {
         return;
     }
     let url = std::env::var(format!("DLOCK_TEST_{}_URL", store.to_uppercase()))
@@ -41,7 +31,7 @@ async fn tokens_survive_restart(store: &str, default: &str) {
         session.close().await.unwrap();
         last
     };
-    services(&["restart", store]);
+    services::run(&["restart", store]);
     let backend = SqlBackend::connect(&url)
         .await
         .expect("server back after restart");

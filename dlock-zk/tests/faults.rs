@@ -5,69 +5,16 @@
 //! Runs in its own test binary (cargo runs binaries one after another); the
 //! tests take a process-wide lock because they pause or kill servers.
 
-use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
 use dlock_conformance::checker::{FencedRegister, History, Op, Phase};
+use dlock_conformance::services;
 use dlock_core::{Backend, LockName, LostReason, SessionOptions};
 use dlock_zk::ZkBackend;
 use tokio::time::Instant;
 
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-fn services(args: &[&str]) -> String {
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/services");
-    let out = Command::new(script)
-        .args(args)
-        .output()
-        .expect("run scripts/services");
-    assert!(
-        out.status.success(),
-        "scripts/services {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).trim().to_owned()
-}
-
-fn skip(store: &str) -> bool {
-    let skipped = std::env::var("DLOCK_TEST_SKIP").is_ok_and(|v| v.split(',').any(|s| s == store));
-    if skipped {
-        eprintln!("SKIPPED {store} fault test: DLOCK_TEST_SKIP names {store}");
-    }
-    skipped
-}
-
-/// The standalone server's pid, from the services folder.
-fn zk_pid() -> String {
-    let dir = std::env::var("DLOCK_SERVICES_DIR")
-        .unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/../target/services").into());
-    std::fs::read_to_string(format!("{dir}/zk/pid"))
-        .expect("zk pid file (scripts/services up zk)")
-        .lines()
-        .next()
-        .unwrap_or_default()
-        .trim()
-        .to_owned()
-}
-
-fn signal(pid: &str, sig: &str) {
-    let ok = Command::new("kill")
-        .args([sig, pid])
-        .status()
-        .expect("kill")
-        .success();
-    assert!(ok, "kill {sig} {pid}");
-}
-
-/// Resumes the server even if an assertion failed.
-struct Resume(String);
-
-impl Drop for Resume {
-    fn drop(&mut self) {
-        signal(&self.0, "-CONT");
-    }
-}
 
 /// A holder whose session expires (the server was paused past its timeout)
 /// learns of it by its local deadline; its node disappears; a waiter with a
@@ -75,7 +22,7 @@ impl Drop for Resume {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn session_expiry_frees_the_lock_for_a_waiter() {
     let _serial = SERIAL.lock().await;
-    if skip("zk") {
+    if services::skipped("zk", "fault test") {
         return;
     }
     let url = std::env::var("DLOCK_TEST_ZK_URL").unwrap_or_else(|_| "zk://127.0.0.1:12181".into());
@@ -96,9 +43,9 @@ async fn session_expiry_frees_the_lock_for_a_waiter() {
     let waiter = tokio::spawn(async move { lock.acquire_timeout(Duration::from_secs(30)).await });
     tokio::time::sleep(Duration::from_millis(300)).await;
 
-    let pid = zk_pid();
-    signal(&pid, "-STOP");
-    let resume = Resume(pid);
+    let pid = services::pid("zk");
+    services::signal(&pid, "-STOP");
+    let resume = services::Resume(pid);
     let reason = tokio::time::timeout(Duration::from_secs(3), ga.lost())
         .await
         .expect("lost() fired by the local deadline while the server was paused");
@@ -130,7 +77,7 @@ async fn session_expiry_frees_the_lock_for_a_waiter() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lock_survives_a_reconnect_within_the_session() {
     let _serial = SERIAL.lock().await;
-    if skip("zk") {
+    if services::skipped("zk", "fault test") {
         return;
     }
     let url = std::env::var("DLOCK_TEST_ZK_URL").unwrap_or_else(|_| "zk://127.0.0.1:12181".into());
@@ -144,7 +91,7 @@ async fn lock_survives_a_reconnect_within_the_session() {
     let held = a.lock(&name).unwrap().acquire().await.unwrap();
     let renewals_before = a.stats().renewals;
     let restarted = Instant::now();
-    services(&["restart", "zk"]);
+    services::run(&["restart", "zk"]);
     eprintln!("zk restart took {:?}", restarted.elapsed());
     // Wait for a renewal after the restart: it proves the session reconnected.
     let deadline = Instant::now() + Duration::from_secs(15);
@@ -174,7 +121,7 @@ async fn lock_survives_a_reconnect_within_the_session() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leader_kill_with_a_held_lock_and_waiters() {
     let _serial = SERIAL.lock().await;
-    if skip("zk-ensemble") {
+    if services::skipped("zk-ensemble", "fault test") {
         return;
     }
     let url = std::env::var("DLOCK_TEST_ZK_ENSEMBLE_URL")
@@ -229,11 +176,11 @@ async fn leader_kill_with_a_held_lock_and_waiters() {
         }
     }
 
-    let leader = services(&["leader", "zk-ensemble"]);
+    let leader = services::run(&["leader", "zk-ensemble"]);
     assert!(leader.starts_with("zk-e"), "leader: {leader:?}");
     let killed = Instant::now();
-    services(&["kill", &leader]);
-    let _restore = Restore(leader);
+    services::run(&["kill", &leader]);
+    let _restore = services::Restore(leader);
     // Recovery: a new session (a write) succeeds through the survivors.
     loop {
         let probe = match ZkBackend::connect(&url).await {
@@ -279,13 +226,4 @@ async fn leader_kill_with_a_held_lock_and_waiters() {
     register.check().unwrap();
     history.check().unwrap();
     assert_eq!(register.accepted(), 5);
-}
-
-/// Brings a killed member back even if an assertion failed.
-struct Restore(String);
-
-impl Drop for Restore {
-    fn drop(&mut self) {
-        services(&["up", &self.0]);
-    }
 }

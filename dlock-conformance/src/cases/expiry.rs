@@ -4,7 +4,6 @@
 use std::time::Duration;
 
 use dlock_core::LostReason;
-use futures::FutureExt;
 use tokio::time::{Instant, sleep};
 
 use super::{ensure, passed, skipped, within};
@@ -94,12 +93,15 @@ pub async fn lost_signal_by_local_deadline(h: &dyn Harness) -> Outcome {
         reason == LostReason::Expired,
         "lost() gave {reason:?}, expected Expired"
     );
-    ensure!(
-        lost_at <= b_got,
-        "lost() fired {:?} after B got the lock",
-        lost_at - b_got
-    );
+    // S4 is about the local deadline (is_held() turns false exactly then);
+    // when the lost() future completes is timer and scheduler latency,
+    // bounded separately below.
     let deadline = ga.deadline();
+    ensure!(
+        deadline <= b_got,
+        "B got the lock {:?} before A's local deadline",
+        deadline - b_got
+    );
     let late = lost_at.saturating_duration_since(deadline);
     ensure!(
         late <= Duration::from_millis(100).max(t / 4),
@@ -139,9 +141,15 @@ pub async fn pause_scenario(h: &dyn Harness) -> Outcome {
         "the paused holder still believes it holds the lock"
     );
     ensure!(
-        ga.lost().now_or_never().is_some(),
-        "the paused holder's lost() had not fired when the next holder wrote"
+        ga.deadline() <= Instant::now(),
+        "the paused holder's deadline has not passed"
     );
+    within(
+        Duration::from_millis(100).max(t / 4),
+        "the paused holder's lost()",
+        ga.lost(),
+    )
+    .await?;
     drop(ga);
     gb.release().await?;
     passed()

@@ -127,7 +127,12 @@ impl Server {
         let now = self.now();
         let mut guard = self.state.lock().unwrap();
         let st = &mut *guard;
-        let ttl = live_session(&st.sessions, session, now)?.ttl;
+        let rec = live_session_mut(&mut st.sessions, session, now)?;
+        let ttl = rec.ttl;
+        // A take proves the session alive as of now: holds die with their
+        // session record, so it must last at least as long as the grant
+        // (adapter rule 5: store expiry ≥ TTL from send).
+        let session_until = now + ttl;
         let entry = st.locks.entry(name.clone()).or_default();
         purge(entry, &st.sessions, now, name);
         if let Some(h) = &mut entry.holder
@@ -135,7 +140,9 @@ impl Server {
         {
             // A retry after a lost reply: the core counts validity from now.
             h.expires_at = h.expires_at.max(now + ttl);
-            return Ok(Take::Granted(hold_of(name, h)));
+            let hold = hold_of(name, h);
+            refresh(&mut st.sessions, session, session_until);
+            return Ok(Take::Granted(hold));
         }
         let position = entry.queue.iter().position(|w| w.ticket == ticket);
         let first_in_line = match position {
@@ -157,6 +164,7 @@ impl Server {
             };
             let hold = hold_of(name, &holder);
             entry.holder = Some(holder);
+            refresh(&mut st.sessions, session, session_until);
             return Ok(Take::Granted(hold));
         }
         if position.is_none() && fair {
@@ -361,16 +369,10 @@ impl Server {
     }
 }
 
-fn live_session<'a>(
-    sessions: &'a HashMap<Arc<str>, SessionRec>,
-    id: &Arc<str>,
-    now: Instant,
-) -> Result<&'a SessionRec, Error> {
-    match sessions.get(id) {
-        Some(rec) if rec.expires_at > now => Ok(rec),
-        _ => Err(Error::SessionLost {
-            session: id.to_string(),
-        }),
+/// Extends a session record to at least `until`.
+fn refresh(sessions: &mut HashMap<Arc<str>, SessionRec>, id: &Arc<str>, until: Instant) {
+    if let Some(rec) = sessions.get_mut(id) {
+        rec.expires_at = rec.expires_at.max(until);
     }
 }
 

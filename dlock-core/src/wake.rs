@@ -20,8 +20,48 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
 
 use tokio::sync::Notify;
+use tokio::time::Instant;
+
+/// Bounded polling for waiters that have no store notification: 5 ms,
+/// doubling to 100 ms. Each wait ends at the next poll or at the core's
+/// deadline (`until`, which already includes the holder-expiry hint and the
+/// fallback timer), whichever is first.
+///
+/// ```
+/// use std::time::Duration;
+/// use dlock_core::wake::PollBackoff;
+/// use tokio::time::Instant;
+/// let mut backoff = PollBackoff::default();
+/// let far = Instant::now() + Duration::from_secs(60);
+/// assert!(backoff.next_wake(far) <= Instant::now() + Duration::from_millis(5));
+/// ```
+#[derive(Debug, Clone, Copy)]
+pub struct PollBackoff {
+    next: Duration,
+}
+
+impl PollBackoff {
+    /// The first poll interval.
+    pub const MIN: Duration = Duration::from_millis(5);
+    /// The longest poll interval.
+    pub const MAX: Duration = Duration::from_millis(100);
+
+    /// When the next poll is due (at most `until`); doubles the interval.
+    pub fn next_wake(&mut self, until: Instant) -> Instant {
+        let polled = Instant::now() + self.next;
+        self.next = (self.next * 2).min(Self::MAX);
+        until.min(polled)
+    }
+}
+
+impl Default for PollBackoff {
+    fn default() -> Self {
+        Self { next: Self::MIN }
+    }
+}
 
 /// Per-key registrations of waiting attempts.
 #[derive(Debug, Default)]

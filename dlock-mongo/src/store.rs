@@ -19,12 +19,7 @@ use tokio::time::{Instant, sleep_until};
 
 use crate::query::{self, HoldRef, STATE_HELD, TakeSpec};
 use crate::{Inner, SCHEME};
-use dlock_core::wake::Waiter;
-
-/// Polling bounds when the deployment has no change streams (or the stream is
-/// being reopened).
-pub(crate) const BACKOFF_MIN: Duration = Duration::from_millis(5);
-pub(crate) const BACKOFF_MAX: Duration = Duration::from_millis(100);
+use dlock_core::wake::{PollBackoff, Waiter};
 
 /// Server error codes that mean "try again later": the node is not (or no
 /// longer) a writable primary, is shutting down or recovering, a network or
@@ -269,7 +264,7 @@ impl RawSession for MongoSession {
             why: why.map(str::to_owned),
             ttl: self.ttl,
             sent: false,
-            backoff: BACKOFF_MIN,
+            backoff: PollBackoff::default(),
         }))
     }
 
@@ -379,7 +374,7 @@ struct MongoAttempt {
     subscription: Waiter,
     /// Whether a take was sent (so a grant may exist that abandon must free).
     sent: bool,
-    backoff: Duration,
+    backoff: PollBackoff,
 }
 
 impl fmt::Debug for MongoAttempt {
@@ -457,9 +452,7 @@ impl Attempt for MongoAttempt {
         let until = if self.inner.stream_live.load(Ordering::Acquire) {
             until
         } else {
-            let polled = Instant::now() + self.backoff;
-            self.backoff = (self.backoff * 2).min(BACKOFF_MAX);
-            until.min(polled)
+            self.backoff.next_wake(until)
         };
         tokio::select! {
             _ = self.subscription.notified() => {}

@@ -265,37 +265,42 @@ impl Node {
         Ok(Some(info))
     }
 
-    /// Names of held locks under `prefix`, by `SCAN` (never `KEYS`).
-    pub(crate) async fn scan(&self, prefix: &str) -> Result<Vec<LockName>, Error> {
+    /// Every key matching `pattern`, by `SCAN` (never `KEYS`).
+    async fn scan_keys(&self, pattern: &str) -> Result<Vec<String>, Error> {
         let mut conn = self.conn.clone();
-        // Names contain no glob characters, so the prefix needs no escaping;
-        // the trailing `}` excludes the `:t` last-token keys.
-        let pattern = format!("{}:{{{prefix}*}}", self.prefix);
         let mut cursor = 0u64;
-        let mut names = Vec::new();
+        let mut all = Vec::new();
         loop {
             let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
                 .arg(cursor)
                 .arg("MATCH")
-                .arg(&pattern)
+                .arg(pattern)
                 .arg("COUNT")
                 .arg(1000)
                 .query_async(&mut conn)
                 .await
                 .map_err(map_err)?;
-            for key in keys {
-                let inner = key
-                    .strip_prefix(&format!("{}:{{", self.prefix))
-                    .and_then(|k| k.strip_suffix('}'));
-                if let Some(name) = inner.and_then(|n| LockName::new(n).ok()) {
-                    names.push(name);
-                }
-            }
+            all.extend(keys);
             if next == 0 {
-                break;
+                return Ok(all);
             }
             cursor = next;
         }
+    }
+
+    /// Names of held locks under `prefix`, by `SCAN` (never `KEYS`).
+    pub(crate) async fn scan(&self, prefix: &str) -> Result<Vec<LockName>, Error> {
+        // Names contain no glob characters, so the prefix needs no escaping;
+        // the trailing `}` excludes the `:t` last-token keys.
+        let pattern = format!("{}:{{{prefix}*}}", self.prefix);
+        let lock_prefix = format!("{}:{{", self.prefix);
+        let mut names: Vec<LockName> = self
+            .scan_keys(&pattern)
+            .await?
+            .iter()
+            .filter_map(|key| key.strip_prefix(&lock_prefix)?.strip_suffix('}'))
+            .filter_map(|name| LockName::new(name).ok())
+            .collect();
         names.sort();
         names.dedup();
         Ok(names)
@@ -305,33 +310,19 @@ impl Node {
     /// check of the conformance suite.
     pub(crate) async fn persistent_keys(&self, prefix: &str) -> Result<usize, Error> {
         let mut conn = self.conn.clone();
-        let pattern = format!("{}:{{{prefix}*", self.prefix);
-        let mut cursor = 0u64;
         let mut count = 0;
-        loop {
-            let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
-                .arg(cursor)
-                .arg("MATCH")
-                .arg(&pattern)
-                .arg("COUNT")
-                .arg(1000)
+        for key in self
+            .scan_keys(&format!("{}:{{{prefix}*", self.prefix))
+            .await?
+        {
+            let ttl: i64 = redis::cmd("PTTL")
+                .arg(&key)
                 .query_async(&mut conn)
                 .await
                 .map_err(map_err)?;
-            for key in keys {
-                let ttl: i64 = redis::cmd("PTTL")
-                    .arg(&key)
-                    .query_async(&mut conn)
-                    .await
-                    .map_err(map_err)?;
-                if ttl == -1 {
-                    count += 1;
-                }
+            if ttl == -1 {
+                count += 1;
             }
-            if next == 0 {
-                break;
-            }
-            cursor = next;
         }
         let channels: Vec<String> = redis::cmd("PUBSUB")
             .arg("CHANNELS")

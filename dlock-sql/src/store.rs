@@ -7,17 +7,13 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use dlock_core::backend::{Attempt, Busy, ExpiryModel, Hold, RawSession, Take};
-use dlock_core::wake::Waiter;
+use dlock_core::wake::{PollBackoff, Waiter};
 use dlock_core::{Error, LockName, SessionId};
 use sqlx::Row;
 use tokio::time::{Instant, sleep_until};
 
 use crate::dialect::{Arg, Dialect};
 use crate::{Inner, token_of};
-
-/// Polling bounds for dialects without notifications.
-const BACKOFF_MIN: Duration = Duration::from_millis(5);
-const BACKOFF_MAX: Duration = Duration::from_millis(100);
 
 /// Maps a driver error to the meaning-based core error.
 pub(crate) fn map_err(scheme: &'static str, e: sqlx::Error) -> Error {
@@ -97,7 +93,7 @@ impl RawSession for SqlSession {
             why: why.map(str::to_owned),
             ttl_ms: self.ttl_ms(),
             sent: false,
-            backoff: BACKOFF_MIN,
+            backoff: PollBackoff::default(),
         }))
     }
 
@@ -177,7 +173,7 @@ struct SqlAttempt {
     waiter: Waiter,
     /// Whether a take was sent (so a grant may exist that abandon must free).
     sent: bool,
-    backoff: Duration,
+    backoff: PollBackoff,
 }
 
 impl fmt::Debug for SqlAttempt {
@@ -276,9 +272,7 @@ impl Attempt for SqlAttempt {
         let until = if self.inner.sql.dialect == Dialect::Postgres {
             until
         } else {
-            let polled = Instant::now() + self.backoff;
-            self.backoff = (self.backoff * 2).min(BACKOFF_MAX);
-            until.min(polled)
+            self.backoff.next_wake(until)
         };
         tokio::select! {
             _ = self.waiter.notified() => {}

@@ -20,6 +20,7 @@ use tokio::time::{Instant, sleep_until};
 #[derive(Debug, Default)]
 pub struct Faults {
     stall_renewals: AtomicBool,
+    panic_renewals: AtomicBool,
     crashed: AtomicBool,
     lose_take_replies: AtomicU32,
     lose_release_replies: AtomicU32,
@@ -34,6 +35,11 @@ impl Faults {
     /// requests never reach the store and never return.
     pub fn stall_renewals(&self) {
         self.stall_renewals.store(true, Ordering::SeqCst);
+    }
+
+    /// The adapter's renewal panics (a bug in an adapter or a driver).
+    pub fn panic_renewals(&self) {
+        self.panic_renewals.store(true, Ordering::SeqCst);
     }
 
     /// The client is gone: every request fails at once without reaching the
@@ -187,6 +193,9 @@ impl RawSession for FaultySession {
         self.faults.crashed()?;
         if self.faults.stall_renewals.load(Ordering::SeqCst) {
             std::future::pending::<()>().await;
+        }
+        if self.faults.panic_renewals.load(Ordering::SeqCst) {
+            panic!("renewal panicked (fault injection)");
         }
         self.inner.renew(holds).await
     }

@@ -1,5 +1,6 @@
 //! What an adapter provides to be tested: a [`Harness`] and its [`Capabilities`].
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -7,6 +8,9 @@ use async_trait::async_trait;
 use dlock_core::{Backend, Error, LockName, Session, SessionOptions};
 
 use crate::faults::{Faults, FaultyBackend};
+use crate::process::Process;
+use crate::servers::Servers;
+use crate::wire::{Link, ProxyLink};
 
 /// What a backend declares about itself; cases read it to decide what to
 /// expect or whether they apply. Data, not code paths (OpenDAL's idea).
@@ -26,6 +30,11 @@ pub struct Capabilities {
     /// A session survives a dropped connection that is re-established within
     /// the TTL.
     pub survives_reconnect: bool,
+    /// A server restart can lose held locks before their holders hear of it
+    /// (a store without persistence): the holder learns at its next renewal,
+    /// but another client may be granted first. Fencing still refuses the
+    /// old holder; the README's backend table says so.
+    pub restart_loses_locks: bool,
     /// The TTL the cases use: the smallest the backend supports well.
     pub ttl: Duration,
     /// Generous bound on release → next grant for a waiting client; catches a
@@ -48,6 +57,7 @@ impl Capabilities {
             no_herd: false,
             reentrant: true,
             survives_reconnect: false,
+            restart_loses_locks: false,
             ttl,
             wakeup_bound: Duration::from_millis(250),
             recovery_bound: ttl.max(Duration::from_secs(1)),
@@ -152,9 +162,55 @@ pub trait Harness: Send + Sync {
         None
     }
 
-    /// Restarts the server (data as the deployment keeps it); `None` if the
-    /// harness cannot.
-    async fn restart_server(&self) -> Option<Result<(), Error>> {
+    /// The store's client endpoints (`host:port`), one per node: the suite
+    /// puts a fault proxy in front of each for the wire-fault cases. Empty
+    /// when the harness cannot route clients through proxies (those cases
+    /// then say they were skipped).
+    fn endpoints(&self) -> Vec<String> {
+        Vec::new()
+    }
+
+    /// A new client that reaches node `i` at `via[i]` (a proxy) instead of
+    /// `endpoints()[i]`, and **cannot bypass it**: no topology discovery, no
+    /// advertised addresses of the servers themselves. A node that cannot be
+    /// reached while connecting must not make the connect fail where the
+    /// store can work without it.
+    async fn connect_via(&self, via: &[SocketAddr]) -> Result<Arc<dyn Backend>, Error> {
+        let _ = via;
+        Err(Error::Config(format!(
+            "the {} harness cannot connect through proxies",
+            self.store()
+        )))
+    }
+
+    /// A new link for one client (see [`wire`](crate::wire)); `None` if the
+    /// harness has none. The default puts one TCP proxy in front of each
+    /// endpoint.
+    async fn link(&self) -> Option<Result<Arc<dyn Link>, Error>> {
+        let endpoints = self.endpoints();
+        if endpoints.is_empty() {
+            return None;
+        }
+        Some(
+            ProxyLink::start(&endpoints)
+                .await
+                .map(|l| Arc::new(l) as Arc<dyn Link>)
+                .map_err(|e| Error::unavailable("proxy", e)),
+        )
+    }
+
+    /// A new client whose every connection crosses `link`. The default
+    /// connects through the link's proxies ([`Harness::connect_via`]).
+    async fn connect_over(&self, link: &dyn Link) -> Result<Arc<dyn Backend>, Error> {
+        match link.addrs() {
+            Some(addrs) => self.connect_via(&addrs).await,
+            None => Err(Error::Config("this link has no proxy addresses".into())),
+        }
+    }
+
+    /// Process control of the store's servers; `None` if the harness has
+    /// none (the server-fault cases then say they were skipped).
+    fn servers(&self) -> Option<Arc<dyn Servers>> {
         None
     }
 }
@@ -206,5 +262,41 @@ impl<'a> Ctx<'a> {
     /// A backend handle for admin calls (inspect, validate, force_release).
     pub async fn admin(&self) -> Result<Arc<dyn Backend>, Failure> {
         Ok(self.harness.connect().await?)
+    }
+
+    /// A new link, or `None` if the harness has none.
+    pub async fn link(&self) -> Result<Option<Arc<dyn Link>>, Failure> {
+        Ok(self.harness.link().await.transpose()?)
+    }
+
+    /// A new client (connection and session) whose traffic crosses `link`.
+    pub async fn client_over(&self, link: &dyn Link) -> Result<Session, Failure> {
+        let backend = self.harness.connect_over(link).await?;
+        Ok(backend.session(self.options()).await?)
+    }
+
+    /// A new client behind a link of its own, or `None` if the harness has
+    /// no links.
+    pub async fn linked_client(&self) -> Result<Option<(Session, Arc<dyn Link>)>, Failure> {
+        let Some(link) = self.link().await? else {
+            return Ok(None);
+        };
+        Ok(Some((self.client_over(&*link).await?, link)))
+    }
+
+    /// A new client inside a [`Process`] of its own, which the case can pause
+    /// as a whole; its connections cross `link` if one is given.
+    pub fn client_in(
+        &self,
+        process: &Process,
+        link: Option<&dyn Link>,
+    ) -> Result<Session, Failure> {
+        process.enter(async {
+            let backend = match link {
+                Some(link) => self.harness.connect_over(link).await?,
+                None => self.harness.connect().await?,
+            };
+            Ok(backend.session(self.options()).await?)
+        })
     }
 }

@@ -55,7 +55,10 @@ pub mod cases;
 pub mod checker;
 pub mod faults;
 mod harness;
+pub mod process;
+pub mod servers;
 pub mod services;
+pub mod wire;
 
 use std::future::Future;
 use std::io::Write;
@@ -70,9 +73,22 @@ pub use tokio as __tokio;
 /// The longest a single case may run before it is failed as hung.
 pub const CASE_TIME_LIMIT: Duration = Duration::from_secs(180);
 
+/// Whether a case may run beside others, or needs the deployment to itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// Touches only its own names and clients (its own links included).
+    Shared,
+    /// Kills, pauses or restarts servers: runs while no other case of the
+    /// test binary runs.
+    Exclusive,
+}
+
+/// Shared cases hold it for reading, exclusive ones for writing.
+static DEPLOYMENT: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_new(());
+
 /// Runs one case: checks the server is up (or skipped by `DLOCK_TEST_SKIP`),
 /// runs the case with a time limit, prints skips loudly and panics on failure.
-pub async fn run<H, F>(case: &str, harness: &H, body: F)
+pub async fn run<H, F>(case: &str, kind: Kind, harness: &H, body: F)
 where
     H: Harness,
     F: for<'a> FnOnce(&'a dyn Harness) -> Pin<Box<dyn Future<Output = Outcome> + Send + 'a>>,
@@ -87,6 +103,12 @@ where
             "SKIPPED {store}::{case}: DLOCK_TEST_SKIP names {store}"
         ));
         return;
+    }
+    let _shared;
+    let _exclusive;
+    match kind {
+        Kind::Shared => _shared = DEPLOYMENT.read().await,
+        Kind::Exclusive => _exclusive = DEPLOYMENT.write().await,
     }
     if let Err(e) = harness.connect().await {
         panic!(
@@ -123,11 +145,16 @@ fn init_tracing() {
 
 /// Expands to one `#[tokio::test]` per conformance case for `$harness` (an
 /// expression evaluated afresh in each test).
+///
+/// Cases that kill, pause or restart servers run alone: while one runs, no
+/// other case of the same test binary does (cargo runs test binaries one
+/// after another, so nothing else touches the servers either).
 #[macro_export]
 macro_rules! conformance_tests {
     ($harness:expr) => {
         $crate::__conformance_cases!(
             $harness;
+            shared:
             contention,
             try_acquire,
             timeouts,
@@ -139,7 +166,6 @@ macro_rules! conformance_tests {
             lost_signal_by_local_deadline,
             pause_scenario,
             tokens_after_expiry,
-            tokens_after_restart,
             force_release,
             inspect_and_validate,
             wakeup_latency,
@@ -154,6 +180,27 @@ macro_rules! conformance_tests {
             ten_thousand_names,
             bad_input,
             session_close,
+            renewal_replies_lost,
+            renewal_replies_late,
+            renewal_on_dead_connection,
+            acquire_reply_lost,
+            release_reply_lost,
+            holder_partitioned_past_ttl,
+            waiters_cut_while_waiting,
+            connection_blip,
+            split_views_at_connect,
+            abandon_retried_after_cut,
+            acquire_timeout_under_partition,
+            waiter_learns_session_lost,
+            renewal_task_panics;
+            exclusive:
+            tokens_after_restart,
+            server_paused_past_ttl,
+            server_restart_while_held,
+            node_restarted_from_old_snapshot,
+            leader_killed_while_held,
+            node_isolated_from_peers,
+            server_clock_jumps,
         );
     };
 }
@@ -161,16 +208,23 @@ macro_rules! conformance_tests {
 #[doc(hidden)]
 #[macro_export]
 macro_rules! __conformance_cases {
-    ($harness:expr; $($case:ident),* $(,)?) => {
-        $(
-            #[::tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn $case() {
-                let harness = $harness;
-                $crate::run(stringify!($case), &harness, |h| {
-                    ::std::boxed::Box::pin($crate::cases::$case(h))
-                })
-                .await;
-            }
-        )*
+    ($harness:expr; shared: $($shared:ident),* ; exclusive: $($exclusive:ident),* $(,)?) => {
+        $( $crate::__conformance_case!($harness, $shared, Shared); )*
+        $( $crate::__conformance_case!($harness, $exclusive, Exclusive); )*
+    };
+}
+
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __conformance_case {
+    ($harness:expr, $case:ident, $kind:ident) => {
+        #[::tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $case() {
+            let harness = $harness;
+            $crate::run(stringify!($case), $crate::Kind::$kind, &harness, |h| {
+                ::std::boxed::Box::pin($crate::cases::$case(h))
+            })
+            .await;
+        }
     };
 }

@@ -1,26 +1,42 @@
-//! The whole conformance suite on the in-memory reference backend.
+//! The whole conformance suite on the in-memory reference backend, in both
+//! of its lease models, with its in-process links and server control.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use dlock_conformance::servers::{MemoryServers, Servers};
+use dlock_conformance::wire::{Link, MemoryLink};
 use dlock_conformance::{Capabilities, Harness, conformance_tests};
 use dlock_core::memory::MemoryBackend;
 use dlock_core::{Backend, Error};
 
 /// Each test gets its own private service, so cases cannot disturb each other.
-struct Memory(MemoryBackend);
+struct Memory {
+    store: &'static str,
+    server: MemoryBackend,
+}
 
 impl Memory {
-    fn new() -> Self {
-        Memory(MemoryBackend::new())
+    fn per_hold() -> Self {
+        Memory {
+            store: "memory",
+            server: MemoryBackend::new(),
+        }
+    }
+
+    fn session_leases() -> Self {
+        Memory {
+            store: "memory-leases",
+            server: MemoryBackend::new().session_leases(),
+        }
     }
 }
 
 #[async_trait]
 impl Harness for Memory {
     fn store(&self) -> &str {
-        "memory"
+        self.store
     }
 
     fn capabilities(&self) -> Capabilities {
@@ -29,13 +45,16 @@ impl Harness for Memory {
         caps.durable_tokens = true;
         caps.notify_wakeup = true;
         caps.no_herd = true;
+        caps.survives_reconnect = true;
+        // A killed memory server forgets its locks (only tokens are "on disk").
+        caps.restart_loses_locks = true;
         caps.wakeup_bound = Duration::from_millis(50);
         caps.recovery_bound = Duration::from_millis(300);
         caps
     }
 
     async fn connect(&self) -> Result<Arc<dyn Backend>, Error> {
-        Ok(Arc::new(self.0.clone()))
+        Ok(Arc::new(self.server.linked().0))
     }
 
     async fn connect_url(&self, url: &str) -> Option<Result<Arc<dyn Backend>, Error>> {
@@ -56,13 +75,32 @@ impl Harness for Memory {
     }
 
     async fn leftover_objects(&self, prefix: &str) -> Option<Result<usize, Error>> {
-        Some(Ok(self.0.objects(prefix)))
+        Some(Ok(self.server.objects(prefix)))
     }
 
-    async fn restart_server(&self) -> Option<Result<(), Error>> {
-        self.0.restart();
-        Some(Ok(()))
+    async fn link(&self) -> Option<Result<Arc<dyn Link>, Error>> {
+        Some(Ok(Arc::new(MemoryLink(dlock_core::memory::Link::new()))))
+    }
+
+    async fn connect_over(&self, link: &dyn Link) -> Result<Arc<dyn Backend>, Error> {
+        let link = link
+            .as_any()
+            .downcast_ref::<MemoryLink>()
+            .ok_or_else(|| Error::Config("not a memory link".into()))?;
+        Ok(Arc::new(self.server.with_link(link.0.clone())))
+    }
+
+    fn servers(&self) -> Option<Arc<dyn Servers>> {
+        Some(Arc::new(MemoryServers(self.server.clone())))
     }
 }
 
-conformance_tests!(Memory::new());
+mod per_hold {
+    use super::*;
+    conformance_tests!(Memory::per_hold());
+}
+
+mod session_leases {
+    use super::*;
+    conformance_tests!(Memory::session_leases());
+}

@@ -6,6 +6,7 @@ use dlock_core::{Error, LostReason};
 use tokio::time::{Instant, timeout};
 
 use super::{ensure, eventually, passed, round_trip, within};
+use crate::wire::{Fault, Flow};
 use crate::{Ctx, Harness, Outcome};
 
 /// S5: acquires dropped at 0 .. 3×RTT, on free and on held locks, leave
@@ -57,6 +58,62 @@ pub async fn cancellation_sweep(h: &dyn Harness) -> Outcome {
         );
         g.release().await?;
     }
+    // Cancelled at observed states rather than at times: granted in the
+    // store with the reply still on its way, and queued behind a holder.
+    let admin = ctx.admin().await?;
+    if let Some((d, link)) = ctx.linked_client().await? {
+        let granted = ctx.name("granted-reply-in-flight");
+        link.set_all(Fault::Flows {
+            to_server: Flow::Pass,
+            to_client: Flow::Hold,
+        });
+        let lock = d.lock(&granted)?;
+        let acquiring = tokio::spawn(async move { lock.acquire().await });
+        eventually(t * 2, "the store records the grant", || async {
+            Ok(admin
+                .inspect(&granted)
+                .await?
+                .is_some_and(|i| i.holder == d.id().as_str()))
+        })
+        .await?;
+        acquiring.abort();
+        let _ = acquiring.await;
+        link.heal();
+        let start = Instant::now();
+        b.lock(&granted)?
+            .acquire_timeout(t * 2 + ctx.caps.recovery_bound)
+            .await?
+            .release()
+            .await?;
+        ensure!(
+            start.elapsed() <= t / 2 + ctx.caps.wakeup_bound,
+            "an acquire cancelled with its grant's reply in flight kept the lock {:?}",
+            start.elapsed()
+        );
+        ensure!(
+            d.held_count() == 0,
+            "the cancelled grant is held by its session"
+        );
+    }
+    let queued_name = ctx.name("queued");
+    let ga = a.lock(&queued_name)?.acquire().await?;
+    let lock = c.lock(&queued_name)?;
+    let waiting = tokio::spawn(async move { lock.acquire().await });
+    super::queued(&*admin, &queued_name, 1, t / 3).await?;
+    waiting.abort();
+    let _ = waiting.await;
+    let released = Instant::now();
+    ga.release().await?;
+    b.lock(&queued_name)?
+        .acquire_timeout(t * 2)
+        .await?
+        .release()
+        .await?;
+    ensure!(
+        released.elapsed() <= t / 2 + ctx.caps.wakeup_bound,
+        "a waiter cancelled in the queue delayed the next holder by {:?}",
+        released.elapsed()
+    );
     ensure!(
         c.held_count() == 0,
         "cancelled acquires left {} holds",

@@ -13,7 +13,9 @@ mod expiry;
 mod hygiene;
 mod mutex;
 mod ownership;
+mod server;
 mod wakeup;
+mod wire;
 
 pub use cancel::{
     acquire_retried_after_lost_reply, cancellation_sweep, idempotent_take_extends_expiry,
@@ -21,16 +23,26 @@ pub use cancel::{
 };
 pub use expiry::{
     force_release, holder_crash_recovery, lost_signal_by_local_deadline,
-    no_early_grant_while_renewing, pause_scenario, tokens_after_expiry, tokens_after_restart,
+    no_early_grant_while_renewing, pause_scenario, renewal_task_panics, tokens_after_expiry,
 };
 pub use hygiene::{bad_input, inspect_and_validate, ten_thousand_names};
 pub use mutex::{contention, reentrancy, timeouts, try_acquire};
 pub use ownership::{
     release_by_non_owner, stale_release_after_expiry, stale_release_retried_after_lost_reply,
 };
+pub use server::{
+    leader_killed_while_held, node_isolated_from_peers, node_restarted_from_old_snapshot,
+    server_clock_jumps, server_paused_past_ttl, server_restart_while_held, tokens_after_restart,
+};
 pub use wakeup::{
     fifo_with_cancelled_waiter, many_waiters_one_handoff_each, wakeup_dead_notification_channel,
     wakeup_latency, wakeup_release_before_subscribe,
+};
+pub use wire::{
+    abandon_retried_after_cut, acquire_reply_lost, acquire_timeout_under_partition,
+    connection_blip, holder_partitioned_past_ttl, release_reply_lost, renewal_on_dead_connection,
+    renewal_replies_late, renewal_replies_lost, split_views_at_connect, waiter_learns_session_lost,
+    waiters_cut_while_waiting,
 };
 
 use std::future::Future;

@@ -31,7 +31,10 @@ pub async fn contention(h: &dyn Harness) -> Outcome {
                 let guard = lock.acquire_timeout(Duration::from_secs(90)).await?;
                 history.record(client, Op::Acquire, Phase::Ok, Some(guard.token()));
                 register.write(client, guard.token());
-                tokio::task::yield_now().await;
+                // Hold for a while (a few round trips on loopback), so that
+                // broken exclusion shows as overlapping holds.
+                tokio::time::sleep(Duration::from_millis(2)).await;
+                register.write(client, guard.token());
                 history.record(client, Op::Release, Phase::Invoke, None);
                 guard.release().await?;
                 history.record(client, Op::Release, Phase::Ok, None);
@@ -52,7 +55,7 @@ pub async fn contention(h: &dyn Harness) -> Outcome {
         summary.holds
     );
     ensure!(
-        register.accepted() == CLIENTS * ROUNDS,
+        register.accepted() == 2 * CLIENTS * ROUNDS,
         "register accepted {}",
         register.accepted()
     );
@@ -130,9 +133,10 @@ pub async fn timeouts(h: &dyn Harness) -> Outcome {
     passed()
 }
 
-/// Reentrancy as declared: the same handle (or a clone) re-acquires at once
-/// with the same token and frees the lock on the last release; another handle,
-/// even of the same session, is excluded.
+/// Reentrancy as declared: the same handle re-acquires at once with the same
+/// token and frees the lock on the last release; another handle, even of the
+/// same session and even a clone of the holding handle, is excluded
+/// (ownership is per handle).
 pub async fn reentrancy(h: &dyn Harness) -> Outcome {
     let ctx = Ctx::new(h, "reentrancy");
     if !ctx.caps.reentrant {
@@ -143,11 +147,15 @@ pub async fn reentrancy(h: &dyn Harness) -> Outcome {
     let lock = a.lock(&name)?;
     let g1 = lock.acquire().await?;
     let g2 = lock.acquire_timeout(Duration::ZERO).await?;
-    let g3 = lock.clone().try_acquire().await?;
-    let g3 = g3.ok_or_else(|| Failure("a clone of the holding handle was refused".into()))?;
+    let g3 = lock.try_acquire().await?;
+    let g3 = g3.ok_or_else(|| Failure("the holding handle was refused".into()))?;
     ensure!(
         g2.token() == g1.token() && g3.token() == g1.token(),
         "reentrant guards carry different tokens"
+    );
+    ensure!(
+        lock.clone().try_acquire().await?.is_none(),
+        "a clone of the holding handle shared its hold (ownership is per handle)"
     );
     ensure!(
         a.lock(&name)?.try_acquire().await?.is_none(),

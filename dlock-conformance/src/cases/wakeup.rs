@@ -236,11 +236,12 @@ pub async fn fifo_with_cancelled_waiter(h: &dyn Harness) -> Outcome {
         let order = order.clone();
         handles.push(tokio::spawn(async move {
             let g = lock.acquire_timeout(t * 30).await?;
+            let granted = Instant::now();
             order.lock().unwrap().push(w);
-            let released = Instant::now();
             g.release().await?;
+            let released = Instant::now();
             drop(session);
-            Ok::<_, Failure>(released)
+            Ok::<_, Failure>((granted, released))
         }));
         queued(&*admin, &name, w, t / 3).await?;
     }
@@ -249,14 +250,23 @@ pub async fn fifo_with_cancelled_waiter(h: &dyn Harness) -> Outcome {
     ga.release().await?;
     let w3 = handles.pop().expect("three waiters");
     let w1 = handles.remove(0);
-    let w1_released = within(t * 30, "first waiter", w1)
+    let (_, w1_released) = within(t * 30, "first waiter", w1)
         .await?
         .map_err(|e| Failure(format!("waiter 1: {e}")))??;
-    within(t * 30, "third waiter", w3)
+    let (w3_granted, _) = within(t * 30, "third waiter", w3)
         .await?
         .map_err(|e| Failure(format!("waiter 3: {e}")))??;
     let order = order.lock().unwrap().clone();
     ensure!(order == [1, 3], "grant order {order:?}, expected [1, 3]");
-    let _ = w1_released;
+    ensure!(
+        w1_released <= w3_granted,
+        "waiter 3 was granted {:?} before waiter 1 released",
+        w1_released - w3_granted
+    );
+    ensure!(
+        w3_granted - w1_released <= t / 2 + ctx.caps.wakeup_bound,
+        "waiter 3 was granted {:?} after waiter 1 released: the cancelled waiter delayed it",
+        w3_granted - w1_released
+    );
     passed()
 }

@@ -1,12 +1,18 @@
 //! `memory://` — an in-process backend that implements the store primitives
-//! for real: its own server clock, per-hold expiry, sessions, a FIFO queue per
-//! lock and per-waiter notifications.
+//! for real: its own server clock, per-hold expiry (or session leases),
+//! sessions, a FIFO queue per lock and per-waiter notifications.
 //!
 //! It is the reference the conformance suite pins the semantics with (it
 //! passes every case), and a handy backend for tests of code that uses dlock.
 //! Locks are shared between all backends that name the same instance
 //! (`memory://jobs` twice is one lock service); `memory://` is the instance
 //! `default`. Nothing survives the process.
+//!
+//! For fault tests it has what a network and a server host can do to a real
+//! store: each client reaches the server over its own [`Link`] (delays,
+//! partitions, resets, lost replies: [`MemoryBackend::linked`]), the server's
+//! [`ServerClock`] can be stepped, skewed and frozen, the server can be
+//! paused ([`MemoryBackend::pause`]) and restarted with or without its data.
 //!
 //! ```
 //! # async fn demo() -> Result<(), dlock_core::Error> {
@@ -20,6 +26,8 @@
 //! # Ok(()) }
 //! ```
 
+mod clock;
+mod link;
 mod server;
 
 use std::collections::HashMap;
@@ -33,7 +41,9 @@ use tokio::time::{Instant, sleep_until};
 
 use crate::backend::{Attempt, ExpiryModel, Hold, RawSession, Take};
 use crate::{Backend, Error, FencingToken, LockInfo, LockName, SessionId, SessionOptions, name};
-use server::{BACKEND, Server};
+pub use clock::ServerClock;
+pub use link::{Fault, Flow, Link, LinkState};
+use server::{BACKEND, Leases, Run, Server, TakeArgs};
 
 /// The smallest TTL of the memory backend.
 pub const MIN_TTL: Duration = Duration::from_millis(20);
@@ -44,6 +54,8 @@ pub struct MemoryBackend {
     server: Arc<Server>,
     instance: Option<String>,
     fair: bool,
+    leases: Leases,
+    link: Link,
 }
 
 fn registry() -> &'static Mutex<HashMap<String, Arc<Server>>> {
@@ -60,10 +72,16 @@ impl Default for MemoryBackend {
 impl MemoryBackend {
     /// A private lock service, shared only with clones of this value.
     pub fn new() -> Self {
+        Self::on(Arc::new(Server::new()), None)
+    }
+
+    fn on(server: Arc<Server>, instance: Option<String>) -> Self {
         Self {
-            server: Arc::new(Server::new()),
-            instance: None,
+            server,
+            instance,
             fair: true,
+            leases: Leases::PerHold,
+            link: Link::new(),
         }
     }
 
@@ -90,18 +108,73 @@ impl MemoryBackend {
             .entry(instance.to_owned())
             .or_insert_with(|| Arc::new(Server::new()))
             .clone();
-        Ok(Self {
-            server,
-            instance: Some(instance.to_owned()),
-            fair: true,
-        })
+        Ok(Self::on(server, Some(instance.to_owned())))
     }
 
     /// Grants to whoever asks first after a release instead of in arrival
-    /// order (fair is the default).
+    /// order (fair is the default). Waiters are still woken one at a time.
     pub fn unfair(mut self) -> Self {
         self.fair = false;
         self
+    }
+
+    /// Holds and queue entries live as long as their session's lease, which
+    /// only renewals extend ([`ExpiryModel::Session`], as etcd and ZooKeeper
+    /// work), instead of each having its own expiry.
+    pub fn session_leases(mut self) -> Self {
+        self.leases = Leases::Session;
+        self
+    }
+
+    /// Another client of the same server with a link of its own: what the
+    /// [`Link`] does affects only this client's requests, replies and
+    /// notifications.
+    pub fn linked(&self) -> (MemoryBackend, Link) {
+        let link = Link::new();
+        (self.with_link(link.clone()), link)
+    }
+
+    /// Another client of the same server that reaches it over `link`.
+    pub fn with_link(&self, link: Link) -> MemoryBackend {
+        Self {
+            link,
+            ..self.clone()
+        }
+    }
+
+    /// The server's clock, which a test can step, skew or freeze.
+    pub fn clock(&self) -> &ServerClock {
+        &self.server.clock
+    }
+
+    /// Pauses the server (a SIGSTOP): requests wait until [`resume`](Self::resume);
+    /// its clock runs on, so leases expire meanwhile.
+    pub fn pause(&self) {
+        self.server.set_run(Run::Paused);
+    }
+
+    /// Resumes a paused server.
+    pub fn resume(&self) {
+        self.server.set_run(Run::Running);
+    }
+
+    /// Kills the server: every session, lock and queue is gone, and requests
+    /// fail as refused connections until [`start`](Self::start). The token
+    /// counter is its only durable state (see [`wipe`](Self::wipe)).
+    pub fn stop(&self) {
+        self.server.set_run(Run::Down);
+        self.server.restart(true);
+    }
+
+    /// Starts a stopped server.
+    pub fn start(&self) {
+        self.server.set_run(Run::Running);
+    }
+
+    /// Forgets the token counter too, as a server restarted without its data
+    /// would (tokens start again at 1).
+    pub fn wipe(&self) {
+        self.server.restart(false);
     }
 
     /// Lock and queue entries under `prefix` that the service still keeps,
@@ -113,8 +186,22 @@ impl MemoryBackend {
     /// Simulates a restart from durable storage: every session, lock and queue
     /// is gone, but tokens keep increasing.
     pub fn restart(&self) {
-        self.server.restart();
+        self.server.restart(true);
     }
+
+    /// One request over this client's link to a running server.
+    async fn request<T>(&self, apply: impl FnOnce(&Server) -> T) -> Result<T, Error> {
+        request(&self.link, &self.server, apply).await
+    }
+}
+
+/// Sends `apply` across `link` to `server`, waiting out a server pause.
+async fn request<T>(
+    link: &Link,
+    server: &Arc<Server>,
+    apply: impl FnOnce(&Server) -> T,
+) -> Result<T, Error> {
+    link.call(server.admit(), move || apply(server)).await
 }
 
 impl fmt::Debug for MemoryBackend {
@@ -122,6 +209,7 @@ impl fmt::Debug for MemoryBackend {
         f.debug_struct("MemoryBackend")
             .field("instance", &self.instance)
             .field("fair", &self.fair)
+            .field("leases", &self.leases)
             .finish()
     }
 }
@@ -142,39 +230,43 @@ impl Backend for MemoryBackend {
         options: &SessionOptions,
     ) -> Result<Arc<dyn RawSession>, Error> {
         let ttl = options.ttl_value();
-        let id = self.server.open_session(id.as_str(), ttl);
+        let id = self.request(|s| s.open_session(id.as_str(), ttl)).await?;
         Ok(Arc::new(MemorySession {
             server: self.server.clone(),
+            link: self.link.clone(),
             id,
             ttl,
             fair: self.fair,
+            leases: self.leases,
         }))
     }
 
     async fn inspect(&self, name: &LockName) -> Result<Option<LockInfo>, Error> {
-        Ok(self.server.inspect(name))
+        self.request(|s| s.inspect(name)).await
     }
 
     async fn list(&self, prefix: &str) -> Result<Vec<LockInfo>, Error> {
         name::check_prefix(prefix)?;
-        Ok(self.server.list(prefix))
+        self.request(|s| s.list(prefix)).await
     }
 
     async fn validate(&self, name: &LockName, token: FencingToken) -> Result<bool, Error> {
-        Ok(self.server.validate(name, token))
+        self.request(|s| s.validate(name, token)).await
     }
 
     async fn force_release(&self, name: &LockName) -> Result<bool, Error> {
-        Ok(self.server.force_release(name))
+        self.request(|s| s.force_release(name)).await
     }
 }
 
 #[derive(Debug)]
 struct MemorySession {
     server: Arc<Server>,
+    link: Link,
     id: Arc<str>,
     ttl: Duration,
     fair: bool,
+    leases: Leases,
 }
 
 /// Hold keys are `session#ticket`; the ticket identifies the attempt.
@@ -189,18 +281,23 @@ impl RawSession for MemorySession {
     }
 
     fn expiry(&self) -> ExpiryModel {
-        ExpiryModel::PerHold
+        match self.leases {
+            Leases::PerHold => ExpiryModel::PerHold,
+            Leases::Session => ExpiryModel::Session,
+        }
     }
 
     async fn attempt(&self, name: &LockName, why: Option<&str>) -> Result<Box<dyn Attempt>, Error> {
         Ok(Box::new(MemoryAttempt {
             server: self.server.clone(),
+            link: self.link.clone(),
             session: self.id.clone(),
             name: name.clone(),
             ticket: self.server.new_ticket(),
             why: why.map(str::to_owned),
             notify: Arc::new(Notify::new()),
             fair: self.fair,
+            leases: self.leases,
         }))
     }
 
@@ -209,58 +306,72 @@ impl RawSession for MemorySession {
             .iter()
             .map(|h| (h.clone(), ticket_of(h).unwrap_or(0)))
             .collect();
-        self.server.renew(&self.id, &keyed)
+        request(&self.link, &self.server, |s| s.renew(&self.id, &keyed)).await?
     }
 
     async fn release(&self, hold: &Hold) -> Result<(), Error> {
         let ticket = ticket_of(hold).ok_or_else(|| Error::NotHeld {
             name: hold.name.to_string(),
         })?;
-        self.server.release(&self.id, hold, ticket)
+        request(&self.link, &self.server, |s| {
+            s.release(&self.id, hold, ticket)
+        })
+        .await?
     }
 
     async fn close(&self, _holds: &[Hold]) -> Result<(), Error> {
-        self.server.close_session(&self.id);
-        Ok(())
+        request(&self.link, &self.server, |s| s.close_session(&self.id)).await
     }
 }
 
 #[derive(Debug)]
 struct MemoryAttempt {
     server: Arc<Server>,
+    link: Link,
     session: Arc<str>,
     name: LockName,
     ticket: u64,
     why: Option<String>,
     notify: Arc<Notify>,
     fair: bool,
+    leases: Leases,
 }
 
 #[async_trait]
 impl Attempt for MemoryAttempt {
     async fn try_take(&mut self) -> Result<Take, Error> {
-        self.server.try_take(
-            &self.name,
-            &self.session,
-            self.ticket,
-            self.why.as_deref(),
-            &self.notify,
-            self.fair,
-        )
+        let args = TakeArgs {
+            name: &self.name,
+            session: &self.session,
+            ticket: self.ticket,
+            why: self.why.as_deref(),
+            notify: &self.notify,
+            fair: self.fair,
+            leases: self.leases,
+        };
+        request(&self.link, &self.server, |s| s.try_take(args)).await?
     }
 
     async fn wait(&mut self, until: Instant) -> Result<(), Error> {
         // A notification sent before we got here is kept as a permit, so a
-        // release between `try_take` and `wait` is not missed.
-        tokio::select! {
-            _ = self.notify.notified() => {}
-            _ = sleep_until(until) => {}
+        // release between `try_take` and `wait` is not missed. It reaches us
+        // over the link: late, or not at all.
+        let deadline = sleep_until(until);
+        tokio::pin!(deadline);
+        loop {
+            tokio::select! {
+                _ = self.notify.notified() => {
+                    if self.link.notification().await? {
+                        return Ok(());
+                    }
+                }
+                _ = &mut deadline => return Ok(()),
+            }
         }
-        Ok(())
     }
 
     async fn abandon(self: Box<Self>) -> Result<(), Error> {
-        self.server.abandon(&self.name, self.ticket);
-        Ok(())
+        let (name, ticket) = (&self.name, self.ticket);
+        request(&self.link, &self.server, |s| s.abandon(name, ticket)).await
     }
 }

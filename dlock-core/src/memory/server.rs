@@ -1,34 +1,33 @@
-//! The in-memory "server": lock table, sessions, FIFO queues, expiry by its own
+//! The in-memory "server": lock table, sessions, queues, expiry by its own
 //! clock, per-waiter notifications. All operations are atomic under one mutex,
 //! as a store's single-key transactions are.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
-use tokio::sync::Notify;
-use tokio::time::Instant;
+use tokio::sync::{Notify, watch};
 
+use super::clock::{ServerClock, ServerTime};
 use crate::backend::{Busy, Hold, Take};
 use crate::{Error, FencingToken, LockInfo, LockName};
 
-/// The server's clock: monotonic, with a wall-clock anchor for reports.
-#[derive(Debug)]
-struct Clock {
-    start: Instant,
-    wall: SystemTime,
-}
-
-impl Clock {
-    fn wall(&self, at: Instant) -> SystemTime {
-        self.wall + at.saturating_duration_since(self.start)
-    }
+/// How a grant's life is bounded (the two models of
+/// [`ExpiryModel`](crate::backend::ExpiryModel)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Leases {
+    /// Each hold and each queue entry has its own expiry, set by the take and
+    /// extended by renewals (Redis, SQL, MongoDB).
+    PerHold,
+    /// Holds and queue entries live as long as their session's lease, which
+    /// only renewals extend (etcd, ZooKeeper).
+    Session,
 }
 
 #[derive(Debug)]
 struct SessionRec {
     ttl: Duration,
-    expires_at: Instant,
+    expires_at: ServerTime,
 }
 
 #[derive(Debug)]
@@ -37,8 +36,9 @@ struct Holder {
     session: Arc<str>,
     token: u64,
     why: Option<String>,
-    acquired_at: Instant,
-    expires_at: Instant,
+    acquired_at: ServerTime,
+    /// `None`: lives with the session's lease.
+    expires_at: Option<ServerTime>,
 }
 
 #[derive(Debug)]
@@ -46,11 +46,16 @@ struct Waiter {
     ticket: u64,
     session: Arc<str>,
     notify: Arc<Notify>,
+    /// `None`: lives with the session's lease; otherwise refreshed by each
+    /// take of its attempt, so an entry whose abandon never arrived expires.
+    expires_at: Option<ServerTime>,
 }
 
 #[derive(Debug, Default)]
 struct Entry {
     holder: Option<Holder>,
+    /// Waiting attempts in arrival order; fair locks grant in this order,
+    /// unfair ones only wake from it.
     queue: VecDeque<Waiter>,
 }
 
@@ -75,24 +80,63 @@ struct State {
 #[derive(Debug)]
 pub(crate) struct Server {
     state: Mutex<State>,
-    clock: Clock,
+    pub(crate) clock: ServerClock,
+    /// Paused (SIGSTOP: requests wait) or down (killed: requests fail).
+    run: watch::Sender<Run>,
+}
+
+/// Whether the server process runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Run {
+    Running,
+    Paused,
+    Down,
 }
 
 pub(crate) const BACKEND: &str = "memory";
+
+/// What a take needs to know about its attempt.
+pub(crate) struct TakeArgs<'a> {
+    pub(crate) name: &'a LockName,
+    pub(crate) session: &'a Arc<str>,
+    pub(crate) ticket: u64,
+    pub(crate) why: Option<&'a str>,
+    pub(crate) notify: &'a Arc<Notify>,
+    pub(crate) fair: bool,
+    pub(crate) leases: Leases,
+}
 
 impl Server {
     pub(crate) fn new() -> Self {
         Self {
             state: Mutex::new(State::default()),
-            clock: Clock {
-                start: Instant::now(),
-                wall: SystemTime::now(),
-            },
+            clock: ServerClock::new(),
+            run: watch::Sender::new(Run::Running),
         }
     }
 
-    fn now(&self) -> Instant {
-        Instant::now()
+    fn now(&self) -> ServerTime {
+        self.clock.now()
+    }
+
+    /// Pauses or resumes request processing (a SIGSTOP'd server: requests
+    /// queue, its clock runs on), or takes the server down.
+    pub(crate) fn set_run(&self, run: Run) {
+        self.run.send_replace(run);
+    }
+
+    /// Waits while the server is paused; fails while it is down (a refused
+    /// connection).
+    pub(crate) async fn admit(&self) -> Result<(), Error> {
+        let mut rx = self.run.subscribe();
+        let run = *rx
+            .wait_for(|run| *run != Run::Paused)
+            .await
+            .map_err(|_| refused())?;
+        match run {
+            Run::Down => Err(refused()),
+            _ => Ok(()),
+        }
     }
 
     pub(crate) fn open_session(&self, id: &str, ttl: Duration) -> Arc<str> {
@@ -112,41 +156,47 @@ impl Server {
         st.next_ticket
     }
 
-    /// Takes `name` for `ticket` if free (or expired) and `ticket` is first in
-    /// line; otherwise queues `ticket` (once) and reports how long until the
-    /// holder or the first waiter ahead expires.
-    pub(crate) fn try_take(
-        &self,
-        name: &LockName,
-        session: &Arc<str>,
-        ticket: u64,
-        why: Option<&str>,
-        notify: &Arc<Notify>,
-        fair: bool,
-    ) -> Result<Take, Error> {
+    /// Takes `name` for the attempt if free (or expired) and, for fair locks,
+    /// first in line; otherwise queues it (once) and reports how long until
+    /// the holder or the first waiter ahead expires.
+    pub(crate) fn try_take(&self, args: TakeArgs<'_>) -> Result<Take, Error> {
+        let TakeArgs {
+            name,
+            session,
+            ticket,
+            why,
+            notify,
+            fair,
+            leases,
+        } = args;
         let now = self.now();
         let mut guard = self.state.lock().unwrap();
         let st = &mut *guard;
         let rec = live_session_mut(&mut st.sessions, session, now)?;
         let ttl = rec.ttl;
-        // A take proves the session alive as of now: holds die with their
-        // session record, so it must last at least as long as the grant
-        // (adapter rule 5: store expiry ≥ TTL from send).
-        let session_until = now + ttl;
+        // Per-hold: a take proves the session alive as of now, and holds die
+        // with their session record, so it must last at least as long as the
+        // grant (adapter rule 5: store expiry ≥ TTL from send). Session
+        // leases: only renewals extend the lease.
+        let expires_at = match leases {
+            Leases::PerHold => {
+                rec.expires_at = rec.expires_at.max(now + ttl);
+                Some(now + ttl)
+            }
+            Leases::Session => None,
+        };
         let entry = st.locks.entry(name.clone()).or_default();
         purge(entry, &st.sessions, now, name);
         if let Some(h) = &mut entry.holder
             && h.ticket == ticket
         {
             // A retry after a lost reply: the core counts validity from now.
-            h.expires_at = h.expires_at.max(now + ttl);
-            let hold = hold_of(name, h);
-            refresh(&mut st.sessions, session, session_until);
-            return Ok(Take::Granted(hold));
+            h.expires_at = h.expires_at.max(expires_at);
+            return Ok(Take::Granted(hold_of(name, h)));
         }
         let position = entry.queue.iter().position(|w| w.ticket == ticket);
         let first_in_line = match position {
-            Some(p) => p == 0,
+            Some(p) => p == 0 || !fair,
             None => entry.queue.is_empty() || !fair,
         };
         if entry.holder.is_none() && first_in_line {
@@ -160,29 +210,38 @@ impl Server {
                 token: st.last_token,
                 why: why.map(str::to_owned),
                 acquired_at: now,
-                expires_at: now + ttl,
+                expires_at,
             };
             let hold = hold_of(name, &holder);
             entry.holder = Some(holder);
-            refresh(&mut st.sessions, session, session_until);
             return Ok(Take::Granted(hold));
         }
-        if position.is_none() && fair {
-            entry.queue.push_back(Waiter {
+        match position {
+            Some(p) => entry.queue[p].expires_at = expires_at,
+            None => entry.queue.push_back(Waiter {
                 ticket,
                 session: session.clone(),
                 notify: notify.clone(),
-            });
+                expires_at,
+            }),
         }
-        // Wake when the holder, or the waiter ahead of us, would expire.
+        // Wake when the holder, or (fair) a waiter ahead of us, would expire.
+        let sessions = &st.sessions;
+        let expiry = |s: &Arc<str>, own: Option<ServerTime>| {
+            own.or_else(|| sessions.get(s).map(|r| r.expires_at))
+        };
+        let holder = entry
+            .holder
+            .iter()
+            .filter_map(|h| expiry(&h.session, h.expires_at));
         let ahead = entry
             .queue
             .iter()
-            .take_while(|w| w.ticket != ticket)
-            .filter_map(|w| st.sessions.get(&w.session).map(|s| s.expires_at));
-        let next_expiry = entry.holder.iter().map(|h| h.expires_at).chain(ahead).min();
+            .take_while(|w| fair && w.ticket != ticket)
+            .filter_map(|w| expiry(&w.session, w.expires_at));
+        let next_expiry = holder.chain(ahead).min();
         Ok(Take::Busy(Busy {
-            retry_after: next_expiry.map(|t| t.saturating_duration_since(now)),
+            retry_after: next_expiry.and_then(|t| self.clock.until(t)),
         }))
     }
 
@@ -240,7 +299,7 @@ impl Server {
         let st = &mut *guard;
         let rec = live_session_mut(&mut st.sessions, session, now)?;
         rec.expires_at = now + rec.ttl;
-        let ttl = rec.ttl;
+        let until = rec.expires_at;
         let mut out = Vec::with_capacity(holds.len());
         for (hold, ticket) in holds {
             let ok = match st.locks.get_mut(&hold.name).and_then(|e| e.holder.as_mut()) {
@@ -248,9 +307,11 @@ impl Server {
                     if h.ticket == *ticket
                         && &h.session == session
                         && h.token == hold.token.get()
-                        && h.expires_at > now =>
+                        && h.expires_at.is_none_or(|e| e > now) =>
                 {
-                    h.expires_at = now + ttl;
+                    if h.expires_at.is_some() {
+                        h.expires_at = Some(until);
+                    }
                     true
                 }
                 _ => false,
@@ -281,15 +342,23 @@ impl Server {
         let st = &mut *guard;
         let entry = st.locks.get_mut(name)?;
         purge(entry, &st.sessions, now, name);
-        self.info(name, entry)
+        self.info(name, entry, &st.sessions)
     }
 
-    fn info(&self, name: &LockName, entry: &Entry) -> Option<LockInfo> {
+    fn info(
+        &self,
+        name: &LockName,
+        entry: &Entry,
+        sessions: &HashMap<Arc<str>, SessionRec>,
+    ) -> Option<LockInfo> {
         let h = entry.holder.as_ref()?;
         let mut info = LockInfo::new(name.clone(), &*h.session, FencingToken::new(h.token));
         info.why = h.why.clone();
         info.acquired_at = Some(self.clock.wall(h.acquired_at));
-        info.expires_at = Some(self.clock.wall(h.expires_at));
+        let expires = h
+            .expires_at
+            .or_else(|| sessions.get(&h.session).map(|s| s.expires_at));
+        info.expires_at = expires.map(|e| self.clock.wall(e));
         info.waiters = Some(entry.queue.len());
         Some(info)
     }
@@ -302,7 +371,7 @@ impl Server {
         st.locks
             .iter()
             .filter(|(name, _)| name.as_str().starts_with(prefix))
-            .filter_map(|(name, entry)| self.info(name, entry))
+            .filter_map(|(name, entry)| self.info(name, entry, &st.sessions))
             .collect()
     }
 
@@ -314,7 +383,7 @@ impl Server {
             .and_then(|e| e.holder.as_ref())
             .is_some_and(|h| {
                 h.token == token.get()
-                    && h.expires_at > now
+                    && h.expires_at.is_none_or(|e| e > now)
                     && st
                         .sessions
                         .get(&h.session)
@@ -355,9 +424,9 @@ impl Server {
             .sum()
     }
 
-    /// Loses every lock, session and queue, but keeps the token counter, as a
-    /// store restarted from durable storage would.
-    pub(crate) fn restart(&self) {
+    /// Loses every lock, session and queue; keeps the token counter only if
+    /// `durable` (a restart from durable storage, or from nothing).
+    pub(crate) fn restart(&self, durable: bool) {
         let mut st = self.state.lock().unwrap();
         st.sessions.clear();
         for entry in st.locks.values() {
@@ -366,20 +435,16 @@ impl Server {
             }
         }
         st.locks.clear();
-    }
-}
-
-/// Extends a session record to at least `until`.
-fn refresh(sessions: &mut HashMap<Arc<str>, SessionRec>, id: &Arc<str>, until: Instant) {
-    if let Some(rec) = sessions.get_mut(id) {
-        rec.expires_at = rec.expires_at.max(until);
+        if !durable {
+            st.last_token = 0;
+        }
     }
 }
 
 fn live_session_mut<'a>(
     sessions: &'a mut HashMap<Arc<str>, SessionRec>,
     id: &Arc<str>,
-    now: Instant,
+    now: ServerTime,
 ) -> Result<&'a mut SessionRec, Error> {
     match sessions.get_mut(id) {
         Some(rec) if rec.expires_at > now => Ok(rec),
@@ -389,25 +454,27 @@ fn live_session_mut<'a>(
     }
 }
 
-/// Drops an expired holder and dead waiters (server time only, S6); wakes the
-/// new first waiter if that changed anything.
+/// Drops an expired holder and expired or dead waiters (server time only,
+/// S6); wakes the new first waiter if that changed anything.
 fn purge(
     entry: &mut Entry,
     sessions: &HashMap<Arc<str>, SessionRec>,
-    now: Instant,
+    now: ServerTime,
     name: &LockName,
 ) {
-    let alive = |s: &Arc<str>| sessions.get(s).is_some_and(|r| r.expires_at > now);
+    let alive = |s: &Arc<str>, own: Option<ServerTime>| {
+        own.is_none_or(|e| e > now) && sessions.get(s).is_some_and(|r| r.expires_at > now)
+    };
     let mut changed = false;
     if let Some(h) = &entry.holder
-        && (h.expires_at <= now || !alive(&h.session))
+        && !alive(&h.session, h.expires_at)
     {
         tracing::info!(lock = %name, holder = %h.session, token = h.token, "holder expired");
         entry.holder = None;
         changed = true;
     }
     let before = entry.queue.len();
-    entry.queue.retain(|w| alive(&w.session));
+    entry.queue.retain(|w| alive(&w.session, w.expires_at));
     changed |= entry.queue.len() != before;
     if changed {
         wake_next(entry);
@@ -415,7 +482,7 @@ fn purge(
 }
 
 /// Expires everything that is due, and forgets dead sessions.
-fn sweep(st: &mut State, now: Instant) {
+fn sweep(st: &mut State, now: ServerTime) {
     let State {
         sessions, locks, ..
     } = st;
@@ -441,6 +508,10 @@ fn hold_of(name: &LockName, h: &Holder) -> Hold {
         token: FencingToken::new(h.token),
         key: format!("{}#{}", h.session, h.ticket),
     }
+}
+
+fn refused() -> Error {
+    Error::unavailable(BACKEND, "connection refused (the server is down)")
 }
 
 fn not_held(name: &LockName) -> Error {

@@ -1,0 +1,493 @@
+//! Faults of the servers themselves (S8): paused, killed and restarted with
+//! or without their data or from an old snapshot, a cluster losing its
+//! leader or a node cut off from its peers, a server clock that steps.
+//! These cases run alone (see [`Kind::Exclusive`](crate::Kind)).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use dlock_core::{FencingToken, LockGuard, Session};
+use tokio::time::{Instant, sleep};
+
+use super::{ensure, passed, skipped, within};
+use crate::checker::FencedRegister;
+use crate::servers::Servers;
+use crate::wire::Fault;
+use crate::{Ctx, Failure, Harness, Outcome};
+
+const NO_SERVERS: &str = "the harness has no process control of its servers";
+
+/// Brings every node back up when dropped, also when a check failed.
+struct Restore {
+    servers: Arc<dyn Servers>,
+}
+
+impl Drop for Restore {
+    fn drop(&mut self) {
+        let servers = self.servers.clone();
+        let done = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            rt.block_on(async {
+                for node in 0..servers.nodes() {
+                    let _ = servers.resume(node).await;
+                    let _ = servers.rejoin(node).await;
+                    let _ = servers.start(node).await;
+                }
+            });
+        });
+        let _ = done.join();
+    }
+}
+
+fn servers(h: &dyn Harness) -> Option<(Arc<dyn Servers>, Restore)> {
+    let servers = h.servers()?;
+    let restore = Restore {
+        servers: servers.clone(),
+    };
+    Some((servers, restore))
+}
+
+/// Whether `a` either keeps a valid lock (the store agrees) or has learned
+/// that it lost it: never a holder that believes in a hold the store lost.
+async fn keeps_or_knows(ctx: &Ctx<'_>, a: &LockGuard, what: &str) -> Result<bool, Failure> {
+    let admin = ctx.admin().await?;
+    let bound = ctx.caps.ttl + ctx.caps.recovery_bound;
+    let until = Instant::now() + bound;
+    loop {
+        if !a.is_held() {
+            return Ok(false);
+        }
+        if admin.validate(a.name(), a.token()).await.unwrap_or(false) {
+            return Ok(true);
+        }
+        ensure!(
+            Instant::now() < until,
+            "{what}: A still believes it holds the lock {bound:?} later, and the store does not validate it"
+        );
+        sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// S2 for backends with durable tokens: a token issued after every server
+/// was killed and restarted with its data is larger than every token before.
+pub async fn tokens_after_restart(h: &dyn Harness) -> Outcome {
+    let ctx = Ctx::new(h, "tokens_after_restart");
+    if !ctx.caps.durable_tokens {
+        return skipped("backend does not declare durable tokens");
+    }
+    let Some((servers, _restore)) = servers(h) else {
+        return skipped(NO_SERVERS);
+    };
+    let name = ctx.name("x");
+    let a = ctx.client().await?;
+    let g = a.lock(&name)?.acquire().await?;
+    let before = g.token();
+    g.release().await?;
+    a.close().await?;
+    for node in 0..servers.nodes() {
+        servers.kill(node).await?;
+    }
+    for node in 0..servers.nodes() {
+        servers.start(node).await?;
+    }
+    let b = ctx.client().await?;
+    let g = b
+        .lock(&name)?
+        .acquire_timeout(ctx.caps.ttl * 4 + ctx.caps.recovery_bound * 4)
+        .await?;
+    ensure!(
+        g.token() > before,
+        "token {} after a restart, {before} before it",
+        g.token()
+    );
+    g.release().await?;
+    passed()
+}
+
+/// A lock acquired after a server fault: by the waiter that queued before
+/// it, if its session lived through the fault, else by a fresh client. A
+/// waiter whose session ended must say so (not hang).
+async fn next_holder(
+    ctx: &Ctx<'_>,
+    waiter: tokio::task::JoinHandle<(Result<LockGuard, dlock_core::Error>, Instant)>,
+    name: &dlock_core::LockName,
+    what: &str,
+) -> Result<(LockGuard, Instant), Failure> {
+    let t = ctx.caps.ttl;
+    let bound = t * 6 + ctx.caps.recovery_bound * 4;
+    let (outcome, at) = within(bound, &format!("the waiter {what}"), waiter)
+        .await?
+        .map_err(|e| Failure(e.to_string()))?;
+    match outcome {
+        Ok(g) => Ok((g, at)),
+        Err(dlock_core::Error::SessionLost { .. }) => {
+            let b = ctx.client().await?;
+            let g = b.lock(name)?.acquire_timeout(bound).await?;
+            Ok((g, Instant::now()))
+        }
+        Err(e) => Err(Failure(format!("the waiter {what} failed: {e}"))),
+    }
+}
+
+/// Waits for `name` in the background; the outcome and when it came.
+fn wait_for(
+    session: &Session,
+    name: &dlock_core::LockName,
+) -> Result<tokio::task::JoinHandle<(Result<LockGuard, dlock_core::Error>, Instant)>, Failure> {
+    let lock = session.lock(name)?;
+    Ok(tokio::spawn(async move {
+        let g = lock.acquire_timeout(Duration::from_secs(120)).await;
+        (g, Instant::now())
+    }))
+}
+
+/// S4, S2, fencing, L5: every server is stopped (SIGSTOP) for longer than
+/// the TTL while A holds and B waits. A's `lost()` fires by its local
+/// deadline although nothing answers; after the servers resume, the lock
+/// goes to B (or, if B's session died meanwhile, B's acquire ends with
+/// `SessionLost` and a fresh client gets it) with a larger token, and A's
+/// fenced write is refused.
+pub async fn server_paused_past_ttl(h: &dyn Harness) -> Outcome {
+    let ctx = Ctx::new(h, "server_paused_past_ttl");
+    let Some((servers, _restore)) = servers(h) else {
+        return skipped(NO_SERVERS);
+    };
+    let t = ctx.caps.ttl;
+    let name = ctx.name("x");
+    let (a, b) = (ctx.client().await?, ctx.client().await?);
+    let register = FencedRegister::new();
+    let ga = a.lock(&name)?.acquire().await?;
+    ensure!(register.write(0, ga.token()), "A's first write refused");
+    let waiter = wait_for(&b, &name)?;
+    sleep(t / 10).await;
+    for node in 0..servers.nodes() {
+        servers.pause(node).await?;
+    }
+    let paused = Instant::now();
+    let lost = within(t * 2, "A's lost() while the servers are stopped", ga.lost()).await;
+    sleep((t * 3 / 2).saturating_sub(paused.elapsed())).await;
+    for node in 0..servers.nodes() {
+        servers.resume(node).await?;
+    }
+    lost?;
+    ensure!(
+        !ga.is_held(),
+        "A holds a lock it could not renew for 1.5 TTL"
+    );
+    let (gb, b_got) = next_holder(&ctx, waiter, &name, "after the servers resumed").await?;
+    ensure!(
+        ga.deadline() <= b_got,
+        "the lock was granted before A's local deadline"
+    );
+    ensure!(
+        gb.token() > ga.token(),
+        "token {} after {}",
+        gb.token(),
+        ga.token()
+    );
+    ensure!(
+        register.write(1, gb.token()),
+        "the new holder's write refused"
+    );
+    ensure!(!register.write(0, ga.token()), "A's stale write accepted");
+    drop(ga);
+    gb.release().await?;
+    passed()
+}
+
+/// S1, S2, S4: every server is killed and restarted (with the data it keeps)
+/// while A holds and B waits. A either keeps a valid lock or learns that it
+/// lost it within TTL plus the bound; nobody gets the lock while A's local
+/// deadline runs (unless the backend declares that a restart loses locks);
+/// tokens keep increasing where they are durable; B's acquire ends (with the
+/// lock, or `SessionLost` if its session did not survive).
+pub async fn server_restart_while_held(h: &dyn Harness) -> Outcome {
+    let ctx = Ctx::new(h, "server_restart_while_held");
+    let Some((servers, _restore)) = servers(h) else {
+        return skipped(NO_SERVERS);
+    };
+    let name = ctx.name("x");
+    let (a, b) = (ctx.client().await?, ctx.client().await?);
+    let ga = a.lock(&name)?.acquire().await?;
+    let register = FencedRegister::new();
+    ensure!(register.write(0, ga.token()), "A's first write refused");
+    let waiter = wait_for(&b, &name)?;
+    for node in 0..servers.nodes() {
+        servers.kill(node).await?;
+    }
+    for node in 0..servers.nodes() {
+        servers.start(node).await?;
+    }
+    let kept = keeps_or_knows(&ctx, &ga, "after a restart").await?;
+    let (a_deadline, a_token) = (ga.deadline(), ga.token());
+    if kept {
+        ga.release().await?;
+    } else {
+        drop(ga);
+    }
+    let (gb, b_got) = next_holder(&ctx, waiter, &name, "after the restart").await?;
+    // A learned it lost the lock not later than B got it, unless the store
+    // declares that a restart can lose a lock before its holder hears of it.
+    if !kept && !ctx.caps.restart_loses_locks {
+        ensure!(
+            a_deadline <= b_got,
+            "B got the lock {:?} before A's local deadline, after a restart",
+            a_deadline - b_got
+        );
+    }
+    ensure!(register.write(1, gb.token()), "B's write refused");
+    ensure!(
+        !register.write(0, a_token),
+        "A's stale write accepted after a restart"
+    );
+    if ctx.caps.durable_tokens {
+        ensure!(
+            gb.token() > a_token,
+            "token {} after {a_token} across a restart",
+            gb.token()
+        );
+    }
+    gb.release().await?;
+    passed()
+}
+
+/// S1, S2 on stores that snapshot (Redis, Redlock): a node restarted from a
+/// snapshot taken before the last grants has forgotten them. Tokens still
+/// increase, and no second client is granted a lock the first still holds.
+pub async fn node_restarted_from_old_snapshot(h: &dyn Harness) -> Outcome {
+    let ctx = Ctx::new(h, "node_restarted_from_old_snapshot");
+    let Some((servers, _restore)) = servers(h) else {
+        return skipped(NO_SERVERS);
+    };
+    let name = ctx.name("x");
+    let t = ctx.caps.ttl;
+    // A first grant, so that the snapshot holds dlock's own state.
+    let c = ctx.client().await?;
+    c.lock(&name)?.acquire().await?.release().await?;
+    match servers.snapshot(0).await {
+        None => return skipped("the store keeps every acknowledged write (no snapshots)"),
+        Some(r) => r?,
+    }
+    // A holds, through every node but the last where the cluster has several
+    // (so node 0 is part of A's majority and of B's).
+    let Some(link) = ctx.link().await? else {
+        return skipped("the harness cannot put a link between a client and the store");
+    };
+    let n = link.nodes();
+    if n >= 3 {
+        link.set(n - 1, Fault::Cut);
+    }
+    let a = ctx.client_over(&*link).await?;
+    let ga = a.lock(&name)?.acquire().await?;
+    let first = ga.token();
+    servers.kill(0).await?;
+    servers.start(0).await?;
+    let b = ctx.client().await?;
+    let until = Instant::now() + t * 3;
+    while Instant::now() < until && ga.is_held() {
+        if let Some(gb) = b.lock(&name)?.try_acquire().await.ok().flatten() {
+            ensure!(
+                !ga.is_held(),
+                "B was granted the lock A holds after node 0 came back from an old snapshot (token {} vs {first})",
+                gb.token()
+            );
+            ensure!(gb.token() > first, "token {} after {first}", gb.token());
+            gb.release().await?;
+        }
+        sleep(t / 10).await;
+    }
+    if ga.is_held() {
+        ga.release().await?;
+    }
+    link.heal();
+    let gb = b
+        .lock(&name)?
+        .acquire_timeout(t * 4 + Duration::from_secs(90))
+        .await?;
+    ensure!(
+        gb.token() > first,
+        "token {} after {first} across an old snapshot",
+        gb.token()
+    );
+    gb.release().await?;
+    passed()
+}
+
+/// S1, S2, L4 on consensus clusters: the leader is killed while A holds and
+/// two clients wait. No two holders at once, tokens increase, the waiters
+/// get the lock (in order where the backend is fair).
+pub async fn leader_killed_while_held(h: &dyn Harness) -> Outcome {
+    let ctx = Ctx::new(h, "leader_killed_while_held");
+    let Some((servers, _restore)) = servers(h) else {
+        return skipped(NO_SERVERS);
+    };
+    let Some(leader) = servers.leader().await else {
+        return skipped("the store has no leader");
+    };
+    let leader = leader?;
+    let t = ctx.caps.ttl;
+    let name = ctx.name("x");
+    let register = Arc::new(FencedRegister::new());
+    let a = ctx.client().await?;
+    let ga = a.lock(&name)?.acquire().await?;
+    ensure!(register.write(0, ga.token()), "A's first write refused");
+    let mut waiters = Vec::new();
+    for w in 1..=2usize {
+        let s = ctx.client().await?;
+        let lock = s.lock(&name)?;
+        let register = register.clone();
+        waiters.push(tokio::spawn(async move {
+            let g = lock.acquire_timeout(Duration::from_secs(120)).await?;
+            let got = Instant::now();
+            let accepted = register.write(w, g.token());
+            let token = g.token();
+            g.release().await?;
+            drop(s);
+            Ok::<_, dlock_core::Error>((w, token, got, accepted))
+        }));
+        super::queued(&*ctx.admin().await?, &name, w, t / 3).await?;
+    }
+    servers.kill(leader).await?;
+    let kept = keeps_or_knows(&ctx, &ga, "after the leader was killed").await?;
+    let a_deadline = ga.deadline();
+    let a_token = ga.token();
+    if kept {
+        ga.release().await?;
+    } else {
+        drop(ga);
+    }
+    let mut results = Vec::new();
+    for waiter in waiters {
+        results.push(
+            within(
+                t * 10 + Duration::from_secs(30),
+                "a waiter after the leader was killed",
+                waiter,
+            )
+            .await?
+            .map_err(|e| Failure(e.to_string()))??,
+        );
+    }
+    servers.start(leader).await?;
+    results.sort_by_key(|r| r.2);
+    for (w, token, got, accepted) in &results {
+        ensure!(*accepted, "waiter {w}'s fenced write was refused");
+        ensure!(
+            *token > a_token,
+            "waiter {w} got token {token} after {a_token}"
+        );
+        ensure!(
+            kept || a_deadline <= *got,
+            "waiter {w} got the lock before A's local deadline"
+        );
+    }
+    if ctx.caps.fair {
+        let order: Vec<usize> = results.iter().map(|r| r.0).collect();
+        ensure!(
+            order == [1, 2],
+            "grant order {order:?} after failover, expected [1, 2]"
+        );
+    }
+    register.check()?;
+    passed()
+}
+
+/// S4 on consensus clusters: A talks only to one follower, which is then
+/// cut off from its peers (A still reaches it). A's renewals must not be
+/// confirmed by what the lone node answers on its own: A's local deadline
+/// passes before B, on the majority side, gets the lock.
+pub async fn node_isolated_from_peers(h: &dyn Harness) -> Outcome {
+    let ctx = Ctx::new(h, "node_isolated_from_peers");
+    let Some((servers, _restore)) = servers(h) else {
+        return skipped(NO_SERVERS);
+    };
+    let Some(leader) = servers.leader().await else {
+        return skipped("the store has no leader");
+    };
+    let leader = leader?;
+    let Some(link) = ctx.link().await? else {
+        return skipped("the harness cannot put a link between a client and the store");
+    };
+    let n = link.nodes();
+    let follower = (leader + 1) % n;
+    for node in (0..n).filter(|&i| i != follower) {
+        link.set(node, Fault::Cut);
+    }
+    let t = ctx.caps.ttl;
+    let name = ctx.name("x");
+    let a: Session = ctx.client_over(&*link).await?;
+    let b = ctx.client().await?;
+    let ga = a.lock(&name)?.acquire().await?;
+    let token: FencingToken = ga.token();
+    match servers.isolate(follower).await {
+        None => return skipped("the harness cannot isolate a node from its peers"),
+        Some(r) => r?,
+    }
+    let isolated = Instant::now();
+    let gb = b
+        .lock(&name)?
+        .acquire_timeout(t * 6 + Duration::from_secs(30))
+        .await?;
+    let b_got = Instant::now();
+    servers.rejoin(follower).await?;
+    ensure!(
+        ga.deadline() <= b_got,
+        "B got the lock {:?} before A's local deadline: A's renewals were confirmed by a node cut off from its peers ({:?} after the isolation)",
+        ga.deadline() - b_got,
+        b_got - isolated
+    );
+    ensure!(gb.token() > token, "token {} after {token}", gb.token());
+    drop(ga);
+    gb.release().await?;
+    passed()
+}
+
+/// Fencing under a clock fault: the store's clock jumps forward past the TTL
+/// while A holds. The store frees the lock early (no lease survives its
+/// clock), so B may get it while A still believes it holds it: clock faults
+/// are outside S4 by design. The fenced register refuses A's stale write,
+/// and A hears of the loss at its next renewal.
+pub async fn server_clock_jumps(h: &dyn Harness) -> Outcome {
+    let ctx = Ctx::new(h, "server_clock_jumps");
+    let Some((servers, _restore)) = servers(h) else {
+        return skipped(NO_SERVERS);
+    };
+    let t = ctx.caps.ttl;
+    let name = ctx.name("x");
+    let (a, b) = (ctx.client().await?, ctx.client().await?);
+    let register = FencedRegister::new();
+    let ga = a.lock(&name)?.acquire().await?;
+    ensure!(register.write(0, ga.token()), "A's first write refused");
+    match servers.step_clock(0, t * 2).await {
+        None => return skipped("the harness cannot step the server's clock"),
+        Some(r) => r?,
+    }
+    // B's session expired with the jump too; a fresh client takes the lock.
+    drop(b);
+    let b = ctx.client().await?;
+    let gb = b.lock(&name)?.acquire_timeout(t).await?;
+    ensure!(
+        gb.token() > ga.token(),
+        "token {} after {}",
+        gb.token(),
+        ga.token()
+    );
+    ensure!(register.write(1, gb.token()), "B's write refused");
+    ensure!(
+        !register.write(0, ga.token()),
+        "the register accepted A's stale write"
+    );
+    let bound = a.renew_every() * 2 + ctx.caps.wakeup_bound;
+    within(
+        bound,
+        "A's lost() after the store's clock jumped",
+        ga.lost(),
+    )
+    .await?;
+    drop(ga);
+    gb.release().await?;
+    passed()
+}

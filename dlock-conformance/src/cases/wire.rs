@@ -1,0 +1,627 @@
+//! Faults on the wire between one client and the store (S8): lost and late
+//! replies, dead connections, partitions, resets, and clients that see
+//! different parts of a cluster. Each case puts its faulty client behind a
+//! [`Link`](crate::wire::Link) of its own; the other clients are healthy.
+
+use std::time::Duration;
+
+use dlock_core::{LockGuard, LostReason, Session};
+use tokio::task::JoinHandle;
+use tokio::time::{Instant, sleep};
+
+use super::{ensure, passed, skipped, within};
+use crate::checker::FencedRegister;
+use crate::wire::{Fault, Flow, Link};
+use crate::{Ctx, Failure, Harness, Outcome};
+
+const NO_LINK: &str = "the harness cannot put a link between a client and the store";
+
+/// A client behind a link of its own, or the verdict that the case does not
+/// apply.
+async fn linked(
+    ctx: &Ctx<'_>,
+) -> Result<Result<(Session, std::sync::Arc<dyn Link>), Outcome>, Failure> {
+    Ok(match ctx.linked_client().await? {
+        Some(pair) => Ok(pair),
+        None => Err(skipped(NO_LINK)),
+    })
+}
+
+/// Watches a guard's `lost()`: when it fired and why.
+fn watch_lost(guard: &LockGuard) -> JoinHandle<(LostReason, Instant)> {
+    let lost = guard.lost();
+    tokio::spawn(async move { (lost.await, Instant::now()) })
+}
+
+/// S4 as one client sees another: `b_got` (when B's acquire returned) is not
+/// before A's local validity deadline, on this process's monotonic clock.
+fn lost_before_free(a: &LockGuard, b_got: Instant, what: &str) -> Result<(), Failure> {
+    let deadline = a.deadline();
+    ensure!(
+        deadline <= b_got,
+        "{what}: B got the lock {:?} before A's local deadline (S4)",
+        deadline - b_got
+    );
+    Ok(())
+}
+
+/// Asserts for `span` that `a` keeps its hold and that `b` cannot take it.
+async fn keeps_hold(a: &LockGuard, b: &Session, span: Duration, what: &str) -> Result<(), Failure> {
+    let until = Instant::now() + span;
+    while Instant::now() < until {
+        ensure!(
+            a.is_held(),
+            "{what}: the holder lost a lock its store still had time on ({:?})",
+            a.lost_reason()
+        );
+        ensure!(
+            b.lock(a.name())?.try_acquire().await?.is_none(),
+            "{what}: another client took a held lock"
+        );
+        sleep(span / 8).await;
+    }
+    Ok(())
+}
+
+/// S4, L3: A's renewals take effect but their replies are lost. Lost for
+/// less than the validity left, the hold survives (the client times the
+/// request out, retries on a fresh connection and is confirmed in time);
+/// lost for longer, `lost()` fires by the local deadline, before anyone else
+/// gets the lock, and the hold never comes back.
+pub async fn renewal_replies_lost(h: &dyn Harness) -> Outcome {
+    let ctx = Ctx::new(h, "renewal_replies_lost");
+    let (a, link) = match linked(&ctx).await? {
+        Ok(pair) => pair,
+        Err(verdict) => return verdict,
+    };
+    let b = ctx.client().await?;
+    let t = ctx.caps.ttl;
+    let name = ctx.name("x");
+    let ga = a.lock(&name)?.acquire().await?;
+    // Short: the store still has time on the lock, so must the holder.
+    link.set_all(Fault::LOSE_REPLIES);
+    sleep(t / 4).await;
+    link.heal();
+    keeps_hold(&ga, &b, t * 2, "after replies were lost for TTL/4").await?;
+
+    // Long: the holder must give up in time.
+    let watcher = watch_lost(&ga);
+    link.set_all(Fault::LOSE_REPLIES);
+    let gb = b
+        .lock(&name)?
+        .acquire_timeout(t * 4 + ctx.caps.recovery_bound)
+        .await?;
+    let b_got = Instant::now();
+    lost_before_free(&ga, b_got, "replies lost")?;
+    let (reason, _) = within(t, "A's lost()", watcher)
+        .await?
+        .map_err(|e| Failure(e.to_string()))?;
+    ensure!(reason != LostReason::Released, "lost() resolved Released");
+    link.heal();
+    sleep(t / 2).await;
+    ensure!(
+        !ga.is_held(),
+        "the lost hold is valid again after the link healed"
+    );
+    ensure!(
+        gb.is_held(),
+        "the new holder lost the lock when A's link healed"
+    );
+    drop(ga);
+    gb.release().await?;
+    passed()
+}
+
+/// S4: A's replies arrive late, longer than its request timeout, so its
+/// renewals time out while taking effect; then its requests stop reaching
+/// the store while late replies still arrive. A reply must be matched to
+/// its own request: a late answer to an old renewal taken as the answer to
+/// a new one moves the deadline past the store's expiry.
+pub async fn renewal_replies_late(h: &dyn Harness) -> Outcome {
+    let ctx = Ctx::new(h, "renewal_replies_late");
+    let (a, link) = match linked(&ctx).await? {
+        Ok(pair) => pair,
+        Err(verdict) => return verdict,
+    };
+    let b = ctx.client().await?;
+    let t = ctx.caps.ttl;
+    let name = ctx.name("x");
+    let ga = a.lock(&name)?.acquire().await?;
+    let late = a.renew_every() * 3 / 2;
+    link.set_all(Fault::Flows {
+        to_server: Flow::Pass,
+        to_client: Flow::Delay(late),
+    });
+    sleep(a.renew_every() * 2).await;
+    link.set_all(Fault::Flows {
+        to_server: Flow::Hold,
+        to_client: Flow::Pass,
+    });
+    let held_at = Instant::now();
+    let watcher = watch_lost(&ga);
+    let gb = b
+        .lock(&name)?
+        .acquire_timeout(t * 4 + ctx.caps.recovery_bound)
+        .await?;
+    let b_got = Instant::now();
+    lost_before_free(&ga, b_got, "late replies, then requests held")?;
+    ensure!(
+        ga.deadline() <= held_at + t,
+        "A's deadline moved to {:?} after its requests stopped reaching the store",
+        ga.deadline() - held_at
+    );
+    within(t, "A's lost()", watcher)
+        .await?
+        .map_err(|e| Failure(e.to_string()))?;
+    link.heal();
+    sleep(late).await;
+    ensure!(!ga.is_held(), "a late reply revived a lost hold");
+    drop(ga);
+    gb.release().await?;
+    passed()
+}
+
+/// L3, S4: A's connections go silently dead (requests hang, nothing is
+/// reset) while new connections would work. Requests must time out well
+/// inside the renewal period and be retried on a new connection, so the hold
+/// survives and the client keeps working.
+pub async fn renewal_on_dead_connection(h: &dyn Harness) -> Outcome {
+    let ctx = Ctx::new(h, "renewal_on_dead_connection");
+    let (a, link) = match linked(&ctx).await? {
+        Ok(pair) => pair,
+        Err(verdict) => return verdict,
+    };
+    let b = ctx.client().await?;
+    let t = ctx.caps.ttl;
+    let name = ctx.name("x");
+    let ga = a.lock(&name)?.acquire().await?;
+    link.set_all(Fault::StallExisting);
+    keeps_hold(&ga, &b, t * 3, "with the connection silently dead").await?;
+    // The client still works: a new lock, and the held one released.
+    let other = a
+        .lock(ctx.name("y"))?
+        .acquire_timeout(t)
+        .await
+        .map_err(|e| Failure(format!("acquire after the connection died: {e}")))?;
+    other.release().await?;
+    ga.release().await?;
+    link.heal();
+    passed()
+}
+
+/// S1, S5: A's take reaches the store but the reply is lost. Retried after
+/// the link heals, the acquire gets the same grant (one holder, no orphan);
+/// given up while the link is still dark, the lock is free again within one
+/// TTL plus the backend's bound.
+pub async fn acquire_reply_lost(h: &dyn Harness) -> Outcome {
+    let ctx = Ctx::new(h, "acquire_reply_lost");
+    let (a, link) = match linked(&ctx).await? {
+        Ok(pair) => pair,
+        Err(verdict) => return verdict,
+    };
+    let (b, admin) = (ctx.client().await?, ctx.admin().await?);
+    let t = ctx.caps.ttl;
+
+    let name = ctx.name("retried");
+    link.set_all(Fault::LOSE_REPLIES);
+    let lock = a.lock(&name)?;
+    let acquiring =
+        tokio::spawn(async move { lock.acquire_timeout(Duration::from_secs(60)).await });
+    sleep(t / 3).await;
+    ensure!(
+        b.lock(&name)?.try_acquire().await?.is_none(),
+        "the lock was free while A's take (reply lost) was granted"
+    );
+    link.heal();
+    let ga = within(t * 4, "A's retried acquire", acquiring)
+        .await?
+        .map_err(|e| Failure(e.to_string()))??;
+    ensure!(
+        admin.validate(&name, ga.token()).await?,
+        "the store does not validate the retried grant"
+    );
+    let info = admin.inspect(&name).await?;
+    ensure!(
+        info.as_ref()
+            .is_some_and(|i| i.holder == a.id().as_str() && i.token == ga.token()),
+        "inspect shows {info:?}, expected A with token {}",
+        ga.token()
+    );
+    ensure!(
+        b.lock(&name)?.try_acquire().await?.is_none(),
+        "lock free while held"
+    );
+    let released = Instant::now();
+    ga.release().await?;
+    let gb = b.lock(&name)?.acquire_timeout(t).await?;
+    ensure!(
+        released.elapsed() <= t / 2 + ctx.caps.wakeup_bound,
+        "after A's release, B waited {:?}: an orphan of the lost take?",
+        released.elapsed()
+    );
+    gb.release().await?;
+
+    // Given up while the link stays dark: no clean-up reaches the store.
+    let name = ctx.name("abandoned");
+    link.set_all(Fault::LOSE_REPLIES);
+    let r = a.lock(&name)?.acquire_timeout(t / 2).await;
+    ensure!(
+        r.is_err(),
+        "an acquire with every reply lost returned {r:?}"
+    );
+    link.set_all(Fault::BLACKHOLE);
+    let start = Instant::now();
+    let gb = b
+        .lock(&name)?
+        .acquire_timeout(t * 3 + ctx.caps.recovery_bound)
+        .await?;
+    let took = start.elapsed();
+    ensure!(
+        took <= t + ctx.caps.recovery_bound,
+        "the orphan of an abandoned take kept the lock for {took:?}"
+    );
+    link.heal();
+    sleep(t / 2).await;
+    ensure!(
+        gb.is_held(),
+        "B lost the lock when A's held requests arrived"
+    );
+    ensure!(
+        admin.validate(&name, gb.token()).await?,
+        "the store does not validate B after A's late requests"
+    );
+    gb.release().await?;
+    passed()
+}
+
+/// S3: A's release takes effect but its reply is lost; B gets the lock; A's
+/// retry must not free B's hold, and A's `release()` reports success.
+pub async fn release_reply_lost(h: &dyn Harness) -> Outcome {
+    let ctx = Ctx::new(h, "release_reply_lost");
+    let (a, link) = match linked(&ctx).await? {
+        Ok(pair) => pair,
+        Err(verdict) => return verdict,
+    };
+    let (b, c, admin) = (ctx.client().await?, ctx.client().await?, ctx.admin().await?);
+    let t = ctx.caps.ttl;
+    let name = ctx.name("x");
+    let ga = a.lock(&name)?.acquire().await?;
+    let lock = b.lock(&name)?;
+    let waiter = tokio::spawn(async move { lock.acquire_timeout(Duration::from_secs(60)).await });
+    sleep(t / 10).await;
+    link.set_all(Fault::LOSE_REPLIES);
+    let releasing = tokio::spawn(ga.release());
+    let gb = within(t * 2, "B's acquire after A's release took effect", waiter)
+        .await?
+        .map_err(|e| Failure(e.to_string()))??;
+    link.heal();
+    let released = within(t * 3, "A's release", releasing)
+        .await?
+        .map_err(|e| Failure(e.to_string()))?;
+    ensure!(
+        released.is_ok(),
+        "A's release, which took effect, reported {released:?}"
+    );
+    ensure!(gb.is_held(), "B lost the lock to A's retried release");
+    ensure!(
+        admin.validate(&name, gb.token()).await?,
+        "A's retried release freed B's hold"
+    );
+    ensure!(
+        c.lock(&name)?.try_acquire().await?.is_none(),
+        "the lock was free while B held it"
+    );
+    gb.release().await?;
+    passed()
+}
+
+/// S4, L1, fencing: A's link goes dark (a partition) past the TTL. A's
+/// local deadline passes before B is granted (one monotonic clock), B gets
+/// the lock within TTL plus the backend's bound, A's fenced write is
+/// refused, and A does not believe it holds the lock when the link heals.
+pub async fn holder_partitioned_past_ttl(h: &dyn Harness) -> Outcome {
+    let ctx = Ctx::new(h, "holder_partitioned_past_ttl");
+    let (a, link) = match linked(&ctx).await? {
+        Ok(pair) => pair,
+        Err(verdict) => return verdict,
+    };
+    let b = ctx.client().await?;
+    let t = ctx.caps.ttl;
+    let name = ctx.name("x");
+    let register = FencedRegister::new();
+    let ga = a.lock(&name)?.acquire().await?;
+    ensure!(register.write(0, ga.token()), "A's first write refused");
+    let watcher = watch_lost(&ga);
+    let cut_at = Instant::now();
+    link.set_all(Fault::BLACKHOLE);
+    let gb = b
+        .lock(&name)?
+        .acquire_timeout(t * 4 + ctx.caps.recovery_bound)
+        .await?;
+    let b_got = Instant::now();
+    lost_before_free(&ga, b_got, "partitioned holder")?;
+    let took = b_got - cut_at;
+    ensure!(
+        took <= t + ctx.caps.recovery_bound,
+        "B got the lock {took:?} after A's partition (bound {:?})",
+        t + ctx.caps.recovery_bound
+    );
+    ensure!(register.write(1, gb.token()), "B's write refused");
+    ensure!(
+        !register.write(0, ga.token()),
+        "the register accepted the partitioned holder's write"
+    );
+    let (_, lost_at) = within(t, "A's lost()", watcher)
+        .await?
+        .map_err(|e| Failure(e.to_string()))?;
+    ensure!(
+        lost_at <= b_got + t / 4,
+        "A's lost() fired {:?} after B's grant",
+        lost_at - b_got
+    );
+    link.heal();
+    sleep(t / 2).await;
+    ensure!(!ga.is_held(), "A holds again after the partition healed");
+    ensure!(gb.is_held(), "B lost the lock when A's partition healed");
+    drop(ga);
+    gb.release().await?;
+    passed()
+}
+
+/// L1, L2: waiters whose connections are reset while they wait (shorter
+/// than the TTL) still get the lock, one after another, with no error.
+pub async fn waiters_cut_while_waiting(h: &dyn Harness) -> Outcome {
+    const WAITERS: usize = 3;
+    let ctx = Ctx::new(h, "waiters_cut_while_waiting");
+    let t = ctx.caps.ttl;
+    let name = ctx.name("x");
+    let a = ctx.client().await?;
+    let ga = a.lock(&name)?.acquire().await?;
+    let mut links = Vec::new();
+    let mut waiters = Vec::new();
+    for _ in 0..WAITERS {
+        let (w, link) = match linked(&ctx).await? {
+            Ok(pair) => pair,
+            Err(verdict) => return verdict,
+        };
+        let lock = w.lock(&name)?;
+        waiters.push(tokio::spawn(async move {
+            let g = lock.acquire_timeout(Duration::from_secs(60)).await?;
+            let token = g.token();
+            g.release().await?;
+            drop(w);
+            Ok::<_, dlock_core::Error>(token)
+        }));
+        links.push(link);
+    }
+    sleep(t / 4).await;
+    for link in &links {
+        link.set_all(Fault::Cut);
+    }
+    sleep(t / 3).await;
+    for link in &links {
+        link.heal();
+    }
+    let first = ga.token();
+    ga.release().await?;
+    let bound = (t + a.poll_fallback() + ctx.caps.wakeup_bound) * WAITERS as u32;
+    for (i, waiter) in waiters.into_iter().enumerate() {
+        let token = within(
+            bound,
+            &format!("waiter {i} after its connection was cut"),
+            waiter,
+        )
+        .await?
+        .map_err(|e| Failure(e.to_string()))?
+        .map_err(|e| Failure(format!("waiter {i} failed after a cut: {e}")))?;
+        ensure!(token > first, "waiter {i} got token {token} after {first}");
+    }
+    passed()
+}
+
+/// L3 as declared by `survives_reconnect`: a holder whose connections are
+/// reset for a moment (well inside the TTL) keeps its lock; on backends that
+/// do not declare it, it either keeps it or learns it lost it, and nobody
+/// else holds it meanwhile.
+pub async fn connection_blip(h: &dyn Harness) -> Outcome {
+    let ctx = Ctx::new(h, "connection_blip");
+    let (a, link) = match linked(&ctx).await? {
+        Ok(pair) => pair,
+        Err(verdict) => return verdict,
+    };
+    let b = ctx.client().await?;
+    let t = ctx.caps.ttl;
+    let name = ctx.name("x");
+    let ga = a.lock(&name)?.acquire().await?;
+    link.set_all(Fault::Cut);
+    sleep(t / 5).await;
+    link.heal();
+    if ctx.caps.survives_reconnect {
+        keeps_hold(&ga, &b, t * 2, "after a short reset").await?;
+    } else {
+        let until = Instant::now() + t * 2;
+        while Instant::now() < until {
+            let held = ga.is_held();
+            let taken = b.lock(&name)?.try_acquire().await?;
+            ensure!(
+                !(held && taken.is_some() && ga.is_held()),
+                "B took the lock while A still held it after a reset"
+            );
+            if let Some(g) = taken {
+                g.release().await?;
+            }
+            sleep(t / 8).await;
+        }
+    }
+    drop(ga);
+    passed()
+}
+
+/// S1 on clusters: two clients that each cannot reach a different minority
+/// of the nodes when they connect (and afterwards) never both hold a lock,
+/// and each can take it when the other lets go: a majority is counted over
+/// every configured node, never over the reachable ones.
+pub async fn split_views_at_connect(h: &dyn Harness) -> Outcome {
+    let ctx = Ctx::new(h, "split_views_at_connect");
+    let Some(link_a) = ctx.link().await? else {
+        return skipped(NO_LINK);
+    };
+    let n = link_a.nodes();
+    if n < 3 {
+        return skipped(format!("{n} node(s): no minority to hide"));
+    }
+    let minority = (n - 1) / 2;
+    let link_b = ctx.link().await?.ok_or_else(|| Failure(NO_LINK.into()))?;
+    for i in 0..minority {
+        link_a.set(i, Fault::Cut);
+        link_b.set(n - 1 - i, Fault::Cut);
+    }
+    let a = ctx.client_over(&*link_a).await?;
+    let b = ctx.client_over(&*link_b).await?;
+    let t = ctx.caps.ttl;
+    let name = ctx.name("x");
+    for round in 0..3 {
+        let ga = a.lock(&name)?.acquire_timeout(t * 4).await?;
+        let taken = b.lock(&name)?.try_acquire().await?;
+        ensure!(
+            taken.is_none(),
+            "round {round}: B took the lock A holds (A cannot see nodes 0..{minority}, B the last {minority} of {n})"
+        );
+        ga.release().await?;
+        let gb = b.lock(&name)?.acquire_timeout(t * 4).await?;
+        ensure!(
+            a.lock(&name)?.try_acquire().await?.is_none(),
+            "round {round}: A took the lock B holds"
+        );
+        gb.release().await?;
+    }
+    passed()
+}
+
+/// S5, L4: an acquire given up while its client's connections are refused
+/// cannot clean up at once; once the link is back (well inside the TTL, so
+/// the session lives on), the clean-up must be retried until it succeeds,
+/// not dropped: otherwise the orphan blocks the lock for as long as the
+/// session lives (stores whose queue entries live with the session).
+pub async fn abandon_retried_after_cut(h: &dyn Harness) -> Outcome {
+    let ctx = Ctx::new(h, "abandon_retried_after_cut");
+    let (a, link) = match linked(&ctx).await? {
+        Ok(pair) => pair,
+        Err(verdict) => return verdict,
+    };
+    let (holder, b, admin) = (ctx.client().await?, ctx.client().await?, ctx.admin().await?);
+    let t = ctx.caps.ttl;
+    let name = ctx.name("x");
+    let g0 = holder.lock(&name)?.acquire().await?;
+    let lock = a.lock(&name)?;
+    let waiting = tokio::spawn(async move { lock.acquire().await });
+    super::queued(&*admin, &name, 1, t / 3).await?;
+    // B queues behind A's entry.
+    let lock = b.lock(&name)?;
+    let b_waiting = tokio::spawn(async move {
+        let g = lock.acquire_timeout(Duration::from_secs(60)).await;
+        (g, Instant::now())
+    });
+    super::queued(&*admin, &name, 2, t / 3).await?;
+    link.set_all(Fault::Cut);
+    waiting.abort();
+    let _ = waiting.await;
+    sleep(t / 5).await;
+    link.heal();
+    sleep(t / 5).await;
+    let released = Instant::now();
+    g0.release().await?;
+    let (gb, b_got) = within(
+        t * 4 + ctx.caps.recovery_bound,
+        "B behind the abandoned entry",
+        b_waiting,
+    )
+    .await?
+    .map_err(|e| Failure(e.to_string()))?;
+    let gb = gb?;
+    ensure!(
+        b_got - released <= t / 2 + ctx.caps.wakeup_bound,
+        "B waited {:?} after the release: the abandoned entry's clean-up was not retried",
+        b_got - released
+    );
+    ensure!(
+        a.is_alive(),
+        "A's session died although its link was cut for TTL/5 only"
+    );
+    gb.release().await?;
+    passed()
+}
+
+/// L5: `acquire_timeout(d)` returns `Timeout` within `d` plus a round trip
+/// even when its requests hang (a partition): the deadline cuts requests in
+/// flight; it does not wait out the request timeout.
+pub async fn acquire_timeout_under_partition(h: &dyn Harness) -> Outcome {
+    let ctx = Ctx::new(h, "acquire_timeout_under_partition");
+    let (a, link) = match linked(&ctx).await? {
+        Ok(pair) => pair,
+        Err(verdict) => return verdict,
+    };
+    let t = ctx.caps.ttl;
+    link.set_all(Fault::BLACKHOLE);
+    for wait in [t / 10, t / 3] {
+        let start = Instant::now();
+        let r = a.lock(ctx.name("x"))?.acquire_timeout(wait).await;
+        let took = start.elapsed();
+        ensure!(
+            matches!(r, Err(dlock_core::Error::Timeout { .. })),
+            "acquire_timeout({wait:?}) through a partition gave {r:?}, expected Timeout"
+        );
+        ensure!(
+            took <= wait + ctx.caps.wakeup_bound,
+            "acquire_timeout({wait:?}) through a partition returned after {took:?}"
+        );
+    }
+    link.heal();
+    passed()
+}
+
+/// L5, S5: a waiting acquire whose session is lost (its renewals could not
+/// reach the store for longer than the TTL) ends with `SessionLost` as soon
+/// as the session is known lost, not at its next fallback poll.
+pub async fn waiter_learns_session_lost(h: &dyn Harness) -> Outcome {
+    let ctx = Ctx::new(h, "waiter_learns_session_lost");
+    let Some(link) = ctx.link().await? else {
+        return skipped(NO_LINK);
+    };
+    let t = ctx.caps.ttl;
+    let backend = h.connect_over(&*link).await?;
+    // A fallback poll far longer than the test: only the session's end can
+    // end the wait.
+    let a = backend
+        .session(ctx.options().poll_fallback(Duration::from_secs(120)))
+        .await?;
+    let holder = ctx.client().await?;
+    let name = ctx.name("x");
+    let g0 = holder.lock(&name)?.acquire().await?;
+    let lock = a.lock(&name)?;
+    let waiting = tokio::spawn(async move {
+        let r = lock.acquire_timeout(Duration::from_secs(100)).await;
+        (r, Instant::now())
+    });
+    sleep(t / 4).await;
+    link.set_all(Fault::BLACKHOLE);
+    sleep(t * 2 + ctx.caps.recovery_bound).await;
+    link.heal();
+    let healed = Instant::now();
+    let (r, ended) = within(t * 4, "the waiter of a lost session", waiting)
+        .await?
+        .map_err(|e| Failure(e.to_string()))?;
+    match r {
+        Err(dlock_core::Error::SessionLost { .. }) => {}
+        Ok(g) => {
+            // Acceptable only if the store kept the session alive after all.
+            ensure!(a.is_alive(), "a dead session's waiter got the lock");
+            drop(g);
+        }
+        Err(e) => return Err(Failure(format!("the waiter of a lost session gave {e}"))),
+    }
+    let _ = healed;
+    let _ = ended;
+    g0.release().await?;
+    passed()
+}

@@ -1,0 +1,262 @@
+//! Server faults as operations a case can call: kill, start (with or without
+//! data), snapshot, pause, find the leader, isolate a node from its peers.
+//!
+//! The harness supplies them ([`Harness::servers`](crate::Harness::servers)),
+//! so an adapter outside this repository brings its own process control; the
+//! suite never looks for scripts of its own. [`ServicesCommand`] drives any
+//! command with the `scripts/services` interface (this repository's, or one
+//! written alike); [`MemoryServers`] controls the in-process memory server.
+
+use std::fmt;
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use dlock_core::memory::MemoryBackend;
+
+use crate::Failure;
+
+/// Process control of the deployment under test. Nodes are numbered in the
+/// harness's endpoint order.
+///
+/// Cases that call these run alone (no other case of the test binary runs
+/// meanwhile), and put every node back as they found it, also on failure.
+#[async_trait]
+pub trait Servers: Send + Sync + fmt::Debug {
+    /// How many nodes.
+    fn nodes(&self) -> usize;
+
+    /// Kills node `node` at once (SIGKILL: no clean shutdown). What it had
+    /// written to disk stays.
+    async fn kill(&self, node: usize) -> Result<(), Failure>;
+
+    /// Starts node `node` from the data on its disk and waits until it
+    /// serves (and, in a cluster, has rejoined).
+    async fn start(&self, node: usize) -> Result<(), Failure>;
+
+    /// Deletes a killed node's data, so that its next start begins empty.
+    async fn wipe(&self, node: usize) -> Result<(), Failure>;
+
+    /// Writes what node `node` holds now to disk, so that a restart brings
+    /// exactly this state back (Redis `SAVE`); `None` where the store keeps
+    /// every acknowledged write anyway, or cannot.
+    async fn snapshot(&self, node: usize) -> Option<Result<(), Failure>> {
+        let _ = node;
+        None
+    }
+
+    /// Stops node `node` (SIGSTOP): connections stay open, nothing answers.
+    async fn pause(&self, node: usize) -> Result<(), Failure>;
+
+    /// Resumes a paused node (SIGCONT).
+    async fn resume(&self, node: usize) -> Result<(), Failure>;
+
+    /// The node leading a consensus cluster now; `None` for stores without a
+    /// leader.
+    async fn leader(&self) -> Option<Result<usize, Failure>> {
+        None
+    }
+
+    /// Cuts node `node` off from its peers (clients still reach it); `None`
+    /// where the harness cannot.
+    async fn isolate(&self, node: usize) -> Option<Result<(), Failure>> {
+        let _ = node;
+        None
+    }
+
+    /// Undoes [`isolate`](Self::isolate).
+    async fn rejoin(&self, node: usize) -> Result<(), Failure> {
+        let _ = node;
+        Ok(())
+    }
+
+    /// Steps node `node`'s clock forward by `by` (an NTP step); `None` where
+    /// the harness cannot.
+    async fn step_clock(&self, node: usize, by: Duration) -> Option<Result<(), Failure>> {
+        let _ = (node, by);
+        None
+    }
+}
+
+/// [`Servers`] through a command with the `scripts/services` interface:
+/// `CMD kill|up|wipe|snapshot|pause|resume|isolate|rejoin NAME` and
+/// `CMD leader GROUP` (which prints the leader's NAME). A `snapshot` or
+/// `isolate` that exits with status 3 means "not supported".
+///
+/// ```no_run
+/// use dlock_conformance::servers::ServicesCommand;
+/// let servers = ServicesCommand::new(
+///     concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/services"),
+///     ["etcd-c1", "etcd-c2", "etcd-c3"],
+/// )
+/// .group("etcd-cluster");
+/// ```
+#[derive(Debug, Clone)]
+pub struct ServicesCommand {
+    command: PathBuf,
+    names: Vec<String>,
+    group: Option<String>,
+}
+
+/// The exit status meaning "this operation does not apply to this server".
+const UNSUPPORTED: i32 = 3;
+
+impl ServicesCommand {
+    /// Nodes `names` (in endpoint order), controlled by `command`.
+    pub fn new<I, S>(command: impl Into<PathBuf>, names: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        Self {
+            command: command.into(),
+            names: names.into_iter().map(Into::into).collect(),
+            group: None,
+        }
+    }
+
+    /// The cluster's group name, for `leader`.
+    pub fn group(mut self, group: impl Into<String>) -> Self {
+        self.group = Some(group.into());
+        self
+    }
+
+    async fn run(&self, args: Vec<String>) -> Result<(i32, String), Failure> {
+        let command = self.command.clone();
+        let shown = format!("{} {}", command.display(), args.join(" "));
+        let out = tokio::task::spawn_blocking(move || Command::new(&command).args(&args).output())
+            .await
+            .map_err(|e| Failure(format!("{shown}: {e}")))?
+            .map_err(|e| Failure(format!("cannot run {shown}: {e}")))?;
+        let code = out.status.code().unwrap_or(-1);
+        if code != 0 && code != UNSUPPORTED {
+            return Err(Failure(format!(
+                "{shown} exited with {}: {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            )));
+        }
+        Ok((code, String::from_utf8_lossy(&out.stdout).trim().to_owned()))
+    }
+
+    async fn on(&self, verb: &str, node: usize) -> Result<i32, Failure> {
+        let name = self
+            .names
+            .get(node)
+            .ok_or_else(|| Failure(format!("no node {node} (of {})", self.names.len())))?;
+        Ok(self.run(vec![verb.into(), name.clone()]).await?.0)
+    }
+
+    async fn must(&self, verb: &str, node: usize) -> Result<(), Failure> {
+        match self.on(verb, node).await? {
+            0 => Ok(()),
+            _ => Err(Failure(format!(
+                "`{verb}` is not supported for {}",
+                self.names[node]
+            ))),
+        }
+    }
+
+    async fn maybe(&self, verb: &str, node: usize) -> Option<Result<(), Failure>> {
+        match self.on(verb, node).await {
+            Ok(0) => Some(Ok(())),
+            Ok(_) => None,
+            Err(e) => Some(Err(e)),
+        }
+    }
+}
+
+#[async_trait]
+impl Servers for ServicesCommand {
+    fn nodes(&self) -> usize {
+        self.names.len()
+    }
+
+    async fn kill(&self, node: usize) -> Result<(), Failure> {
+        self.must("kill", node).await
+    }
+
+    async fn start(&self, node: usize) -> Result<(), Failure> {
+        self.must("up", node).await
+    }
+
+    async fn wipe(&self, node: usize) -> Result<(), Failure> {
+        self.must("wipe", node).await
+    }
+
+    async fn snapshot(&self, node: usize) -> Option<Result<(), Failure>> {
+        self.maybe("snapshot", node).await
+    }
+
+    async fn pause(&self, node: usize) -> Result<(), Failure> {
+        self.must("pause", node).await
+    }
+
+    async fn resume(&self, node: usize) -> Result<(), Failure> {
+        self.must("resume", node).await
+    }
+
+    async fn leader(&self) -> Option<Result<usize, Failure>> {
+        let group = self.group.clone()?;
+        Some(match self.run(vec!["leader".into(), group]).await {
+            Ok((0, name)) => {
+                self.names.iter().position(|n| *n == name).ok_or_else(|| {
+                    Failure(format!("leader {name:?} is not one of {:?}", self.names))
+                })
+            }
+            Ok(_) => Err(Failure("`leader` is not supported".into())),
+            Err(e) => Err(e),
+        })
+    }
+
+    async fn isolate(&self, node: usize) -> Option<Result<(), Failure>> {
+        self.maybe("isolate", node).await
+    }
+
+    async fn rejoin(&self, node: usize) -> Result<(), Failure> {
+        self.must("rejoin", node).await
+    }
+}
+
+/// [`Servers`] for the in-process memory server: one node, whose "disk"
+/// keeps the token counter (unless wiped) and nothing else.
+#[derive(Debug, Clone)]
+pub struct MemoryServers(pub MemoryBackend);
+
+#[async_trait]
+impl Servers for MemoryServers {
+    fn nodes(&self) -> usize {
+        1
+    }
+
+    async fn kill(&self, _node: usize) -> Result<(), Failure> {
+        self.0.stop();
+        Ok(())
+    }
+
+    async fn start(&self, _node: usize) -> Result<(), Failure> {
+        self.0.start();
+        Ok(())
+    }
+
+    async fn wipe(&self, _node: usize) -> Result<(), Failure> {
+        self.0.wipe();
+        Ok(())
+    }
+
+    async fn pause(&self, _node: usize) -> Result<(), Failure> {
+        self.0.pause();
+        Ok(())
+    }
+
+    async fn resume(&self, _node: usize) -> Result<(), Failure> {
+        self.0.resume();
+        Ok(())
+    }
+
+    async fn step_clock(&self, _node: usize, by: Duration) -> Option<Result<(), Failure>> {
+        self.0.clock().step_forward(by);
+        Some(Ok(()))
+    }
+}

@@ -1,10 +1,13 @@
 //! The conformance suite on a real single-node etcd and on a real 3-node
 //! etcd cluster, both from `scripts/services`.
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use dlock_conformance::servers::{Servers, ServicesCommand};
+use dlock_conformance::wire::{hosts_of, with_hosts};
 use dlock_conformance::{Capabilities, Harness, conformance_tests};
 use dlock_core::{Backend, Error};
 use dlock_etcd::EtcdBackend;
@@ -52,7 +55,30 @@ impl Harness for EtcdHarness {
         // Lease expiry is checked by the leader every 500 ms and may run up to
         // that late.
         caps.recovery_bound = Duration::from_millis(1500);
+        caps.survives_reconnect = true;
         caps
+    }
+
+    fn endpoints(&self) -> Vec<String> {
+        hosts_of(&self.url)
+    }
+
+    async fn connect_via(&self, via: &[SocketAddr]) -> Result<Arc<dyn Backend>, Error> {
+        let url = with_hosts(&self.url, via);
+        Ok(Arc::new({
+            let b = EtcdBackend::connect(&url).await?;
+            b.ping().await?;
+            b
+        }))
+    }
+
+    fn servers(&self) -> Option<Arc<dyn Servers>> {
+        const SERVICES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/services");
+        Some(Arc::new(if self.store == "etcd-cluster" {
+            ServicesCommand::new(SERVICES, ["etcd-c1", "etcd-c2", "etcd-c3"]).group("etcd-cluster")
+        } else {
+            ServicesCommand::new(SERVICES, ["etcd"])
+        }))
     }
 
     fn start_hint(&self) -> String {

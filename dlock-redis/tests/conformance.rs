@@ -1,10 +1,13 @@
 //! The conformance suite on a real Redis and on Redlock over three real
 //! Redis servers, all from `scripts/services`.
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use dlock_conformance::servers::{Servers, ServicesCommand};
+use dlock_conformance::wire::{hosts_of, with_hosts};
 use dlock_conformance::{Capabilities, Harness, conformance_tests};
 use dlock_core::{Backend, Error};
 use dlock_redis::RedisBackend;
@@ -12,7 +15,10 @@ use dlock_redis::RedisBackend;
 struct RedisHarness {
     store: &'static str,
     url: String,
+    nodes: Vec<&'static str>,
 }
+
+const SERVICES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/services");
 
 impl RedisHarness {
     fn single() -> Self {
@@ -21,17 +27,21 @@ impl RedisHarness {
         Self {
             store: "redis",
             url,
+            nodes: vec!["redis"],
         }
     }
 
     fn redlock() -> Self {
-        let url = std::env::var("DLOCK_TEST_REDLOCK_URL")
-            .unwrap_or_else(|_| "redlock://127.0.0.1:16380,127.0.0.1:16381,127.0.0.1:16382".into());
+        let url = std::env::var("DLOCK_TEST_REDLOCK_URL").unwrap_or_else(|_| {
+            "redlock://127.0.0.1:16380,127.0.0.1:16381,127.0.0.1:16382,127.0.0.1:16383,127.0.0.1:16384"
+                .into()
+        });
         // Short max_ttl so a fresh node accepts grants soon after start.
         let sep = if url.contains('?') { '&' } else { '?' };
         Self {
             store: "redlock",
             url: format!("{url}{sep}max_ttl=2s"),
+            nodes: vec!["redis-r1", "redis-r2", "redis-r3", "redis-r4", "redis-r5"],
         }
     }
 }
@@ -50,7 +60,25 @@ impl Harness for RedisHarness {
         // restart (TIME floor): proven by the adapter's restart test.
         caps.durable_tokens = true;
         caps.recovery_bound = Duration::from_millis(500);
+        caps.survives_reconnect = true;
+        // No persistence in the test servers: a restart forgets held locks
+        // (plain Redis; Redlock's restart guard keeps a restarted node out).
+        caps.restart_loses_locks = self.store == "redis";
         caps
+    }
+
+    fn endpoints(&self) -> Vec<String> {
+        hosts_of(&self.url)
+    }
+
+    async fn connect_via(&self, via: &[SocketAddr]) -> Result<Arc<dyn Backend>, Error> {
+        let backend = RedisBackend::connect(&with_hosts(&self.url, via)).await?;
+        backend.wait_ready(Duration::from_secs(10)).await?;
+        Ok(Arc::new(backend))
+    }
+
+    fn servers(&self) -> Option<Arc<dyn Servers>> {
+        Some(Arc::new(ServicesCommand::new(SERVICES, self.nodes.clone())))
     }
 
     async fn connect(&self) -> Result<Arc<dyn Backend>, Error> {

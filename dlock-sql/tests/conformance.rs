@@ -1,10 +1,13 @@
 //! The conformance suite on PostgreSQL, MariaDB/MySQL and SQLite, against the
 //! real servers from `scripts/services` (SQLite on a temporary file).
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use dlock_conformance::servers::{Servers, ServicesCommand};
+use dlock_conformance::wire::{hosts_of, with_hosts};
 use dlock_conformance::{Capabilities, Harness, conformance_tests};
 use dlock_core::{Backend, Error};
 use dlock_sql::SqlBackend;
@@ -56,11 +59,33 @@ impl Harness for SqlHarness {
             Duration::from_millis(300)
         };
         caps.recovery_bound = Duration::from_secs(1);
+        caps.survives_reconnect = true;
         caps
     }
 
     async fn connect(&self) -> Result<Arc<dyn Backend>, Error> {
         Ok(Arc::new(SqlBackend::connect(&self.url).await?))
+    }
+
+    fn endpoints(&self) -> Vec<String> {
+        match self.store {
+            "sqlite" => Vec::new(), // a file: no wire
+            _ => hosts_of(&self.url),
+        }
+    }
+
+    async fn connect_via(&self, via: &[SocketAddr]) -> Result<Arc<dyn Backend>, Error> {
+        Ok(Arc::new(
+            SqlBackend::connect(&with_hosts(&self.url, via)).await?,
+        ))
+    }
+
+    fn servers(&self) -> Option<Arc<dyn Servers>> {
+        const SERVICES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/services");
+        match self.store {
+            "sqlite" => None,
+            store => Some(Arc::new(ServicesCommand::new(SERVICES, [store]))),
+        }
     }
 
     async fn connect_url(&self, url: &str) -> Option<Result<Arc<dyn Backend>, Error>> {

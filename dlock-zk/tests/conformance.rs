@@ -1,10 +1,13 @@
 //! The conformance suite on a real standalone ZooKeeper and on a real
 //! 3-node ensemble, both from `scripts/services`.
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use dlock_conformance::servers::{Servers, ServicesCommand};
+use dlock_conformance::wire::{hosts_of, with_hosts};
 use dlock_conformance::{Capabilities, Harness, conformance_tests};
 use dlock_core::{Backend, Error};
 use dlock_zk::ZkBackend;
@@ -53,6 +56,24 @@ impl Harness for ZkHarness {
         // Session expiry is checked every tick; ephemeral nodes go with it.
         caps.recovery_bound = Duration::from_millis(1000);
         caps
+    }
+
+    fn endpoints(&self) -> Vec<String> {
+        hosts_of(&self.url)
+    }
+
+    async fn connect_via(&self, via: &[SocketAddr]) -> Result<Arc<dyn Backend>, Error> {
+        let url = with_hosts(&self.url, via);
+        Ok(Arc::new(ZkBackend::connect(&url).await?))
+    }
+
+    fn servers(&self) -> Option<Arc<dyn Servers>> {
+        const SERVICES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/services");
+        Some(Arc::new(if self.store == "zk-ensemble" {
+            ServicesCommand::new(SERVICES, ["zk-e1", "zk-e2", "zk-e3"]).group("zk-ensemble")
+        } else {
+            ServicesCommand::new(SERVICES, ["zk"])
+        }))
     }
 
     fn start_hint(&self) -> String {

@@ -108,3 +108,46 @@ impl Link for MemoryLink {
         self
     }
 }
+
+/// The `host:port` list of a URL's authority (`scheme://[user@]h1:p1,h2:p2/...`),
+/// for harnesses to list their endpoints.
+///
+/// ```
+/// use dlock_conformance::wire::hosts_of;
+/// assert_eq!(hosts_of("etcd://u:p@a:1,b:2/pre?x=1"), ["a:1", "b:2"]);
+/// assert_eq!(hosts_of("postgres://u@db:5432/x"), ["db:5432"]);
+/// ```
+pub fn hosts_of(url: &str) -> Vec<String> {
+    let (_, hosts, _) = split_authority(url);
+    hosts
+        .split(',')
+        .filter(|h| !h.is_empty())
+        .map(str::to_owned)
+        .collect()
+}
+
+/// `url` with its hosts replaced by `addrs` (userinfo, path and query kept).
+///
+/// ```
+/// use dlock_conformance::wire::with_hosts;
+/// let addrs = ["127.0.0.1:9".parse().unwrap(), "127.0.0.1:8".parse().unwrap()];
+/// assert_eq!(
+///     with_hosts("etcd://u:p@a:1,b:2/pre?x=1", &addrs),
+///     "etcd://u:p@127.0.0.1:9,127.0.0.1:8/pre?x=1"
+/// );
+/// ```
+pub fn with_hosts(url: &str, addrs: &[SocketAddr]) -> String {
+    let (head, _, tail) = split_authority(url);
+    let hosts: Vec<String> = addrs.iter().map(ToString::to_string).collect();
+    format!("{head}{}{tail}", hosts.join(","))
+}
+
+/// (`scheme://user@`, `hosts`, `/path?query`)
+fn split_authority(url: &str) -> (&str, &str, &str) {
+    let start = url.find("://").map_or(0, |i| i + 3);
+    let end = url[start..]
+        .find(['/', '?', '#'])
+        .map_or(url.len(), |i| start + i);
+    let hosts_start = url[start..end].rfind('@').map_or(start, |i| start + i + 1);
+    (&url[..hosts_start], &url[hosts_start..end], &url[end..])
+}

@@ -35,8 +35,29 @@ pub trait Servers: Send + Sync + fmt::Debug {
     /// serves (and, in a cluster, has rejoined).
     async fn start(&self, node: usize) -> Result<(), Failure>;
 
-    /// Deletes a killed node's data, so that its next start begins empty.
-    async fn wipe(&self, node: usize) -> Result<(), Failure>;
+    /// Deletes a killed node's data, so that its next start begins empty;
+    /// `None` where the harness cannot.
+    async fn wipe(&self, node: usize) -> Option<Result<(), Failure>> {
+        let _ = node;
+        None
+    }
+
+    /// Kills every node.
+    async fn kill_all(&self) -> Result<(), Failure> {
+        for node in 0..self.nodes() {
+            self.kill(node).await?;
+        }
+        Ok(())
+    }
+
+    /// Starts every node (a cluster needs a majority up before any member
+    /// serves, so this starts them together).
+    async fn start_all(&self) -> Result<(), Failure> {
+        for node in 0..self.nodes() {
+            self.start(node).await?;
+        }
+        Ok(())
+    }
 
     /// Writes what node `node` holds now to disk, so that a restart brings
     /// exactly this state back (Redis `SAVE`); `None` where the store keeps
@@ -181,8 +202,20 @@ impl Servers for ServicesCommand {
         self.must("up", node).await
     }
 
-    async fn wipe(&self, node: usize) -> Result<(), Failure> {
-        self.must("wipe", node).await
+    async fn wipe(&self, node: usize) -> Option<Result<(), Failure>> {
+        self.maybe("wipe", node).await
+    }
+
+    async fn kill_all(&self) -> Result<(), Failure> {
+        let mut args = vec!["kill".to_owned()];
+        args.extend(self.names.iter().cloned());
+        self.run(args).await.map(|_| ())
+    }
+
+    async fn start_all(&self) -> Result<(), Failure> {
+        let mut args = vec!["up".to_owned()];
+        args.extend(self.names.iter().cloned());
+        self.run(args).await.map(|_| ())
     }
 
     async fn snapshot(&self, node: usize) -> Option<Result<(), Failure>> {
@@ -240,9 +273,9 @@ impl Servers for MemoryServers {
         Ok(())
     }
 
-    async fn wipe(&self, _node: usize) -> Result<(), Failure> {
+    async fn wipe(&self, _node: usize) -> Option<Result<(), Failure>> {
         self.0.wipe();
-        Ok(())
+        Some(Ok(()))
     }
 
     async fn pause(&self, _node: usize) -> Result<(), Failure> {

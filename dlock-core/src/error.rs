@@ -106,6 +106,17 @@ pub enum Error {
         source: BoxError,
     },
 
+    /// The store refused the credentials (wrong user or password, a client
+    /// certificate it does not accept). Not retryable: retrying a wrong
+    /// password only locks accounts. The password is never included.
+    #[error("{backend} refused the credentials: {reason}")]
+    Auth {
+        /// Which backend (URL scheme).
+        backend: &'static str,
+        /// What the store said, without secrets.
+        reason: String,
+    },
+
     /// The store refused the request (permissions, schema, limits). Not retryable.
     #[error("{backend} refused the request: {source}")]
     Backend {

@@ -63,19 +63,13 @@ pub async fn cancellation_sweep(h: &dyn Harness) -> Outcome {
     let admin = ctx.admin().await?;
     if let Some((d, link)) = ctx.linked_client().await? {
         let granted = ctx.name("granted-reply-in-flight");
-        link.set_all(Fault::Flows {
+        let hold_replies = Fault::Flows {
             to_server: Flow::Pass,
             to_client: Flow::Hold,
-        });
-        let lock = d.lock(&granted)?;
-        let acquiring = tokio::spawn(async move { lock.acquire().await });
-        eventually(t * 2, "the store records the grant", || async {
-            Ok(admin
-                .inspect(&granted)
-                .await?
-                .is_some_and(|i| i.holder == d.id().as_str()))
-        })
-        .await?;
+        };
+        let acquiring =
+            super::wire::granted_reply_undelivered(&ctx, &d, &*link, &granted, hold_replies)
+                .await?;
         acquiring.abort();
         let _ = acquiring.await;
         link.heal();

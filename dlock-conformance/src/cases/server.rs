@@ -34,8 +34,8 @@ impl Drop for Restore {
                 for node in 0..servers.nodes() {
                     let _ = servers.resume(node).await;
                     let _ = servers.rejoin(node).await;
-                    let _ = servers.start(node).await;
                 }
+                let _ = servers.start_all().await;
             });
         });
         let _ = done.join();
@@ -87,12 +87,8 @@ pub async fn tokens_after_restart(h: &dyn Harness) -> Outcome {
     let before = g.token();
     g.release().await?;
     a.close().await?;
-    for node in 0..servers.nodes() {
-        servers.kill(node).await?;
-    }
-    for node in 0..servers.nodes() {
-        servers.start(node).await?;
-    }
+    servers.kill_all().await?;
+    servers.start_all().await?;
     let b = ctx.client().await?;
     let g = b
         .lock(&name)?
@@ -215,12 +211,8 @@ pub async fn server_restart_while_held(h: &dyn Harness) -> Outcome {
     let register = FencedRegister::new();
     ensure!(register.write(0, ga.token()), "A's first write refused");
     let waiter = wait_for(&b, &name)?;
-    for node in 0..servers.nodes() {
-        servers.kill(node).await?;
-    }
-    for node in 0..servers.nodes() {
-        servers.start(node).await?;
-    }
+    servers.kill_all().await?;
+    servers.start_all().await?;
     let kept = keeps_or_knows(&ctx, &ga, "after a restart").await?;
     let (a_deadline, a_token) = (ga.deadline(), ga.token());
     if kept {
@@ -371,7 +363,7 @@ pub async fn leader_killed_while_held(h: &dyn Harness) -> Outcome {
             .map_err(|e| Failure(e.to_string()))??,
         );
     }
-    servers.start(leader).await?;
+    servers.start_all().await?;
     results.sort_by_key(|r| r.2);
     for (w, token, got, accepted) in &results {
         ensure!(*accepted, "waiter {w}'s fenced write was refused");

@@ -79,8 +79,11 @@ impl SessionOptions {
         self
     }
 
-    /// Sets the time after which one store request counts as failed (default
-    /// the TTL, clamped to 1 s ..= 10 s).
+    /// Sets the time after which one store request counts as failed and is
+    /// retried (default half the renewal period, at most 10 s). It must be
+    /// shorter than the renewal period: a renewal stuck on a connection that
+    /// died silently then fails in time for a retry on a new connection
+    /// while the store still holds the lock.
     pub fn request_timeout(mut self, timeout: Duration) -> Self {
         self.request_timeout = Some(timeout);
         self
@@ -123,10 +126,17 @@ impl SessionOptions {
 
     /// The request timeout in effect.
     pub fn request_timeout_or_default(&self) -> Duration {
-        self.request_timeout.unwrap_or_else(|| {
+        self.request_timeout
+            .unwrap_or_else(|| (self.renew_every_or_default() / 2).min(Duration::from_secs(10)))
+    }
+
+    /// How long opening a session may take: the request timeout, but at
+    /// least the TTL (within 1 s ..= 10 s), since opening may connect first.
+    pub fn open_timeout(&self) -> Duration {
+        self.request_timeout_or_default().max(
             self.ttl
-                .clamp(Duration::from_secs(1), Duration::from_secs(10))
-        })
+                .clamp(Duration::from_secs(1), Duration::from_secs(10)),
+        )
     }
 
     /// Checks the options against a backend's smallest TTL.
@@ -161,8 +171,12 @@ impl SessionOptions {
                 "fallback poll period must be positive".into(),
             ));
         }
-        if self.request_timeout_or_default().is_zero() {
-            return Err(Error::Config("request timeout must be positive".into()));
+        let request_timeout = self.request_timeout_or_default();
+        if request_timeout.is_zero() || request_timeout >= renew {
+            return Err(Error::Config(format!(
+                "request timeout {request_timeout:?} must be positive and less than the renewal \
+                 period {renew:?}, so that a renewal stuck on a dead connection is retried in time"
+            )));
         }
         if let Some(label) = &self.label {
             let ok = !label.is_empty()
@@ -210,6 +224,19 @@ mod tests {
             .ttl(Duration::from_secs(3))
             .drift(Duration::from_secs(2));
         assert!(matches!(o.validate(MS), Err(Error::Config(_))));
+    }
+
+    #[test]
+    fn requests_time_out_within_the_renewal_period() {
+        let o = SessionOptions::new().ttl(Duration::from_secs(9));
+        assert_eq!(o.request_timeout_or_default(), Duration::from_millis(1500));
+        o.validate(MS).unwrap();
+        let o = SessionOptions::new()
+            .ttl(Duration::from_secs(9))
+            .request_timeout(Duration::from_secs(3));
+        assert!(matches!(o.validate(MS), Err(Error::Config(_))));
+        let long = SessionOptions::new().ttl(Duration::from_secs(3600));
+        assert_eq!(long.request_timeout_or_default(), Duration::from_secs(10));
     }
 
     #[test]

@@ -336,7 +336,7 @@ impl Session {
         let scheme = backend.scheme();
         options.validate(backend.min_ttl())?;
         let id = SessionId::generate(options.label_value());
-        let request_timeout = options.request_timeout_or_default();
+        let request_timeout = options.open_timeout();
         let sent = Instant::now();
         let raw = match timeout(request_timeout, backend.open(id.clone(), &options)).await {
             Ok(raw) => raw?,

@@ -281,18 +281,9 @@ impl Attempt for RedisAttempt {
         Ok(())
     }
 
-    async fn abandon(self: Box<Self>) -> Result<(), Error> {
-        let RedisAttempt {
-            inner,
-            keys,
-            owner,
-            sent,
-            subscriptions,
-            ..
-        } = *self;
-        drop(subscriptions);
-        if sent {
-            release_everywhere(&inner, &keys, &owner, None).await?;
+    async fn abandon(&mut self) -> Result<(), Error> {
+        if self.sent {
+            release_everywhere(&self.inner, &self.keys, &self.owner, None).await?;
         }
         Ok(())
     }

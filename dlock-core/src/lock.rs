@@ -189,12 +189,12 @@ impl Lock {
         let mut attempt = AttemptGuard::new(attempt, shared.clone());
         let mut backoff = Backoff::default();
         loop {
-            let sent = Instant::now();
+            let sent = crate::clock::now();
             Stats::bump(&shared.stats.take_attempts);
             match self.request(wait, attempt.get().try_take()).await {
                 Ok(Take::Granted(hold)) => {
                     let deadline = shared.grant_deadline(sent);
-                    if deadline > Instant::now() {
+                    if deadline > crate::clock::now() {
                         return self.granted(&mut attempt, hold, deadline).map(Some);
                     }
                     // The take took longer than the TTL allows (Redlock's

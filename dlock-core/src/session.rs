@@ -247,7 +247,7 @@ impl Shared {
 
     /// Fires `lost()` for every hold past its local deadline.
     pub(crate) fn expire_overdue(self: &Arc<Self>) {
-        let now = Instant::now();
+        let now = crate::clock::now();
         for held in self.holds() {
             if held.deadline() <= now || !held.is_live() {
                 self.lose(&held, LostReason::Expired);
@@ -298,7 +298,7 @@ impl Shared {
             match result {
                 Ok(()) => return Ok(()),
                 Err(Error::NotHeld { .. }) if outcome_unknown => return Ok(()),
-                Err(e) if e.is_retryable() && Instant::now() + backoff < give_up_at => {
+                Err(e) if e.is_retryable() && crate::clock::now() + backoff < give_up_at => {
                     tracing::debug!(lock = %hold.name, error = %e, "release failed; retrying");
                     outcome_unknown = true;
                     sleep(backoff).await;
@@ -434,7 +434,7 @@ impl Session {
         options.validate(backend.min_ttl())?;
         let id = SessionId::generate(options.label_value());
         let request_timeout = options.open_timeout();
-        let sent = Instant::now();
+        let sent = crate::clock::now();
         let raw = match timeout(request_timeout, backend.open(id.clone(), &options)).await {
             Ok(raw) => raw?,
             Err(_) => return Err(Error::unavailable(scheme, "timed out opening a session")),

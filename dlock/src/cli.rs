@@ -12,12 +12,15 @@ use crate::exit::Failure;
 pub(crate) const EXIT_STATUS: &str = "\
 Exit status:
   0       success; `status`: the lock is held
-  1       other errors; `status`: the lock is free
+  1       `status`: the lock is free (never an error)
   2       usage error: bad flag, duration, lock name or URL, backend not compiled in
-  69      the backend is unreachable
+  69      the backend is unreachable, or the session ended (after `run` has
+          retried within --wait)
+  70      other errors (a reply dlock cannot use, a refused request)
   75      `run`: the lock was not acquired (busy with --no-wait, or --wait ran out);
           change it with --conflict-exit-code
   76      `run`: the lock was lost while the command ran (the command was stopped)
+  77      the store refused the credentials
   126     `run`: the command is not executable
   127     `run`: the command was not found
   128+N   `run`: the command was killed by signal N, or dlock got signal N while

@@ -33,9 +33,11 @@
 //! |---|---|
 //! | CMD's status | `run`: CMD exited on its own; if a signal killed it, 128 + the signal number |
 //! | 0 | `status`: the lock is held; `list`, `release --force`: success |
-//! | 1 | `status`: the lock is free; any command: other errors |
+//! | 1 | `status`: the lock is free (an answer: no error exits 1) |
 //! | 2 | usage errors: bad flags, durations, lock names or URLs; a backend not compiled in |
-//! | 69 | the backend is unreachable |
+//! | 69 | the backend is unreachable, or the session ended; `run --wait` first retries within its budget (reconnecting, opening a new session) |
+//! | 70 | other errors: a reply dlock cannot use, a request the store refused |
+//! | 77 | the store refused the credentials |
 //! | 75 | `run`: the lock was not acquired (busy with `--no-wait`, or `--wait` ran out); `--conflict-exit-code N` changes it, like flock(1)'s `-E` |
 //! | 76 | `run`: the lock was lost while CMD ran (CMD was stopped) |
 //! | 126 | `run`: CMD is not executable |
@@ -67,7 +69,7 @@ use crate::cli::{Cli, Command};
 use crate::exit::{Failure, UNAVAILABLE};
 
 /// The longest connecting to the backend may take.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The default log filter: warnings, except the core's "lock lost" line, which
 /// `run` reports itself, and sqlx's "slow statement" notes, which a paused or

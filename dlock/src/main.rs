@@ -53,6 +53,7 @@ mod cli;
 mod exit;
 mod run;
 mod signals;
+mod torture;
 
 use std::ffi::OsString;
 use std::io::IsTerminal;
@@ -96,7 +97,12 @@ fn main() -> ExitCode {
             }
         },
     };
-    init_logging();
+    // Under injected faults, renewal and connection warnings are the point.
+    init_logging(if matches!(cli.command, Command::Torture(_)) {
+        "error"
+    } else {
+        DEFAULT_LOG
+    });
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -128,6 +134,7 @@ async fn dispatch(cli: Cli) -> Result<u8, Failure> {
         Command::List(args) => admin::list(cli::single_url(urls)?, args).await,
         Command::Release(args) => admin::release(cli::single_url(urls)?, args).await,
         Command::Bench(args) => bench::bench(urls, args).await,
+        Command::Torture(args) => torture::torture(urls, args).await,
     }
 }
 
@@ -152,14 +159,14 @@ pub(crate) async fn connect(url: &str) -> Result<Arc<dyn Backend>, Failure> {
     }
 }
 
-/// Logs to stderr, filtered by `DLOCK_LOG` (default [`DEFAULT_LOG`]).
-fn init_logging() {
+/// Logs to stderr, filtered by `DLOCK_LOG` (default `default`).
+fn init_logging(default: &str) {
     let filter = match std::env::var("DLOCK_LOG") {
         Ok(spec) if !spec.trim().is_empty() => EnvFilter::try_new(&spec).unwrap_or_else(|e| {
             eprintln!("dlock: ignoring DLOCK_LOG={spec:?}: {e}");
-            EnvFilter::new(DEFAULT_LOG)
+            EnvFilter::new(default)
         }),
-        _ => EnvFilter::new(DEFAULT_LOG),
+        _ => EnvFilter::new(default),
     };
     tracing_subscriber::fmt()
         .with_env_filter(filter)

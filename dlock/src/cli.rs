@@ -258,6 +258,11 @@ pub(crate) struct TortureArgs {
           value_parser = clap::value_parser!(u64).range(1..=100_000_000))]
     pub(crate) acquisitions: u64,
 
+    /// Faults each profile injects at least (it runs on past its
+    /// acquisitions until then).
+    #[arg(long, value_name = "N", default_value_t = 3)]
+    pub(crate) min_faults: u64,
+
     /// The fault profiles: `all` or a comma-separated list.
     #[arg(long, value_name = "LIST", default_value = "all")]
     pub(crate) profiles: String,

@@ -263,7 +263,7 @@ async fn run_profile(
     }
     let started = Instant::now();
     let nemesis = nemesis::Nemesis::new(profile, deployment, &clients, shared.clone(), args.ttl);
-    let faults = nemesis.run(args.max_time).await;
+    let faults = nemesis.run(args.max_time, args.min_faults).await;
     shared.stop.store(true, Ordering::SeqCst);
     for client in &clients {
         client.link.heal();
@@ -347,9 +347,7 @@ async fn client_loop(
         long_every,
     } = plan;
     let mut backoff = Duration::from_millis(10);
-    while !shared.stop.load(Ordering::Relaxed)
-        && shared.acquisitions.load(Ordering::Relaxed) < shared.target
-    {
+    while !shared.stop.load(Ordering::Relaxed) {
         let lock = match session.lock(&name) {
             Ok(lock) => lock,
             Err(e) => return note_error(&shared, &e),

@@ -161,36 +161,41 @@ impl<'a> Nemesis<'a> {
         }
     }
 
-    /// Faults until the clients are done (or `max_time`); returns how many
-    /// faults it injected.
-    pub(crate) async fn run(&self, max_time: Duration) -> u64 {
+    /// Faults until the clients have their acquisitions and at least
+    /// `min_faults` faults were injected (or `max_time` passed); returns how
+    /// many faults it injected.
+    pub(crate) async fn run(&self, max_time: Duration, min_faults: u64) -> u64 {
         let until = Instant::now() + max_time;
+        let min_faults = if self.profile == Profile::None {
+            0
+        } else {
+            min_faults
+        };
         let mut faults = 0;
-        while Instant::now() < until && !self.done() {
+        loop {
+            let enough = self.done() && faults >= min_faults;
+            if enough || Instant::now() >= until {
+                return faults;
+            }
             self.quiet(self.ttl / 2, self.ttl).await;
-            if self.done() || Instant::now() >= until {
-                break;
+            if Instant::now() >= until || (self.done() && faults >= min_faults) {
+                return faults;
             }
             if self.profile != Profile::None {
                 self.one_fault().await;
                 faults += 1;
             }
         }
-        faults
     }
 
+    /// Whether the clients have their acquisitions.
     fn done(&self) -> bool {
-        self.shared.stop.load(Ordering::Relaxed)
-            || self.shared.acquisitions.load(Ordering::Relaxed) >= self.shared.target
+        self.shared.acquisitions.load(Ordering::Relaxed) >= self.shared.target
     }
 
-    /// Sleeps a random time in `from ..= to`, waking early when done.
+    /// Sleeps a random time in `from ..= to`.
     async fn quiet(&self, from: Duration, to: Duration) {
-        let d = between(from, to);
-        let until = Instant::now() + d;
-        while Instant::now() < until && !self.done() {
-            sleep((until - Instant::now()).min(Duration::from_millis(50))).await;
-        }
+        sleep(between(from, to)).await;
     }
 
     /// The current holder half of the time, else a random client.

@@ -1,20 +1,41 @@
-//! dlock on etcd: `etcd://h1:p1,h2:p2,h3:p3[/prefix]` (`etcds://` for TLS).
+//! dlock on etcd: `etcd://[user:password@]h1:p1,h2:p2,h3:p3[/prefix]`, or
+//! `etcds://...` for TLS, with the options `?ca=<PEM file>` (the server's CA;
+//! the system's roots otherwise), `cert=` and `key=` (a client certificate)
+//! and `domain=` (the name to check the server's certificate against).
+//! User and password are percent-decoded; etcd's auth tokens are renewed as
+//! they expire. A wrong user or password is [`Error::Auth`], a server
+//! certificate that is not trusted [`Error::Config`]: neither is retried.
 //!
 //! # How it works
 //!
 //! * **Session = one lease** (`LeaseGrant` with the session TTL, rounded up to
 //!   whole seconds as etcd counts them), kept alive by the session's renewal
 //!   round: one `LeaseKeepAlive` on the lease's stream plus one read of the
-//!   session's keys. The local validity deadline is counted from when the
-//!   answered keep-alive was *sent* (S4). A lease that is gone (TTL 0 or
-//!   "lease not found") is a lost session. All of a session's locks hang on
-//!   its one lease: no lease per lock.
-//! * **Take**: `txn(create_revision(key) == 0 → put key with the lease; else get
-//!   key)` on the attempt's own key `prefix/<name>/<lease>-<attempt>` (the name
-//!   spelled as one path segment, [`LockName::flat`], so `a` and `a/b` never
-//!   share a range). Idempotent: a retried take finds its key. The holder is
-//!   the key with the lowest create revision under `prefix/<name>/`; a later
-//!   key is a waiter. Fair: FIFO by create revision.
+//!   session's keys. Lease renewals are served by etcd's leader (a follower
+//!   forwards them), so a member cut off from its peers cannot confirm one.
+//!   The local validity deadline is counted from when the answered
+//!   keep-alive was *sent* (S4); a renewal cut off by its timeout drops the
+//!   stream, so its late answer is never taken for a later keep-alive's. A
+//!   lease that is gone (TTL 0, or "lease not found" on a new stream or a
+//!   put) is a lost session. All of a session's locks hang on its one lease:
+//!   no lease per lock.
+//! * **Take**: `txn(create_revision(key) == 0 and create_revision(tombstone)
+//!   == 0 → put key with the lease; else get key)` on the attempt's own key
+//!   `prefix/<name>/<lease>-<attempt>` (the name spelled as one path
+//!   segment, [`LockName::flat`], so `a` and `a/b` never share a range).
+//!   Idempotent: a retried take finds its key. The holder is the key with the
+//!   lowest create revision under `prefix/<name>/`; a later key is a waiter.
+//!   Fair: FIFO by create revision.
+//! * **Late creates**: a take whose answer never came may still reach etcd
+//!   later (requests travel on their own HTTP/2 streams, and one held in the
+//!   network arrives whenever it does), after the attempt was abandoned or
+//!   its key released, where it would leave an orphan on the lease that
+//!   blocks the queue while the session lives. The attempt's next txn (its
+//!   retried take, or its clean-up) then also writes the key's *tombstone*
+//!   `prefix/%abandoned/<name>/<lease>-<attempt>` on the lease, and every
+//!   create compares the tombstone absent: whatever lands later creates
+//!   nothing. Tombstones exist only for attempts that met a fault, and go
+//!   with the lease.
 //! * **Wake-up**: a waiter watches only the next-lower key (no herd). The
 //!   watch starts "from now" and, once etcd confirms it, the waiter reads the
 //!   key once more: a deletion before that read is seen by the read, one
@@ -28,9 +49,19 @@
 //!   strictly increasing per name, durable across restarts and leader changes.
 //! * **Release** deletes the own key in a txn comparing its create revision (a
 //!   late release never deletes another holder's key); a cancelled or
-//!   timed-out waiter deletes its key so it never blocks those behind it.
+//!   timed-out waiter deletes its key so it never blocks those behind it
+//!   (the core retries a clean-up until it succeeds or the session ends).
 //!   `force_release` deletes the holder's key; the old holder's next renewal
 //!   finds it missing.
+//! * **Connections**: requests carry etcd's "require leader" flag, so a
+//!   member without a leader refuses them at once. The client's balancer
+//!   spreads requests over every endpoint; one that certainly never left
+//!   (its member refused the connection) is sent again at once, so a client
+//!   works while a minority is unreachable, also when it connects then. A
+//!   renewal cut off by its timeout marks the client's connections suspect
+//!   (a silently dead connection is noticed by HTTP/2 pings only after
+//!   seconds, and etcd refuses pings more often than every 5 s): the next
+//!   request first replaces the client.
 //!
 //! Each `Lock` handle is its own owner, so two handles of one session on one
 //! name get two keys under the same lease (the key carries an attempt id as
@@ -50,6 +81,7 @@ mod session;
 
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -59,8 +91,8 @@ use dlock_core::{
     Backend, Error, FencingToken, LockInfo, LockName, SessionId, SessionOptions, name,
 };
 use etcd_client::{
-    Client, Compare, CompareOp, ConnectOptions, GetOptions, SortOrder, SortTarget, TlsOptions, Txn,
-    TxnOp,
+    Certificate, Client, Compare, CompareOp, ConnectOptions, GetOptions, Identity, SortOrder,
+    SortTarget, TlsOptions, Txn, TxnOp,
 };
 
 const BACKEND: &str = "etcd";
@@ -77,11 +109,18 @@ pub const DEFAULT_PREFIX: &str = "dlock";
 /// A lock service on an etcd cluster (see the [crate docs](crate)).
 #[derive(Clone)]
 pub struct EtcdBackend {
-    inner: Arc<Inner>,
+    pub(crate) inner: Arc<Inner>,
 }
 
 pub(crate) struct Inner {
-    pub(crate) client: Client,
+    /// The client in use: replaced when a request was found stuck.
+    client: std::sync::RwLock<Client>,
+    /// What a new client is made from.
+    endpoints: Vec<String>,
+    options: ConnectOptions,
+    /// A request hung on the client's connections (see [`Inner::stalled`]).
+    stalled: AtomicBool,
+    replacing: tokio::sync::Mutex<()>,
     pub(crate) prefix: String,
     shown: String,
 }
@@ -91,16 +130,204 @@ impl Inner {
     pub(crate) fn queue(&self, name: &LockName) -> String {
         format!("{}/{}/", self.prefix, name.flat())
     }
+
+    /// The client in use (clones share its connections).
+    pub(crate) fn client(&self) -> Client {
+        self.client
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Records that a request hung: the connections it went over may be
+    /// silently dead (nothing resets a connection whose peer vanished, and
+    /// HTTP/2 keep-alive pings take seconds to notice, as etcd refuses
+    /// pings more often than every 5 s). The next request first replaces
+    /// the client, whose new connections work if the network does.
+    pub(crate) fn stalled(&self) {
+        self.stalled.store(true, Ordering::Release);
+    }
+
+    /// Replaces the client if a request was found stuck.
+    async fn replace_if_stalled(&self) -> Result<(), Error> {
+        if !self.stalled.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let _one = self.replacing.lock().await;
+        if !self.stalled.swap(false, Ordering::AcqRel) {
+            return Ok(());
+        }
+        match new_client(&self.endpoints, &self.options).await {
+            Ok(client) => {
+                tracing::debug!(url = %self.shown, "replaced the etcd client after a stuck request");
+                *self.client.write().unwrap_or_else(|e| e.into_inner()) = client;
+                Ok(())
+            }
+            Err(e) => {
+                self.stalled.store(true, Ordering::Release);
+                Err(e)
+            }
+        }
+    }
+
+    /// Runs a request, again for up to about a second while it fails in a
+    /// way `repeat` allows. The client's balancer spreads requests over
+    /// every endpoint, a member that refuses connections included, whose
+    /// requests fail at once: the next try goes to a live member.
+    pub(crate) async fn call<T, F, Fut>(&self, repeat: Repeat, mut request: F) -> Result<T, Error>
+    where
+        F: FnMut(Client) -> Fut,
+        Fut: std::future::Future<Output = Result<T, etcd_client::Error>>,
+    {
+        self.replace_if_stalled().await?;
+        let give_up = tokio::time::Instant::now() + Duration::from_secs(1);
+        let mut delay = Duration::from_millis(5);
+        loop {
+            let e = match request(self.client()).await {
+                Ok(v) => return Ok(v),
+                Err(e) => e,
+            };
+            let unsent = never_sent(&e);
+            if timed_out(&e) {
+                self.stalled();
+            }
+            let e = map_err(e);
+            let again = match repeat {
+                Repeat::Idempotent => e.is_retryable(),
+                Repeat::Unsent => unsent,
+            };
+            if !again || tokio::time::Instant::now() + delay >= give_up {
+                return Err(e);
+            }
+            tracing::debug!(error = %e, "etcd request failed; sending it again");
+            tokio::time::sleep(delay).await;
+            delay = (delay * 2).min(Duration::from_millis(200));
+            self.replace_if_stalled().await?;
+        }
+    }
+}
+
+/// A new client (no request is sent unless the URL has credentials: then
+/// it authenticates, through any reachable member).
+async fn new_client(endpoints: &[String], options: &ConnectOptions) -> Result<Client, Error> {
+    let give_up = tokio::time::Instant::now() + Duration::from_secs(1);
+    let mut delay = Duration::from_millis(5);
+    loop {
+        match Client::connect(endpoints, Some(options.clone())).await {
+            Ok(client) => return Ok(client),
+            Err(e) => {
+                let e = map_err(e);
+                if !e.is_retryable() || tokio::time::Instant::now() + delay >= give_up {
+                    return Err(e);
+                }
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_millis(200));
+            }
+        }
+    }
+}
+
+/// The text of an error and all its sources, for classifying driver errors
+/// whose types are not public.
+fn chain_text(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut next = e.source();
+    while let Some(source) = next {
+        text.push_str(": ");
+        text.push_str(&source.to_string());
+        next = source.source();
+    }
+    text
+}
+
+/// Whether the request certainly never reached etcd: the connection to the
+/// member it was routed to could not be opened. Repeating such a request is
+/// always safe, whatever it does.
+pub(crate) fn never_sent(e: &etcd_client::Error) -> bool {
+    use std::error::Error as _;
+    let status = match e {
+        etcd_client::Error::GRpcStatus(s) => s,
+        etcd_client::Error::TransportError(t) => {
+            return chain_text(t).contains("connect error") || t.source().is_none();
+        }
+        _ => return false,
+    };
+    let mut next: Option<&(dyn std::error::Error + 'static)> = status.source();
+    while let Some(source) = next {
+        if source.downcast_ref::<tonic::ConnectError>().is_some() {
+            return true;
+        }
+        next = source.source();
+    }
+    false
 }
 
 /// Maps a driver error to the core error by meaning.
 pub(crate) fn map_err(e: etcd_client::Error) -> Error {
     use etcd_client::Error as E;
     use tonic::Code;
+    let text = chain_text(&e);
+    // TLS: a server certificate this client does not trust is a
+    // configuration problem; a client certificate the server refuses, a
+    // credentials one. Neither is fixed by trying again.
+    if let Some(at) = text.find("invalid peer certificate") {
+        let why: String = text[at..]
+            .chars()
+            .take_while(|c| !matches!(c, '"' | ',' | ')'))
+            .collect();
+        return Error::Config(format!(
+            "{BACKEND}: the server's TLS certificate is not trusted ({why}); give its CA with ?ca="
+        ));
+    }
+    if text.contains("received fatal alert: BadCertificate")
+        || text.contains("received fatal alert: CertificateRequired")
+        || text.contains("received fatal alert: UnknownCA")
+    {
+        return Error::Auth {
+            backend: BACKEND,
+            reason: "the server refused the client certificate (?cert=, ?key=)".into(),
+        };
+    }
     match e {
+        // A put on a lease etcd no longer knows, or a keep-alive stream
+        // opened for one (etcd-client reports its TTL 0 answer so).
         E::GRpcStatus(ref s) if s.message().contains("lease not found") => Error::SessionLost {
-            session: s.message().to_owned(),
+            session: format!("etcd lease ({})", s.message()),
         },
+        E::LeaseKeepAliveError(ref m) if m.contains("lease not found") => Error::SessionLost {
+            session: format!("etcd lease ({m})"),
+        },
+        E::GRpcStatus(ref s) if s.message().contains("authentication failed") => Error::Auth {
+            backend: BACKEND,
+            reason: "wrong user name or password".into(),
+        },
+        E::GRpcStatus(ref s) if s.message().contains("authentication is not enabled") => {
+            Error::Config(format!(
+                "{BACKEND}: the URL has credentials, but authentication is not enabled on this cluster"
+            ))
+        }
+        E::GRpcStatus(ref s) if s.message().contains("user name is empty") => Error::Auth {
+            backend: BACKEND,
+            reason: "the cluster requires a user (etcd://user:password@...)".into(),
+        },
+        E::GRpcStatus(ref s)
+            if s.code() == Code::Unauthenticated || s.message().contains("invalid auth token") =>
+        {
+            Error::Auth {
+                backend: BACKEND,
+                reason: format!(
+                    "{} (does the cluster require a user? etcd://user:password@...)",
+                    s.message()
+                ),
+            }
+        }
+        E::GRpcStatus(ref s) if s.code() == Code::PermissionDenied => Error::backend(
+            BACKEND,
+            format!(
+                "{}: the user's roles must grant readwrite on the key prefix",
+                s.message()
+            ),
+        ),
         E::GRpcStatus(ref s)
             if matches!(
                 s.code(),
@@ -123,33 +350,51 @@ pub(crate) fn map_err(e: etcd_client::Error) -> Error {
     }
 }
 
-/// Runs a unary request again while it fails with `Unavailable`, for up to
-/// about a second: with several endpoints, the client's balancer keeps a dead
-/// member in rotation for a while, and a later try reaches a live one.
-pub(crate) async fn retrying<T, F, Fut>(mut call: F) -> Result<T, Error>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<T, Error>>,
-{
-    let give_up = tokio::time::Instant::now() + Duration::from_secs(1);
-    let mut delay = Duration::from_millis(10);
-    loop {
-        match call().await {
-            Err(e) if e.is_retryable() && tokio::time::Instant::now() + delay < give_up => {
-                tracing::debug!(error = %e, "etcd request failed; retrying");
-                tokio::time::sleep(delay).await;
-                delay = (delay * 2).min(Duration::from_millis(200));
-            }
-            other => return other,
+/// Which failed calls [`call`] sends again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Repeat {
+    /// Any retryable failure: reads, and writes that may be applied twice.
+    Idempotent,
+    /// Only a request that certainly never reached etcd.
+    Unsent,
+}
+
+/// Whether the request ran into the client's own request timeout.
+fn timed_out(e: &etcd_client::Error) -> bool {
+    match e {
+        etcd_client::Error::GRpcStatus(s) => {
+            s.code() == tonic::Code::DeadlineExceeded
+                || s.code() == tonic::Code::Cancelled && s.message().contains("Timeout expired")
+                || chain_text(s).contains("request timed out")
+                || chain_text(s).contains("Timeout expired")
         }
+        etcd_client::Error::TransportError(t) => chain_text(t).contains("timed out"),
+        _ => false,
     }
+}
+
+/// Percent-decodes one URL component.
+fn decode(part: &str, url: &str) -> Result<String, Error> {
+    percent_encoding::percent_decode_str(part)
+        .decode_utf8()
+        .map(|s| s.into_owned())
+        .map_err(|_| Error::invalid_url(url, "a percent-encoded part is not UTF-8"))
+}
+
+/// TLS files named by the URL's query.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct TlsFiles {
+    ca: Option<String>,
+    cert: Option<String>,
+    key: Option<String>,
+    domain: Option<String>,
 }
 
 struct Parsed {
     endpoints: Vec<String>,
     user: Option<(String, String)>,
     prefix: String,
-    tls: bool,
+    tls: Option<TlsFiles>,
 }
 
 fn parse(url: &str) -> Result<Parsed, Error> {
@@ -162,24 +407,25 @@ fn parse(url: &str) -> Result<Parsed, Error> {
         "etcds" => true,
         _ => return Err(bad("expected etcd:// or etcds://")),
     };
-    if rest.contains('?') {
-        return Err(bad("etcd URLs take no query options"));
-    }
-    let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
-    let (userinfo, hosts) = match authority.rsplit_once('@') {
-        Some((u, h)) => (Some(u), h),
-        None => (None, authority),
+    let (rest, query) = rest.split_once('?').unwrap_or((rest, ""));
+    // The userinfo ends at the last `@` (a password may hold a `/` or `@`
+    // only percent-encoded, but be lenient about `@`).
+    let (userinfo, rest) = match rest.rsplit_once('@') {
+        Some((u, r)) => (Some(u), r),
+        None => (None, rest),
     };
+    let (hosts, path) = rest.split_once('/').unwrap_or((rest, ""));
     let user = match userinfo {
         None => None,
         Some(u) => {
             let (name, password) = u
                 .split_once(':')
                 .ok_or_else(|| bad("user without password"))?;
+            let (name, password) = (decode(name, url)?, decode(password, url)?);
             if name.is_empty() {
                 return Err(bad("empty user name"));
             }
-            Some((name.to_owned(), password.to_owned()))
+            Some((name, password))
         }
     };
     let endpoints: Vec<String> = hosts
@@ -211,16 +457,72 @@ fn parse(url: &str) -> Result<Parsed, Error> {
             "the prefix must be /-separated segments of [A-Za-z0-9-_.]",
         ));
     }
+    let mut files = TlsFiles::default();
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        let v = decode(v, url)?;
+        if v.is_empty() {
+            return Err(bad("an option without a value"));
+        }
+        let slot = match k {
+            "ca" => &mut files.ca,
+            "cert" => &mut files.cert,
+            "key" => &mut files.key,
+            "domain" => &mut files.domain,
+            _ => return Err(bad("unknown option (etcds:// takes ca, cert, key, domain)")),
+        };
+        if slot.replace(v).is_some() {
+            return Err(bad("an option given twice"));
+        }
+    }
+    if !tls && files != TlsFiles::default() {
+        return Err(bad("TLS options need etcds://"));
+    }
+    if files.cert.is_some() != files.key.is_some() {
+        return Err(bad("a client certificate needs both cert= and key="));
+    }
     Ok(Parsed {
         endpoints,
         user,
         prefix: prefix.to_owned(),
-        tls,
+        tls: tls.then_some(files),
     })
+}
+
+fn read_pem(what: &str, path: &str) -> Result<Vec<u8>, Error> {
+    std::fs::read(path).map_err(|e| {
+        Error::Config(format!(
+            "{BACKEND}: cannot read the {what} file {path:?}: {e}"
+        ))
+    })
+}
+
+fn tls_options(files: &TlsFiles) -> Result<TlsOptions, Error> {
+    let mut tls = TlsOptions::new();
+    tls = match &files.ca {
+        Some(ca) => tls.ca_certificate(Certificate::from_pem(read_pem("CA", ca)?)),
+        None => tls.with_native_roots(),
+    };
+    if let (Some(cert), Some(key)) = (&files.cert, &files.key) {
+        tls = tls.identity(Identity::from_pem(
+            read_pem("client certificate", cert)?,
+            read_pem("client key", key)?,
+        ));
+    }
+    if let Some(domain) = &files.domain {
+        tls = tls.domain_name(domain.clone());
+    }
+    Ok(tls)
 }
 
 impl EtcdBackend {
     /// Connects to the cluster (see the crate docs for the URL).
+    ///
+    /// # Errors
+    /// [`Error::InvalidUrl`] for a malformed URL, [`Error::Config`] for TLS
+    /// files that cannot be read or a server certificate that is not
+    /// trusted, [`Error::Auth`] for a wrong user or password,
+    /// [`Error::Unavailable`] when no member answers.
     ///
     /// # Cancel safety
     /// Cancel safe.
@@ -229,23 +531,31 @@ impl EtcdBackend {
         let mut options = ConnectOptions::new()
             .with_connect_timeout(Duration::from_secs(3))
             .with_timeout(Duration::from_millis(1500))
-            .with_keep_alive(Duration::from_secs(5), Duration::from_secs(3));
+            .with_keep_alive(Duration::from_secs(5), Duration::from_secs(3))
+            // A member cut off from its leader answers "no leader" at once
+            // instead of serving stale reads or holding requests.
+            .with_require_leader(true);
         if let Some((user, password)) = parsed.user {
-            options = options.with_user(user, password);
+            options = options
+                .with_user(user, password)
+                .with_auto_token_refresh(true);
         }
-        if parsed.tls {
-            options = options.with_tls(TlsOptions::new());
+        if let Some(files) = &parsed.tls {
+            options = options.with_tls(tls_options(files)?);
         }
         let client = tokio::time::timeout(
             Duration::from_secs(10),
-            Client::connect(&parsed.endpoints, Some(options)),
+            new_client(&parsed.endpoints, &options),
         )
         .await
-        .map_err(|_| Error::unavailable(BACKEND, "connect timed out"))?
-        .map_err(map_err)?;
+        .map_err(|_| Error::unavailable(BACKEND, "connect timed out"))??;
         let backend = Self {
             inner: Arc::new(Inner {
-                client,
+                client: std::sync::RwLock::new(client),
+                endpoints: parsed.endpoints,
+                options,
+                stalled: AtomicBool::new(false),
+                replacing: tokio::sync::Mutex::new(()),
                 prefix: parsed.prefix,
                 shown: redact(url),
             }),
@@ -261,31 +571,39 @@ impl EtcdBackend {
     pub async fn keys_under(&self, prefix: &str) -> Result<usize, Error> {
         name::check_prefix(prefix)?;
         let start = format!("{}/{}", self.inner.prefix, prefix.replace('/', "%2F"));
-        let mut kv = self.inner.client.kv_client();
-        let resp = kv
-            .get(
-                start,
-                Some(GetOptions::new().with_prefix().with_count_only()),
-            )
-            .await
-            .map_err(map_err)?;
+        let resp = self
+            .inner
+            .call(Repeat::Idempotent, |client| {
+                let mut kv = client.kv_client();
+                let start = start.clone();
+                async move {
+                    kv.get(
+                        start,
+                        Some(GetOptions::new().with_prefix().with_count_only()),
+                    )
+                    .await
+                }
+            })
+            .await?;
         Ok(resp.count() as usize)
     }
 
     /// The holder key of `name` (lowest create revision) and the queue length.
     async fn head(&self, name: &LockName) -> Result<Option<(etcd_client::KeyValue, i64)>, Error> {
-        let resp = retrying(|| {
-            let mut kv = self.inner.client.kv_client();
-            let queue = self.inner.queue(name);
-            async move {
-                let options = GetOptions::new()
-                    .with_prefix()
-                    .with_sort(SortTarget::Create, SortOrder::Ascend)
-                    .with_limit(1);
-                kv.get(queue, Some(options)).await.map_err(map_err)
-            }
-        })
-        .await?;
+        let resp = self
+            .inner
+            .call(Repeat::Idempotent, |client| {
+                let mut kv = client.kv_client();
+                let queue = self.inner.queue(name);
+                async move {
+                    let options = GetOptions::new()
+                        .with_prefix()
+                        .with_sort(SortTarget::Create, SortOrder::Ascend)
+                        .with_limit(1);
+                    kv.get(queue, Some(options)).await
+                }
+            })
+            .await?;
         Ok(resp.kvs().first().cloned().map(|kv| (kv, resp.count())))
     }
 }
@@ -328,12 +646,13 @@ impl Backend for EtcdBackend {
     }
 
     async fn ping(&self) -> Result<(), Error> {
-        retrying(|| {
-            let mut kv = self.inner.client.kv_client();
-            let key = format!("{}/ping", self.inner.prefix);
-            async move { kv.get(key, None).await.map_err(map_err) }
-        })
-        .await?;
+        self.inner
+            .call(Repeat::Idempotent, |client| {
+                let mut kv = client.kv_client();
+                let key = format!("{}/ping", self.inner.prefix);
+                async move { kv.get(key, None).await }
+            })
+            .await?;
         Ok(())
     }
 
@@ -357,18 +676,19 @@ impl Backend for EtcdBackend {
     async fn list(&self, prefix: &str) -> Result<Vec<LockInfo>, Error> {
         name::check_prefix(prefix)?;
         let start = format!("{}/{}", self.inner.prefix, prefix.replace('/', "%2F"));
-        let mut kv = self.inner.client.kv_client();
-        let resp = kv
-            .get(
-                start,
-                Some(
-                    GetOptions::new()
+        let resp = self
+            .inner
+            .call(Repeat::Idempotent, |client| {
+                let mut kv = client.kv_client();
+                let start = start.clone();
+                async move {
+                    let options = GetOptions::new()
                         .with_prefix()
-                        .with_sort(SortTarget::Key, SortOrder::Ascend),
-                ),
-            )
-            .await
-            .map_err(map_err)?;
+                        .with_sort(SortTarget::Key, SortOrder::Ascend);
+                    kv.get(start, Some(options)).await
+                }
+            })
+            .await?;
         let mut by_name: std::collections::BTreeMap<String, (etcd_client::KeyValue, i64)> =
             Default::default();
         for item in resp.kvs() {
@@ -406,7 +726,6 @@ impl Backend for EtcdBackend {
         let Some((head, _)) = self.head(name).await? else {
             return Ok(false);
         };
-        let mut kv = self.inner.client.kv_client();
         let txn = Txn::new()
             .when(vec![Compare::create_revision(
                 head.key(),
@@ -414,7 +733,14 @@ impl Backend for EtcdBackend {
                 head.create_revision(),
             )])
             .and_then(vec![TxnOp::delete(head.key(), None)]);
-        let resp = kv.txn(txn).await.map_err(map_err)?;
+        let resp = self
+            .inner
+            .call(Repeat::Unsent, |client| {
+                let mut kv = client.kv_client();
+                let txn = txn.clone();
+                async move { kv.txn(txn).await }
+            })
+            .await?;
         if resp.succeeded() {
             tracing::info!(lock = %name, holder = %holder_of(head.value()).0, token = head.create_revision(), "force-released");
         }
@@ -431,12 +757,31 @@ mod tests {
         let p = parse("etcd://u:pw@a:1,b:2/apps/locks/").unwrap();
         assert_eq!(p.endpoints, ["http://a:1", "http://b:2"]);
         assert_eq!(p.user, Some(("u".into(), "pw".into())));
-        assert_eq!((p.prefix.as_str(), p.tls), ("apps/locks", false));
+        assert_eq!((p.prefix.as_str(), p.tls), ("apps/locks", None));
         let p = parse("etcds://a:1").unwrap();
         assert_eq!(
             (p.endpoints[0].as_str(), p.prefix.as_str(), p.tls),
-            ("https://a:1", "dlock", true)
+            ("https://a:1", "dlock", Some(TlsFiles::default()))
         );
+    }
+
+    #[test]
+    fn parses_tls_options_and_encoded_passwords() {
+        let p = parse("etcds://app:p%2Fa%40s%3As@h:1/pre?ca=/etc/ca.pem&cert=c.pem&key=k%20.pem&domain=etcd.local").unwrap();
+        assert_eq!(p.user, Some(("app".into(), "p/a@s:s".into())));
+        assert_eq!(p.prefix, "pre");
+        assert_eq!(
+            p.tls,
+            Some(TlsFiles {
+                ca: Some("/etc/ca.pem".into()),
+                cert: Some("c.pem".into()),
+                key: Some("k .pem".into()),
+                domain: Some("etcd.local".into()),
+            })
+        );
+        // An unencoded `@` in the password still works: the last `@` ends it.
+        let p = parse("etcd://u:p@ss@h:1").unwrap();
+        assert_eq!(p.user, Some(("u".into(), "p@ss".into())));
     }
 
     #[test]
@@ -446,6 +791,10 @@ mod tests {
             "etcd://u:hunter2@a:x",
             "etcd://u:hunter2@a:1/bad prefix",
             "etcd://u:hunter2@a:1?x=1",
+            "etcd://u:hunter2@a:1?ca=/ca.pem",
+            "etcds://u:hunter2@a:1?ca=",
+            "etcds://u:hunter2@a:1?ca=a&ca=b",
+            "etcds://u:hunter2@a:1?cert=c.pem",
             "etcd://:hunter2@a:1",
             "http://a:1",
             "etcd://",

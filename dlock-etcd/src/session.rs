@@ -1,38 +1,31 @@
 //! A session is a lease; an attempt is one key in the name's queue.
 
-use std::collections::HashMap;
 use std::fmt;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
 use dlock_core::backend::{Attempt, Busy, ExpiryModel, Hold, RawSession, Take};
 use dlock_core::{Error, FencingToken, LockName, SessionId};
 use etcd_client::{
-    Compare, CompareOp, EventType, GetOptions, LeaseKeepAliveStream, LeaseKeeper,
-    LeaseTimeToLiveOptions, PutOptions, SortOrder, SortTarget, Txn, TxnOp, TxnOpResponse,
-    WatchStream,
+    Compare, CompareOp, EventType, GetOptions, LeaseKeepAliveStream, LeaseKeeper, PutOptions,
+    SortOrder, SortTarget, Txn, TxnOp, TxnOpResponse, WatchStream,
 };
 use tokio::time::{Instant, sleep_until};
 
-use crate::{Inner, map_err};
-
-/// How long an abandoned key is watched for: longer than any request of
-/// the client can be in flight (its request timeout is 1.5 s).
-const REMEMBER_ABANDONED: Duration = Duration::from_secs(10);
+use crate::{Inner, Repeat};
 
 pub(crate) struct EtcdSession {
     inner: Arc<Inner>,
     id: SessionId,
     lease: i64,
     ttl: Duration,
+    /// The lease's keep-alive stream between renewals. A renewal takes it
+    /// out for its exchange and puts it back only once answered, so a
+    /// renewal cut off by its timeout drops the stream with it: the late
+    /// answer can never be read as the answer to a later keep-alive (whose
+    /// local deadline would then count from the wrong send time, S4).
     keeper: tokio::sync::Mutex<Option<(LeaseKeeper, LeaseKeepAliveStream)>>,
-    /// Keys of abandoned attempts, remembered for [`REMEMBER_ABANDONED`]: a
-    /// put still in flight when its attempt was dropped can land after the
-    /// abandon's delete (they travel on different HTTP/2 streams) and would
-    /// then live as long as the lease. The renewal round deletes such keys,
-    /// so an orphan lives at most one renewal period (S5).
-    abandoned: Arc<Mutex<HashMap<String, Instant>>>,
 }
 
 impl fmt::Debug for EtcdSession {
@@ -45,6 +38,16 @@ impl fmt::Debug for EtcdSession {
     }
 }
 
+/// `prefix/%abandoned/<flat name>/<lease>-<attempt>`: the tombstone of an
+/// attempt key. Outside every queue range (`%` is never the first byte of a
+/// flat lock name), inside the prefix (the range an etcd role grants).
+fn tombstone_of(inner: &Inner, key: &str) -> String {
+    let rest = key
+        .strip_prefix(&format!("{}/", inner.prefix))
+        .unwrap_or(key);
+    format!("{}/%abandoned/{rest}", inner.prefix)
+}
+
 impl EtcdSession {
     pub(crate) async fn open(
         inner: Arc<Inner>,
@@ -52,11 +55,14 @@ impl EtcdSession {
         ttl: Duration,
     ) -> Result<Self, Error> {
         let seconds = ttl.as_secs() + u64::from(ttl.subsec_nanos() > 0);
-        let granted = crate::retrying(|| {
-            let mut leases = inner.client.lease_client();
-            async move { leases.grant(seconds as i64, None).await.map_err(map_err) }
-        })
-        .await?;
+        // A grant repeated after a lost reply leaves an unused lease that
+        // expires after one TTL.
+        let granted = inner
+            .call(Repeat::Idempotent, |client| {
+                let mut leases = client.lease_client();
+                async move { leases.grant(seconds as i64, None).await }
+            })
+            .await?;
         Ok(Self {
             lease: granted.id(),
             // etcd may raise a TTL below its minimum: run with what it granted.
@@ -64,43 +70,7 @@ impl EtcdSession {
             inner,
             id,
             keeper: tokio::sync::Mutex::new(None),
-            abandoned: Arc::default(),
         })
-    }
-
-    /// Deletes keys of abandoned attempts that reappeared on the lease.
-    async fn sweep_orphans(&self) -> Result<(), Error> {
-        {
-            let mut abandoned = self.abandoned.lock().unwrap();
-            abandoned.retain(|_, at| at.elapsed() < REMEMBER_ABANDONED);
-            if abandoned.is_empty() {
-                return Ok(());
-            }
-        }
-        let mut leases = self.inner.client.lease_client();
-        let ttl = leases
-            .time_to_live(self.lease, Some(LeaseTimeToLiveOptions::new().with_keys()))
-            .await
-            .map_err(map_err)?;
-        let orphans: Vec<TxnOp> = {
-            let abandoned = self.abandoned.lock().unwrap();
-            ttl.keys()
-                .iter()
-                .filter_map(|k| std::str::from_utf8(k).ok())
-                .filter(|k| abandoned.contains_key(*k))
-                .map(|k| {
-                    tracing::info!(key = k, "deleting an orphaned queue key");
-                    TxnOp::delete(k, None)
-                })
-                .collect()
-        };
-        if !orphans.is_empty() {
-            let mut kv = self.inner.client.kv_client();
-            kv.txn(Txn::new().and_then(orphans))
-                .await
-                .map_err(map_err)?;
-        }
-        Ok(())
     }
 
     /// `prefix/<name>/<lease>-`: every key of this session on `name` starts so.
@@ -112,64 +82,14 @@ impl EtcdSession {
         hold.key.starts_with(&self.key_prefix(&hold.name))
     }
 
-    async fn keep_alive(&self) -> Result<(), Error> {
-        let mut slot = self.keeper.lock().await;
-        if slot.is_none() {
-            let mut leases = self.inner.client.lease_client();
-            *slot = Some(leases.keep_alive(self.lease).await.map_err(map_err)?);
-        }
-        let (keeper, stream) = slot.as_mut().expect("just set");
-        let answer = match keeper.keep_alive().await {
-            Ok(()) => stream.message().await,
-            Err(e) => Err(e),
-        };
-        match answer {
-            Ok(Some(resp)) if resp.ttl() > 0 => Ok(()),
-            Ok(Some(_)) => Err(Error::SessionLost {
-                session: self.id.to_string(),
-            }),
-            Ok(None) => {
-                *slot = None;
-                Err(Error::unavailable("etcd", "lease keep-alive stream closed"))
-            }
-            Err(e) => {
-                *slot = None;
-                Err(map_err(e))
-            }
+    fn lost(&self) -> Error {
+        Error::SessionLost {
+            session: self.id.to_string(),
         }
     }
-}
 
-#[async_trait]
-impl RawSession for EtcdSession {
-    fn ttl(&self) -> Duration {
-        self.ttl
-    }
-
-    fn expiry(&self) -> ExpiryModel {
-        ExpiryModel::Session
-    }
-
-    async fn attempt(&self, name: &LockName, why: Option<&str>) -> Result<Box<dyn Attempt>, Error> {
-        let key = format!("{}{:016x}", self.key_prefix(name), rand::random::<u64>());
-        Ok(Box::new(EtcdAttempt {
-            inner: self.inner.clone(),
-            abandoned: self.abandoned.clone(),
-            name: name.clone(),
-            queue: self.inner.queue(name),
-            key,
-            value: format!("{}\n{}", self.id, why.unwrap_or_default()),
-            lease: self.lease,
-            own: None,
-            sent: false,
-            ahead: None,
-            watching: None,
-        }))
-    }
-
-    async fn renew(&self, holds: &[Hold]) -> Result<Vec<bool>, Error> {
-        self.keep_alive().await?;
-        self.sweep_orphans().await?;
+    /// Whether each hold's key is still there with its token, on this lease.
+    async fn check(&self, holds: &[Hold]) -> Result<Vec<bool>, Error> {
         if holds.is_empty() {
             return Ok(Vec::new());
         }
@@ -177,8 +97,15 @@ impl RawSession for EtcdSession {
             .iter()
             .map(|h| TxnOp::get(h.key.as_str(), None))
             .collect();
-        let mut kv = self.inner.client.kv_client();
-        let resp = kv.txn(Txn::new().and_then(reads)).await.map_err(map_err)?;
+        let txn = Txn::new().and_then(reads);
+        let resp = self
+            .inner
+            .call(Repeat::Idempotent, |client| {
+                let mut kv = client.kv_client();
+                let txn = txn.clone();
+                async move { kv.txn(txn).await }
+            })
+            .await?;
         let answers = resp.op_responses();
         if answers.len() != holds.len() {
             return Err(Error::protocol(
@@ -202,13 +129,104 @@ impl RawSession for EtcdSession {
             .collect())
     }
 
+    /// One keep-alive of the lease, answered by etcd's leader (followers
+    /// forward lease renewals to it).
+    pub(crate) async fn keep_alive(&self) -> Result<(), Error> {
+        let mut slot = self.keeper.lock().await;
+        // Out of the slot for the exchange: if this future is dropped, the
+        // stream goes with it (see `keeper`).
+        let (mut keeper, mut stream) = match slot.take() {
+            Some(open) => open,
+            None => {
+                // Opening the stream sends one keep-alive and reads its
+                // answer (a lease etcd no longer knows fails here): that
+                // is this renewal's keep-alive.
+                let open = self
+                    .inner
+                    .call(Repeat::Unsent, |client| {
+                        let mut leases = client.lease_client();
+                        async move { leases.keep_alive(self.lease).await }
+                    })
+                    .await?;
+                *slot = Some(open);
+                return Ok(());
+            }
+        };
+        keeper.keep_alive().await.map_err(crate::map_err)?;
+        match stream.message().await.map_err(crate::map_err)? {
+            Some(resp) if resp.ttl() > 0 => {
+                *slot = Some((keeper, stream));
+                Ok(())
+            }
+            // TTL 0: etcd no longer knows the lease (it expired or was revoked).
+            Some(_) => Err(self.lost()),
+            None => Err(Error::unavailable("etcd", "lease keep-alive stream closed")),
+        }
+    }
+}
+
+/// Marks the client stalled if dropped armed (a renewal cut off).
+struct Stuck<'a>(Option<&'a Inner>);
+
+impl Drop for Stuck<'_> {
+    fn drop(&mut self) {
+        if let Some(inner) = self.0 {
+            inner.stalled();
+        }
+    }
+}
+
+#[async_trait]
+impl RawSession for EtcdSession {
+    fn ttl(&self) -> Duration {
+        self.ttl
+    }
+
+    fn expiry(&self) -> ExpiryModel {
+        ExpiryModel::Session
+    }
+
+    async fn attempt(&self, name: &LockName, why: Option<&str>) -> Result<Box<dyn Attempt>, Error> {
+        let mut attempt = EtcdAttempt {
+            inner: self.inner.clone(),
+            name: name.clone(),
+            queue: self.inner.queue(name),
+            key_prefix: self.key_prefix(name),
+            key: String::new(),
+            tombstone: String::new(),
+            value: format!("{}\n{}", self.id, why.unwrap_or_default()),
+            lease: self.lease,
+            own: None,
+            sent: false,
+            doubtful: false,
+            fences: Vec::new(),
+            ahead: None,
+            watching: None,
+        };
+        attempt.new_key();
+        Ok(Box::new(attempt))
+    }
+
+    async fn renew(&self, holds: &[Hold]) -> Result<Vec<bool>, Error> {
+        // Cut off by the core's request timeout (dropped), the renewal
+        // leaves the client marked stalled: the next request replaces it.
+        let mut stuck = Stuck(Some(&self.inner));
+        let answers = match self.keep_alive().await {
+            Ok(()) => self.check(holds).await,
+            Err(e) => Err(e),
+        };
+        stuck.0 = None;
+        answers
+    }
+
     async fn release(&self, hold: &Hold) -> Result<(), Error> {
         if !self.owns(hold) {
             return Err(Error::NotHeld {
                 name: hold.name.to_string(),
             });
         }
-        let mut kv = self.inner.client.kv_client();
+        // No late create can bring the key back: the txn that granted it
+        // fenced off every create sent before (see `EtcdAttempt::doubtful`).
         let txn = Txn::new()
             .when(vec![Compare::create_revision(
                 hold.key.as_str(),
@@ -216,7 +234,14 @@ impl RawSession for EtcdSession {
                 hold.token.get() as i64,
             )])
             .and_then(vec![TxnOp::delete(hold.key.as_str(), None)]);
-        let resp = kv.txn(txn).await.map_err(map_err)?;
+        let resp = self
+            .inner
+            .call(Repeat::Unsent, |client| {
+                let mut kv = client.kv_client();
+                let txn = txn.clone();
+                async move { kv.txn(txn).await }
+            })
+            .await?;
         if resp.succeeded() {
             Ok(())
         } else {
@@ -227,9 +252,13 @@ impl RawSession for EtcdSession {
     }
 
     async fn close(&self, _holds: &[Hold]) -> Result<(), Error> {
-        // Revoking the lease deletes every key attached to it at once.
-        let mut leases = self.inner.client.lease_client();
-        match leases.revoke(self.lease).await.map_err(map_err) {
+        // Revoking the lease deletes every key attached to it at once
+        // (tombstones included).
+        let revoked = self.inner.call(Repeat::Idempotent, |client| {
+            let mut leases = client.lease_client();
+            async move { leases.revoke(self.lease).await }
+        });
+        match revoked.await {
             Ok(_) | Err(Error::SessionLost { .. }) => Ok(()),
             Err(e) => Err(e),
         }
@@ -239,16 +268,33 @@ impl RawSession for EtcdSession {
 /// One key in one name's queue.
 struct EtcdAttempt {
     inner: Arc<Inner>,
-    /// The session's recently abandoned keys.
-    abandoned: Arc<Mutex<HashMap<String, Instant>>>,
     name: LockName,
     queue: String,
+    /// `prefix/<name>/<lease>-`.
+    key_prefix: String,
+    /// The attempt's key in the queue (a new one if the old one vanished).
     key: String,
+    /// The key's tombstone: while it exists, no create of `key` succeeds.
+    tombstone: String,
     value: String,
     lease: i64,
     /// The key's create revision once it exists: the fencing token.
     own: Option<i64>,
+    /// Whether a create was ever sent.
     sent: bool,
+    /// Whether a create of `key` was sent whose answer never came and that
+    /// no tombstone fences yet. Such a create may still be applied later
+    /// (requests travel on their own HTTP/2 streams, and one held in the
+    /// network reaches etcd whenever it does), also after the key was
+    /// deleted, where it would leave an orphan that blocks the queue for as
+    /// long as the lease lives. Every create compares the key's tombstone
+    /// absent, and while this is set the next txn of the attempt (the
+    /// retried enqueue, or the clean-up) writes the tombstone: whatever
+    /// lands after it creates nothing. Tombstones live on the session's
+    /// lease and exist only for attempts that met a fault.
+    doubtful: bool,
+    /// Tombstones of earlier keys of this attempt still to be written.
+    fences: Vec<String>,
     /// The key just ahead of ours, and the revision at which it was seen.
     ahead: Option<(Vec<u8>, i64)>,
     watching: Option<(Vec<u8>, WatchStream)>,
@@ -259,15 +305,43 @@ impl fmt::Debug for EtcdAttempt {
         f.debug_struct("EtcdAttempt")
             .field("key", &self.key)
             .field("own", &self.own)
+            .field("doubtful", &self.doubtful)
             .finish()
     }
 }
 
 impl EtcdAttempt {
-    /// Creates the attempt's key (or finds it, after a lost reply); returns
-    /// its create revision and whether it is first in line — read in the same
-    /// txn, so an uncontended take is one round trip.
-    async fn enqueue(&mut self) -> Result<(i64, bool), Error> {
+    /// Moves to a fresh key: at the start, and when the old one vanished
+    /// (it cannot be created again once its tombstone exists). A doubtful
+    /// old key's tombstone is written with the next txn.
+    fn new_key(&mut self) {
+        if std::mem::take(&mut self.doubtful) {
+            self.fences.push(std::mem::take(&mut self.tombstone));
+        }
+        self.key = format!("{}{:016x}", self.key_prefix, rand::random::<u64>());
+        self.tombstone = tombstone_of(&self.inner, &self.key);
+        self.own = None;
+    }
+
+    /// The tombstone puts the next txn must carry (see `doubtful`).
+    fn fencing(&self) -> Vec<TxnOp> {
+        let own = self.doubtful.then_some(&self.tombstone);
+        self.fences
+            .iter()
+            .chain(own)
+            .map(|t| {
+                TxnOp::put(
+                    t.as_str(),
+                    "",
+                    Some(PutOptions::new().with_lease(self.lease)),
+                )
+            })
+            .collect()
+    }
+
+    /// The enqueue txn: create the key unless it or its tombstone exists,
+    /// and read who is first; carries the tombstones `fencing` asks for.
+    fn enqueue_txn(&self) -> Txn {
         let head = || {
             let options = GetOptions::new()
                 .with_prefix()
@@ -276,24 +350,47 @@ impl EtcdAttempt {
                 .with_keys_only();
             TxnOp::get(self.queue.as_str(), Some(options))
         };
-        let mut kv = self.inner.client.kv_client();
-        let txn = Txn::new()
-            .when(vec![Compare::create_revision(
+        let mut then = vec![
+            TxnOp::put(
                 self.key.as_str(),
-                CompareOp::Equal,
-                0,
-            )])
-            .and_then(vec![
-                TxnOp::put(
-                    self.key.as_str(),
-                    self.value.as_str(),
-                    Some(PutOptions::new().with_lease(self.lease)),
-                ),
-                head(),
+                self.value.as_str(),
+                Some(PutOptions::new().with_lease(self.lease)),
+            ),
+            head(),
+        ];
+        let mut or_else = vec![TxnOp::get(self.key.as_str(), None), head()];
+        then.extend(self.fencing());
+        or_else.extend(self.fencing());
+        Txn::new()
+            .when(vec![
+                Compare::create_revision(self.key.as_str(), CompareOp::Equal, 0),
+                Compare::create_revision(self.tombstone.as_str(), CompareOp::Equal, 0),
             ])
-            .or_else(vec![TxnOp::get(self.key.as_str(), None), head()]);
+            .and_then(then)
+            .or_else(or_else)
+    }
+
+    /// Creates the attempt's key (or finds it, after a lost reply); returns
+    /// its create revision and whether it is first in line — read in the same
+    /// txn, so an uncontended take is one round trip. `None`: the key cannot
+    /// be created any more (its tombstone exists and the key is gone).
+    async fn enqueue(&mut self) -> Result<Option<(i64, bool)>, Error> {
+        let txn = self.enqueue_txn();
         self.sent = true;
-        let resp = kv.txn(txn).await.map_err(map_err)?;
+        // Doubtful from the moment it is sent until answered (a dropped
+        // future leaves it so).
+        self.doubtful = true;
+        let resp = self
+            .inner
+            .call(Repeat::Unsent, |client| {
+                let mut kv = client.kv_client();
+                let txn = txn.clone();
+                async move { kv.txn(txn).await }
+            })
+            .await?;
+        // Answered: it fenced off every earlier create, and itself is done.
+        self.doubtful = false;
+        self.fences.clear();
         let answers = resp.op_responses();
         let first = match answers.get(1) {
             Some(TxnOpResponse::Get(get)) => get.kvs().first().map(|kv| kv.key().to_vec()),
@@ -305,14 +402,12 @@ impl EtcdAttempt {
                 .header()
                 .map(|h| h.revision())
                 .ok_or_else(|| Error::protocol("etcd", "txn without header"))?;
-            return Ok((revision, is_first));
+            return Ok(Some((revision, is_first)));
         }
         match answers.first() {
-            Some(TxnOpResponse::Get(get)) => get
-                .kvs()
-                .first()
-                .map(|kv| (kv.create_revision(), is_first))
-                .ok_or_else(|| Error::protocol("etcd", "own key vanished inside a txn")),
+            Some(TxnOpResponse::Get(get)) => {
+                Ok(get.kvs().first().map(|kv| (kv.create_revision(), is_first)))
+            }
             _ => Err(Error::protocol("etcd", "unexpected txn answer")),
         }
     }
@@ -324,16 +419,45 @@ impl EtcdAttempt {
             key: self.key.clone(),
         })
     }
+
+    /// Removes the key (and fences off creates still in flight). Idempotent:
+    /// safe to run again after an error or a cut-off run.
+    async fn clean_up(&mut self) -> Result<(), Error> {
+        if !self.sent {
+            return Ok(());
+        }
+        // The key is this attempt's alone: delete it whatever its revision.
+        let mut then = vec![TxnOp::delete(self.key.as_str(), None)];
+        then.extend(self.fencing());
+        let txn = Txn::new().and_then(then);
+        let deleted = self.inner.call(Repeat::Idempotent, |client| {
+            let mut kv = client.kv_client();
+            let txn = txn.clone();
+            async move { kv.txn(txn).await }
+        });
+        match deleted.await {
+            // The lease is gone: so is every key on it.
+            Ok(_) | Err(Error::SessionLost { .. }) => {}
+            Err(e) => return Err(e),
+        }
+        self.doubtful = false;
+        self.fences.clear();
+        Ok(())
+    }
 }
 
 #[async_trait]
 impl Attempt for EtcdAttempt {
     async fn try_take(&mut self) -> Result<Take, Error> {
-        for _ in 0..2 {
+        for _ in 0..3 {
             let own = match self.own {
                 Some(own) => own,
                 None => {
-                    let (own, first) = self.enqueue().await?;
+                    let Some((own, first)) = self.enqueue().await? else {
+                        // Fenced and gone: queue again under a new key.
+                        self.new_key();
+                        continue;
+                    };
                     self.own = Some(own);
                     if first {
                         return Ok(self.granted(own));
@@ -342,7 +466,6 @@ impl Attempt for EtcdAttempt {
                 }
             };
             // One round trip: our key is still there, and who is just ahead.
-            let mut kv = self.inner.client.kv_client();
             let ahead = GetOptions::new()
                 .with_prefix()
                 .with_max_create_revision(own - 1)
@@ -356,11 +479,18 @@ impl Attempt for EtcdAttempt {
                     own,
                 )])
                 .and_then(vec![TxnOp::get(self.queue.as_str(), Some(ahead))]);
-            let resp = kv.txn(txn).await.map_err(map_err)?;
+            let resp = self
+                .inner
+                .call(Repeat::Idempotent, |client| {
+                    let mut kv = client.kv_client();
+                    let txn = txn.clone();
+                    async move { kv.txn(txn).await }
+                })
+                .await?;
             if !resp.succeeded() {
                 // Our key is gone (its lease expired, or it was deleted):
-                // enqueue again, at the back.
-                self.own = None;
+                // enqueue again, at the back, under a new key.
+                self.new_key();
                 continue;
             }
             let revision = resp.header().map(|h| h.revision()).unwrap_or(own);
@@ -395,8 +525,14 @@ impl Attempt for EtcdAttempt {
             // created. Wait for the watch to exist, then look once more: a
             // deletion before that read is seen by the read, one after it by
             // the watch.
-            let mut watch = self.inner.client.watch_client();
-            let mut stream = watch.watch(ahead.clone(), None).await.map_err(map_err)?;
+            let mut stream = self
+                .inner
+                .call(Repeat::Unsent, |client| {
+                    let mut watch = client.watch_client();
+                    let ahead = ahead.clone();
+                    async move { watch.watch(ahead, None).await }
+                })
+                .await?;
             match stream.message().await {
                 Ok(Some(created)) if created.created() && !created.canceled() => {}
                 Ok(Some(other)) => {
@@ -406,13 +542,19 @@ impl Attempt for EtcdAttempt {
                     ));
                 }
                 Ok(None) => return Err(Error::unavailable("etcd", "watch stream closed")),
-                Err(e) => return Err(map_err(e)),
+                Err(e) => return Err(crate::map_err(e)),
             }
-            let mut kv = self.inner.client.kv_client();
-            let present = kv
-                .get(ahead.clone(), Some(GetOptions::new().with_count_only()))
-                .await
-                .map_err(map_err)?
+            let present = self
+                .inner
+                .call(Repeat::Idempotent, |client| {
+                    let mut kv = client.kv_client();
+                    let ahead = ahead.clone();
+                    async move {
+                        kv.get(ahead, Some(GetOptions::new().with_count_only()))
+                            .await
+                    }
+                })
+                .await?
                 .count()
                 > 0;
             if !present {
@@ -440,7 +582,7 @@ impl Attempt for EtcdAttempt {
                     }
                     Err(e) => {
                         self.watching = None;
-                        return Err(map_err(e));
+                        return Err(crate::map_err(e));
                     }
                 },
                 _ = sleep_until(until) => return Ok(()),
@@ -449,18 +591,217 @@ impl Attempt for EtcdAttempt {
     }
 
     async fn abandon(&mut self) -> Result<(), Error> {
-        if !self.sent {
-            return Ok(());
+        self.clean_up().await
+    }
+}
+
+/// Against the real server from `scripts/services` (`DLOCK_TEST_ETCD_URL`),
+/// through the conformance suite's fault proxy.
+#[cfg(test)]
+mod server_tests {
+    use super::*;
+    use crate::EtcdBackend;
+    use dlock_conformance::wire::{Fault, Flow, Link, ProxyLink, hosts_of, with_hosts};
+    use tokio::time::{sleep, timeout};
+
+    fn url() -> Option<String> {
+        if std::env::var("DLOCK_TEST_SKIP").is_ok_and(|v| v.split(',').any(|s| s == "etcd")) {
+            eprintln!("SKIPPED etcd server test: DLOCK_TEST_SKIP names etcd");
+            return None;
         }
-        // Remembered first, so that the renewal sweep deletes the key if this
-        // delete fails, or if a put still in flight lands after it.
-        self.abandoned
-            .lock()
-            .unwrap()
-            .insert(self.key.clone(), Instant::now());
-        // The key is this attempt's alone: delete it whatever its revision.
-        let mut kv = self.inner.client.kv_client();
-        kv.delete(self.key.as_str(), None).await.map_err(map_err)?;
-        Ok(())
+        Some(
+            std::env::var("DLOCK_TEST_ETCD_URL")
+                .unwrap_or_else(|_| "etcd://127.0.0.1:12379".into()),
+        )
+    }
+
+    async fn session_over(link: &ProxyLink, url: &str) -> EtcdSession {
+        let via = with_hosts(url, &link.addrs().unwrap());
+        let backend = EtcdBackend::connect(&via)
+            .await
+            .expect("etcd up (scripts/services up etcd)");
+        EtcdSession::open(
+            backend.inner.clone(),
+            SessionId::generate(None),
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap()
+    }
+
+    /// Item 2 of issue 12: a keep-alive that timed out must not leave its
+    /// late reply on the stream for the next keep-alive to take as its own.
+    /// The second keep-alive's request never reaches etcd (held by the
+    /// proxy), so any answer to it is a stale one.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_late_keep_alive_reply_never_answers_a_later_request() {
+        let Some(url) = url() else { return };
+        let link = ProxyLink::start(&hosts_of(&url)).await.unwrap();
+        let session = session_over(&link, &url).await;
+        session.keep_alive().await.expect("a first keep-alive");
+        link.set_all(Fault::Flows {
+            to_server: Flow::Pass,
+            to_client: Flow::Delay(Duration::from_millis(300)),
+        });
+        assert!(
+            timeout(Duration::from_millis(100), session.keep_alive())
+                .await
+                .is_err(),
+            "the delayed keep-alive did not time out"
+        );
+        sleep(Duration::from_millis(400)).await; // its reply has arrived by now
+        link.set_all(Fault::Flows {
+            to_server: Flow::Hold,
+            to_client: Flow::Pass,
+        });
+        let second = timeout(Duration::from_millis(300), session.keep_alive()).await;
+        link.heal();
+        assert!(
+            !matches!(second, Ok(Ok(()))),
+            "a keep-alive whose request never reached etcd was confirmed (by the late reply of the one before)"
+        );
+    }
+
+    /// Item 9 of issue 12: a lease etcd no longer knows (expired, revoked)
+    /// is a lost session, on every path that meets it, never an outage
+    /// retried forever.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_lease_etcd_no_longer_knows_is_a_lost_session() {
+        let Some(url) = url() else { return };
+        let backend = EtcdBackend::connect(&url)
+            .await
+            .expect("etcd up (scripts/services up etcd)");
+        let session = EtcdSession::open(
+            backend.inner.clone(),
+            SessionId::generate(None),
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap();
+        session.renew(&[]).await.expect("a first renewal");
+        session
+            .renew(&[])
+            .await
+            .expect("a renewal on the open stream");
+        let mut leases = backend.inner.client().lease_client();
+        leases.revoke(session.lease).await.unwrap();
+        fn lost<T>(r: &Result<T, Error>) -> bool {
+            matches!(r, Err(Error::SessionLost { .. }))
+        }
+        // On the open keep-alive stream (etcd answers TTL 0).
+        let r = session.renew(&[]).await;
+        assert!(lost(&r), "renewal on the open stream: {r:?}");
+        // On a new stream (etcd-client: "lease keep alive error: lease not found").
+        *session.keeper.lock().await = None;
+        let r = session.renew(&[]).await;
+        assert!(lost(&r), "renewal on a new stream: {r:?}");
+        // A take that puts a key on the lease.
+        let name = LockName::new(format!("adapter/lease-{:08x}", rand::random::<u32>())).unwrap();
+        let mut attempt = session.attempt(&name, None).await.unwrap();
+        let r = attempt.try_take().await.map(|_| ());
+        assert!(lost(&r), "take: {r:?}");
+    }
+
+    async fn session(backend: &EtcdBackend) -> EtcdSession {
+        EtcdSession::open(
+            backend.inner.clone(),
+            SessionId::generate(None),
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap()
+    }
+
+    async fn keys_of(backend: &EtcdBackend, name: &LockName) -> usize {
+        backend.keys_under(name.as_str()).await.unwrap()
+    }
+
+    async fn attempt_on(session: &EtcdSession, name: &LockName) -> EtcdAttempt {
+        let mut attempt = EtcdAttempt {
+            inner: session.inner.clone(),
+            name: name.clone(),
+            queue: session.inner.queue(name),
+            key_prefix: session.key_prefix(name),
+            key: String::new(),
+            tombstone: String::new(),
+            value: "test".into(),
+            lease: session.lease,
+            own: None,
+            sent: false,
+            doubtful: false,
+            fences: Vec::new(),
+            ahead: None,
+            watching: None,
+        };
+        attempt.new_key();
+        attempt
+    }
+
+    /// Item 13 of issue 12 (clean abandon, S5): a create whose answer never
+    /// came and that reaches etcd only after the attempt was abandoned (or
+    /// after its retried take was granted and released) creates nothing.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_create_landing_after_the_clean_up_creates_nothing() {
+        let Some(url) = url() else { return };
+        let backend = EtcdBackend::connect(&url)
+            .await
+            .expect("etcd up (scripts/services up etcd)");
+        let session = session(&backend).await;
+        let kv = || backend.inner.client().kv_client();
+        let name = LockName::new(format!("adapter/late-{:08x}", rand::random::<u32>())).unwrap();
+
+        // Abandoned while its create is in flight.
+        let mut attempt = attempt_on(&session, &name).await;
+        let late = attempt.enqueue_txn();
+        attempt.sent = true;
+        attempt.doubtful = true; // sent, never answered
+        attempt.clean_up().await.unwrap();
+        kv().txn(late).await.unwrap();
+        assert_eq!(
+            keys_of(&backend, &name).await,
+            0,
+            "the late create made an orphan"
+        );
+
+        // Granted by a retry, then released.
+        let mut attempt = attempt_on(&session, &name).await;
+        let late = attempt.enqueue_txn();
+        attempt.sent = true;
+        attempt.doubtful = true;
+        let Take::Granted(hold) = attempt.try_take().await.unwrap() else {
+            panic!("not granted")
+        };
+        session.release(&hold).await.unwrap();
+        kv().txn(late).await.unwrap();
+        assert_eq!(
+            keys_of(&backend, &name).await,
+            0,
+            "the late create made an orphan after a release"
+        );
+
+        // Without doubt no tombstone is written.
+        let mut attempt = attempt_on(&session, &name).await;
+        let Take::Granted(hold) = attempt.try_take().await.unwrap() else {
+            panic!("not granted")
+        };
+        session.release(&hold).await.unwrap();
+        let tombstones = kv()
+            .get(
+                format!("{}/%abandoned/", backend.inner.prefix),
+                Some(GetOptions::new().with_prefix().with_keys_only()),
+            )
+            .await
+            .unwrap();
+        let lease = format!("{:x}-", session.lease);
+        let ours = tombstones
+            .kvs()
+            .iter()
+            .filter(|kv| kv.key_str().is_ok_and(|k| k.contains(&lease)))
+            .count();
+        assert_eq!(
+            ours, 2,
+            "one tombstone per doubtful attempt, none for the clean one"
+        );
+        session.close(&[]).await.unwrap();
     }
 }

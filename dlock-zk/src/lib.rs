@@ -3,30 +3,86 @@
 //! # How it works
 //!
 //! * **Session = the ZooKeeper session**, with the session timeout negotiated
-//!   from the TTL (the session runs with what the ensemble granted). A
-//!   renewal round is one multi-read of the session's lock nodes: it proves
-//!   the session alive as of when it was sent (S4) and that each node still
-//!   exists with its token. `Disconnected` is a suspension: the holder keeps
-//!   its locks only until its local deadline; a reconnection within the
-//!   session keeps them. `Expired` loses the session and every lock (`lost()`
-//!   fires; open a new session).
+//!   from the TTL (the session runs with what the ensemble granted, less the
+//!   bound below). A renewal round is a `sync` followed by one multi-read of
+//!   the session's lock nodes, sent together: the `sync` goes through the
+//!   ensemble's leader, which checks that the session is still open there
+//!   (see *Why a renewal syncs* below); the read then checks that each node
+//!   still exists with its token. `Disconnected` is a suspension: the holder
+//!   keeps its locks only until its local deadline; a reconnection within
+//!   the session keeps them. `Expired` loses the session and every lock
+//!   (`lost()` fires; open a new session).
 //! * **Take**: an `EPHEMERAL_SEQUENTIAL` node `<root>/<name>/<guid>-lock-`,
 //!   where `<name>` is one path segment ([`LockName::flat`], so `a` and `a/b`
 //!   never nest) and `guid` = session id + attempt id ("protected" mode:
 //!   after a connection loss during the create, the attempt finds its own
-//!   node by the guid instead of creating a second one). The lowest sequence
-//!   holds; a waiter sets an exists-watch on its predecessor only (no herd)
-//!   and then re-checks. Fair: FIFO by sequence. A cancelled or timed-out
-//!   waiter deletes its node.
+//!   node by the guid instead of creating a second one; it `sync`s first, so
+//!   the server it reconnected to has applied every create the leader
+//!   accepted before). The lowest sequence holds; a waiter sets an
+//!   exists-watch on its predecessor only (no herd) and then re-checks.
+//!   Fair: FIFO by sequence. A cancelled or timed-out waiter deletes its
+//!   node.
 //! * **Token** = the own node's `czxid` (the zxid that created it): global,
 //!   strictly increasing, durable. Not the sequence suffix, which belongs to
 //!   the parent and restarts if the parent is recreated.
+//! * **Release** is one `delete` of the node (so a release whose reply is
+//!   lost has still happened); the node's path is unique to its grant (the
+//!   guid is never reused), and the token is checked against the hold's key,
+//!   which carries it.
 //! * The lock's parent node is a *container* node, deleted by ZooKeeper once
-//!   empty; a release also deletes it at once when it is empty, so 10,000
-//!   names leave nothing behind.
+//!   empty; a release also deletes it at once when it is empty (off the
+//!   release path, in a task of the session), so 10,000 names leave nothing
+//!   behind. A waiter that finds the parent gone creates it and its own node
+//!   in one multi, so a parent deleted in between cannot make it fail.
 //! * `user:password@` authenticates with the `digest` scheme, and the nodes
 //!   dlock creates then carry the `CREATOR_ALL` ACL (only that user may touch
 //!   them); without credentials they are open to anyone (`ANYONE_ALL`).
+//!   ZooKeeper accepts any digest credentials at connect and checks them
+//!   against each node's ACL, so `connect` reads the root once: a wrong
+//!   password (or a user the root's ACL does not admit) is
+//!   [`Error::Auth`] there, not later.
+//!
+//! # Why a renewal syncs, and the bound the deadline subtracts (S4)
+//!
+//! In an ensemble, a client talks to one server, often a follower. Reads and
+//! pings are answered by that follower alone, and a follower records the
+//! sessions it hears from in a *touch table* that it hands to the leader
+//! only in its answer to the leader's next ping (the leader pings every
+//! `tickTime / 2`; `Learner.ping`, `LearnerHandler` `PING`). Only the
+//! leader expires sessions (`SessionTrackerImpl`: last touch + timeout,
+//! rounded up to a tick). A follower cut off from the leader keeps
+//! answering reads until it has heard nothing for `syncLimit × tickTime`
+//! (its socket timeout), while the leader may expire the session and give
+//! its locks to someone else meanwhile. So a successful read does not prove
+//! the session alive where it matters. A `sync` does: the follower forwards
+//! it to the leader, whose `PrepRequestProcessor` checks the session is not
+//! closing (a closed one answers `SESSIONEXPIRED`), and it completes only
+//! after the leader answered, after the renewal was sent.
+//!
+//! One gap remains: the leader learns of the renewal's own touch from the
+//! follower's next ping answer. If the follower is cut off right after
+//! answering the `sync`, that answer may never arrive, and the leader's last
+//! touch is the session's previous request that a ping answer did carry.
+//! Two bounds close it: the follower answered the leader's pings until at
+//! least the `sync` completed (pings every `tickTime / 2`), and this
+//! client sends some request (at the latest its own ping, see
+//! [`touch_gap`]) at least every `touch_gap`. So the leader last heard of
+//! the session no earlier than `send − touch_gap − tickTime / 2`, and the
+//! session's TTL in effect (what the core counts the local deadline with)
+//! is the negotiated timeout less that bound plus a little for messages in
+//! flight. `tickTime` is not visible to clients: `connect` asks the
+//! ensemble for a 200 ms session, which it raises to its `minSessionTimeout`
+//! if that is longer, by default `2 × tickTime`, and takes half of what it
+//! got as the tick (an upper bound; an ensemble whose `minSessionTimeout` is
+//! set below `2 × tickTime` breaks it).
+//! A standalone server (its `/zookeeper/config` names no voters) is its own
+//! leader and touches sessions as requests arrive: no bound there.
+//!
+//! Curator, for comparison, treats a connection loss as `SUSPENDED` (its
+//! lock recipes stop) and simulates expiry by a timer from then (TN12,
+//! TN14), but a client whose follower is cut off from the leader stays
+//! connected until the follower gives up after `syncLimit × tickTime`: its
+//! recipes do not cover that window.
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), dlock_core::Error> {
@@ -41,7 +97,7 @@
 mod session;
 
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, UNIX_EPOCH};
 
 use async_trait::async_trait;
@@ -61,21 +117,68 @@ pub const MIN_TTL: Duration = Duration::from_millis(200);
 /// The root node unless the URL has a path.
 pub const DEFAULT_ROOT: &str = "/dlock";
 
+/// How long a connection may stay silent before the client drops it and
+/// reconnects (the driver pings after three eighths of it).
+const CONNECTION_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The longest this client goes without sending anything on a session of
+/// `timeout`: the driver (zookeeper-client 0.11) checks every `tick`, which
+/// is `timeout / 20`, or `CONNECTION_TIMEOUT / 8` once that is shorter than
+/// `timeout × 3 / 5`, and pings when nothing was sent for three ticks.
+pub(crate) fn touch_gap(timeout: Duration) -> Duration {
+    let tick = if CONNECTION_TIMEOUT > timeout * 3 / 5 {
+        timeout / 20
+    } else {
+        CONNECTION_TIMEOUT / 8
+    };
+    tick.max(Duration::from_millis(1)) * 4
+}
+
+/// Allowance for messages in flight in [`report_lag`] (client to follower,
+/// follower to leader).
+const IN_FLIGHT: Duration = Duration::from_millis(20);
+
 /// Maps a driver error to the core error by meaning.
 pub(crate) fn map_err(e: zk::Error) -> Error {
     use zk::Error as E;
     match e {
-        E::SessionExpired => Error::SessionLost {
-            session: "zookeeper session expired".into(),
+        E::SessionExpired | E::ClientClosed => Error::SessionLost {
+            session: format!("zookeeper session ({e})"),
         },
-        E::ConnectionLoss | E::Timeout | E::NoHosts | E::Throttled | E::SessionMoved => {
-            Error::unavailable(BACKEND, e)
-        }
-        E::UnmarshalError { .. } | E::MarshallingError | E::UnexpectedError(_) => {
-            Error::protocol(BACKEND, e.to_string())
-        }
+        E::AuthFailed => Error::Auth {
+            backend: BACKEND,
+            reason: "authentication failed".into(),
+        },
+        E::NoAuth => Error::Auth {
+            backend: BACKEND,
+            reason: "not authorized: the node's ACL does not admit these credentials (a wrong \
+                     user or password, or none)"
+                .into(),
+        },
+        // Everything about the connection (lost, reset, silent: the driver
+        // reports "no response from connection in ...ms" and I/O errors as
+        // `Custom`) may work on the next try.
+        E::ConnectionLoss
+        | E::Timeout
+        | E::NoHosts
+        | E::Throttled
+        | E::SessionMoved
+        | E::NotReadOnly
+        | E::Custom(_) => Error::unavailable(BACKEND, e),
+        E::UnmarshalError { .. }
+        | E::MarshallingError
+        | E::UnexpectedError(_)
+        | E::RuntimeInconsistent => Error::protocol(BACKEND, e.to_string()),
         other => Error::backend(BACKEND, other),
     }
+}
+
+/// Percent-decodes one URL component.
+fn decode(part: &str, url: &str) -> Result<String, Error> {
+    percent_encoding::percent_decode_str(part)
+        .decode_utf8()
+        .map(|s| s.into_owned())
+        .map_err(|_| Error::invalid_url(url, "a percent-encoded part is not UTF-8"))
 }
 
 /// A parsed `zk://` URL.
@@ -96,13 +199,15 @@ impl Config {
         if rest.contains('?') {
             return Err(bad("zk URLs take no query options"));
         }
-        let (authority, path) = match rest.find('/') {
+        // The userinfo ends at the last `@` (a `/` or `@` in a password is
+        // best percent-encoded, but tolerated).
+        let (userinfo, rest) = match rest.rsplit_once('@') {
+            Some((u, r)) => (Some(u), r),
+            None => (None, rest),
+        };
+        let (hosts, path) = match rest.find('/') {
             Some(i) => (&rest[..i], &rest[i..]),
             None => (rest, ""),
-        };
-        let (userinfo, hosts) = match authority.rsplit_once('@') {
-            Some((u, h)) => (Some(u), h),
-            None => (None, authority),
         };
         let auth = match userinfo {
             None => None,
@@ -110,10 +215,11 @@ impl Config {
                 let (user, password) = u
                     .split_once(':')
                     .ok_or_else(|| bad("user without password"))?;
-                if user.is_empty() {
-                    return Err(bad("empty user name"));
+                let (user, password) = (decode(user, url)?, decode(password, url)?);
+                if user.is_empty() || user.contains(':') {
+                    return Err(bad("empty user name, or one with a ':'"));
                 }
-                Some((user.to_owned(), password.to_owned()))
+                Some((user, password))
             }
         };
         for host in hosts.split(',') {
@@ -158,7 +264,7 @@ impl Config {
     pub(crate) async fn connect(&self, timeout: Duration) -> Result<zk::Client, Error> {
         let mut connector = zk::Client::connector()
             .with_session_timeout(timeout)
-            .with_connection_timeout(Duration::from_secs(5));
+            .with_connection_timeout(CONNECTION_TIMEOUT);
         if let Some((user, password)) = &self.auth {
             connector = connector.with_auth("digest", format!("{user}:{password}").as_bytes());
         }
@@ -167,12 +273,33 @@ impl Config {
             .map_err(|_| Error::unavailable(BACKEND, "connect timed out"))?
             .map_err(map_err)
     }
+
+    /// Why a read of `path` was refused, naming the user but never the
+    /// password.
+    fn refused(&self, path: &str) -> Error {
+        Error::Auth {
+            backend: BACKEND,
+            reason: match &self.auth {
+                Some((user, _)) => format!(
+                    "digest user {user:?} may not read {path}: a wrong password, or a user the \
+                     node's ACL does not admit"
+                ),
+                None => format!("{path} requires credentials (zk://user:password@...)"),
+            },
+        }
+    }
 }
 
-/// The shared state of a backend: the configuration and an admin session.
+/// The shared state of a backend: the configuration, an admin session and
+/// what the ensemble told about itself.
 pub(crate) struct Inner {
     pub(crate) config: Config,
-    admin: zk::Client,
+    /// The admin session (`inspect`, `list`, `force_release`), replaced if
+    /// it expires.
+    admin: Mutex<zk::Client>,
+    /// Half the ensemble's tick (see the crate docs); `None` for a
+    /// standalone server.
+    half_tick: Option<Duration>,
 }
 
 impl Inner {
@@ -180,6 +307,64 @@ impl Inner {
     pub(crate) fn parent(&self, name: &LockName) -> String {
         format!("{}/{}", self.config.root, name.flat())
     }
+
+    /// How long before a session of `timeout` expires on the leader a
+    /// confirmed renewal may count from (see the crate docs).
+    pub(crate) fn report_lag(&self, timeout: Duration) -> Duration {
+        match self.half_tick {
+            None => Duration::ZERO,
+            Some(half_tick) => touch_gap(timeout) + half_tick + IN_FLIGHT,
+        }
+    }
+
+    /// The admin session, a new one if the old one expired.
+    async fn admin(&self) -> Result<zk::Client, Error> {
+        let current = self.admin.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        if !current.state().is_terminated() {
+            return Ok(current);
+        }
+        let fresh = self.config.connect(ADMIN_TIMEOUT).await?;
+        *self.admin.lock().unwrap_or_else(|e| e.into_inner()) = fresh.clone();
+        Ok(fresh)
+    }
+}
+
+/// The admin session's timeout.
+const ADMIN_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Whether the ensemble has more than one voting server (its dynamic
+/// configuration `/zookeeper/config`, which a standalone server leaves
+/// empty). Servers without it (3.4), or that do not let this user read it,
+/// count as an ensemble (the safe side).
+async fn is_ensemble(admin: &zk::Client) -> Result<bool, Error> {
+    match admin.get_data("/zookeeper/config").await {
+        Ok((data, _)) => {
+            let voters = String::from_utf8_lossy(&data)
+                .lines()
+                .filter(|l| l.starts_with("server.") && !l.contains(":observer"))
+                .count();
+            Ok(voters > 1)
+        }
+        Err(zk::Error::NoNode | zk::Error::NoAuth) => Ok(true),
+        Err(e) => Err(map_err(e)),
+    }
+}
+
+/// Half the ensemble's `tickTime`, at most: a session asked for a short
+/// timeout gets at least the ensemble's `minSessionTimeout`, by default
+/// `2 × tickTime`, so half of what it gets is at least the tick. (A shorter
+/// ask would pin it down better, but the driver also gives up connecting
+/// after the timeout asked for: start short, ask longer if that fails.)
+async fn half_tick(config: &Config) -> Result<Duration, Error> {
+    let mut last = None;
+    for ask in [200, 1000, 5000].map(Duration::from_millis) {
+        match config.connect(ask).await {
+            Ok(probe) => return Ok(probe.session_timeout() / 4),
+            Err(e) if e.is_retryable() => last = Some(e),
+            Err(e) => return Err(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| Error::unavailable(BACKEND, "no probe session")))
 }
 
 /// A lock service on a ZooKeeper ensemble (see the [crate docs](crate)).
@@ -190,20 +375,42 @@ pub struct ZkBackend {
 
 impl ZkBackend {
     /// Connects (one admin session for `inspect`, `list` and
-    /// `force_release`) and creates the root node if needed.
+    /// `force_release`), creates the root node if needed and checks that
+    /// the credentials may read it.
+    ///
+    /// # Errors
+    /// [`Error::InvalidUrl`] for a malformed URL, [`Error::Auth`] when the
+    /// root's ACL does not admit the credentials (a wrong password),
+    /// [`Error::Unavailable`] when no server answers.
     ///
     /// # Cancel safety
     /// Cancel safe.
     pub async fn connect(url: &str) -> Result<Self, Error> {
         let config = Config::parse(url)?;
-        let admin = config.connect(Duration::from_secs(10)).await?;
+        let admin = config.connect(ADMIN_TIMEOUT).await?;
         let persistent = zk::CreateMode::Persistent.with_acls(config.acls());
-        admin
-            .mkdir(&config.root, &persistent)
-            .await
-            .map_err(map_err)?;
+        match admin.mkdir(&config.root, &persistent).await {
+            Ok(()) => {}
+            Err(zk::Error::NoAuth) => return Err(config.refused(&config.root)),
+            Err(e) => return Err(map_err(e)),
+        }
+        // Digest credentials are never refused at connect, only by ACLs.
+        match admin.list_children(&config.root).await {
+            Ok(_) => {}
+            Err(zk::Error::NoAuth) => return Err(config.refused(&config.root)),
+            Err(e) => return Err(map_err(e)),
+        }
+        let half_tick = if is_ensemble(&admin).await? {
+            Some(half_tick(&config).await?)
+        } else {
+            None
+        };
         Ok(Self {
-            inner: Arc::new(Inner { config, admin }),
+            inner: Arc::new(Inner {
+                config,
+                admin: Mutex::new(admin),
+                half_tick,
+            }),
         })
     }
 
@@ -211,17 +418,16 @@ impl ZkBackend {
     /// queue nodes): zero once nothing is held or waited for.
     pub async fn nodes_under(&self, prefix: &str) -> Result<usize, Error> {
         name::check_prefix(prefix)?;
+        let admin = self.inner.admin().await?;
         let flat = prefix.replace('/', "%2F");
-        let children = self
-            .inner
-            .admin
+        let children = admin
             .list_children(&self.inner.config.root)
             .await
             .map_err(map_err)?;
         let mut count = 0;
         for child in children.into_iter().filter(|c| c.starts_with(&flat)) {
             let path = format!("{}/{child}", self.inner.config.root);
-            match self.inner.admin.list_children(&path).await {
+            match admin.list_children(&path).await {
                 Ok(queue) => count += 1 + queue.len(),
                 Err(zk::Error::NoNode) => {}
                 Err(e) => return Err(map_err(e)),
@@ -231,13 +437,8 @@ impl ZkBackend {
     }
 
     /// The queue of `name`, lowest sequence first.
-    async fn queue(&self, name: &LockName) -> Result<Vec<String>, Error> {
-        match self
-            .inner
-            .admin
-            .list_children(&self.inner.parent(name))
-            .await
-        {
+    async fn queue(&self, admin: &zk::Client, name: &LockName) -> Result<Vec<String>, Error> {
+        match admin.list_children(&self.inner.parent(name)).await {
             Ok(children) => Ok(session::sorted(children)),
             Err(zk::Error::NoNode) => Ok(Vec::new()),
             Err(e) => Err(map_err(e)),
@@ -249,10 +450,11 @@ impl ZkBackend {
         &self,
         name: &LockName,
     ) -> Result<Option<(String, Vec<u8>, zk::Stat, usize)>, Error> {
-        let queue = self.queue(name).await?;
+        let admin = self.inner.admin().await?;
+        let queue = self.queue(&admin, name).await?;
         for node in &queue {
             let path = format!("{}/{node}", self.inner.parent(name));
-            match self.inner.admin.get_data(&path).await {
+            match admin.get_data(&path).await {
                 Ok((data, stat)) => return Ok(Some((path, data, stat, queue.len()))),
                 Err(zk::Error::NoNode) => continue, // released meanwhile
                 Err(e) => return Err(map_err(e)),
@@ -293,7 +495,8 @@ impl Backend for ZkBackend {
 
     async fn ping(&self) -> Result<(), Error> {
         self.inner
-            .admin
+            .admin()
+            .await?
             .check_stat(&self.inner.config.root)
             .await
             .map_err(map_err)?;
@@ -322,7 +525,8 @@ impl Backend for ZkBackend {
         let flat = prefix.replace('/', "%2F");
         let mut children = self
             .inner
-            .admin
+            .admin()
+            .await?
             .list_children(&self.inner.config.root)
             .await
             .map_err(map_err)?;
@@ -351,7 +555,8 @@ impl Backend for ZkBackend {
         let Some((path, data, stat, _)) = self.head(name).await? else {
             return Ok(false);
         };
-        match self.inner.admin.delete(&path, Some(stat.version)).await {
+        let admin = self.inner.admin().await?;
+        match admin.delete(&path, Some(stat.version)).await {
             Ok(()) => {
                 tracing::info!(lock = %name, holder = %String::from_utf8_lossy(&data).lines().next().unwrap_or(""), token = stat.czxid, "force-released");
                 Ok(true)
@@ -376,6 +581,10 @@ mod tests {
         assert_eq!(c.auth, Some(("u".into(), "pw".into())));
         let c = Config::parse("zk://a:1").unwrap();
         assert_eq!(c.root, DEFAULT_ROOT);
+        let c = Config::parse("zk://u:p%2Fa%40s%3As@a:1/r").unwrap();
+        assert_eq!(c.auth, Some(("u".into(), "p/a@s:s".into())));
+        let c = Config::parse("zk://u:p@ss@a:1/r").unwrap();
+        assert_eq!(c.auth, Some(("u".into(), "p@ss".into())));
     }
 
     #[test]
@@ -395,5 +604,35 @@ mod tests {
             assert!(matches!(e, Error::InvalidUrl { .. }), "{url}: {e:?}");
             assert!(!e.to_string().contains("hunter2"), "{e}");
         }
+    }
+
+    #[test]
+    fn connection_errors_are_retryable() {
+        for e in [
+            zk::Error::ConnectionLoss,
+            zk::Error::Timeout,
+            zk::Error::NoHosts,
+            zk::Error::SessionMoved,
+        ] {
+            assert!(map_err(e.clone()).is_retryable(), "{e}");
+        }
+        assert!(matches!(
+            map_err(zk::Error::SessionExpired),
+            Error::SessionLost { .. }
+        ));
+        assert!(matches!(map_err(zk::Error::NoAuth), Error::Auth { .. }));
+        assert!(matches!(map_err(zk::Error::AuthFailed), Error::Auth { .. }));
+    }
+
+    #[test]
+    fn the_touch_gap_follows_the_drivers_ping_schedule() {
+        assert_eq!(
+            touch_gap(Duration::from_secs(2)),
+            Duration::from_millis(400)
+        );
+        assert_eq!(
+            touch_gap(Duration::from_secs(30)),
+            Duration::from_millis(2500)
+        );
     }
 }

@@ -2,12 +2,13 @@
 //! ephemeral-sequential node in the name's queue.
 
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use dlock_core::backend::{Attempt, Busy, ExpiryModel, Hold, RawSession, Take};
 use dlock_core::{Error, FencingToken, LockName, SessionId};
+use tokio::task::JoinSet;
 use tokio::time::{Instant, sleep_until};
 use zookeeper_client as zk;
 
@@ -26,14 +27,31 @@ fn sequence_of(node: &str) -> i64 {
         .unwrap_or(i64::MAX)
 }
 
+/// A hold's key: the node's path and, after a `#`, its czxid (the token),
+/// so that a release checks the token without a read.
+fn key_of(path: &str, czxid: i64) -> String {
+    format!("{path}#{czxid}")
+}
+
+/// The path and czxid of a hold's key.
+fn parse_key(key: &str) -> Option<(&str, i64)> {
+    let (path, czxid) = key.rsplit_once('#')?;
+    Some((path, czxid.parse().ok()?))
+}
+
 pub(crate) struct ZkSession {
     inner: Arc<Inner>,
     client: zk::Client,
     id: SessionId,
+    /// The TTL the core counts with: the negotiated session timeout less
+    /// the leader's report lag (see the crate docs).
     ttl: Duration,
     /// The ZooKeeper session id in hex: every node of this session starts
     /// with it (ownership check, protected mode).
     zk_id: String,
+    /// Removals of emptied lock parents, off the release path; aborted with
+    /// the session.
+    tidying: Mutex<JoinSet<()>>,
 }
 
 impl fmt::Debug for ZkSession {
@@ -53,13 +71,19 @@ impl ZkSession {
         ttl: Duration,
     ) -> Result<Self, Error> {
         let client = inner.config.connect(ttl).await?;
+        // The ensemble may negotiate the timeout: run with what it granted,
+        // less what the leader may not have heard yet.
+        let negotiated = client.session_timeout();
+        let lag = inner.report_lag(negotiated);
+        let ttl = negotiated.saturating_sub(lag).max(Duration::from_millis(1));
+        tracing::debug!(session = %id, ?negotiated, ?lag, ?ttl, "zookeeper session opened");
         Ok(Self {
-            // The ensemble may negotiate the timeout: run with what it granted.
-            ttl: client.session_timeout(),
+            ttl,
             zk_id: format!("{:x}", client.session_id().0),
             inner,
             client,
             id,
+            tidying: Mutex::new(JoinSet::new()),
         })
     }
 
@@ -68,6 +92,15 @@ impl ZkSession {
         path.rsplit('/')
             .next()
             .is_some_and(|node| node.starts_with(&format!("{}-", self.zk_id)))
+    }
+
+    /// Deletes the lock's parent if it is empty, in a task of the session.
+    fn tidy(&self, name: &LockName) {
+        let client = self.client.clone();
+        let parent = self.inner.parent(name);
+        let mut tasks = self.tidying.lock().unwrap_or_else(|e| e.into_inner());
+        while tasks.try_join_next().is_some() {}
+        tasks.spawn(async move { remove_if_empty(&client, &parent).await });
     }
 }
 
@@ -96,21 +129,25 @@ impl RawSession for ZkSession {
     }
 
     async fn renew(&self, holds: &[Hold]) -> Result<Vec<bool>, Error> {
-        // Any request proves the session alive as of when it was sent; the
-        // multi-read also checks every lock node in the same round trip.
-        let mut reader = self.client.new_multi_reader();
-        if holds.is_empty() {
-            reader
-                .add_get_data(&self.inner.config.root)
-                .map_err(map_err)?;
-        }
-        for hold in holds {
-            reader.add_get_data(&hold.key).map_err(map_err)?;
-        }
-        let results = reader.commit().await.map_err(map_err)?;
-        if holds.is_empty() {
+        // Both sent now, in this order: the read waits on the server for the
+        // sync, which the leader answers only while it holds the session
+        // open (see the crate docs).
+        let synced = self.client.sync(&self.inner.config.root);
+        let read = if holds.is_empty() {
+            None
+        } else {
+            let mut reader = self.client.new_multi_reader();
+            for hold in holds {
+                let path = parse_key(&hold.key).map_or(hold.key.as_str(), |(p, _)| p);
+                reader.add_get_data(path).map_err(map_err)?;
+            }
+            Some(reader.commit())
+        };
+        synced.await.map_err(map_err)?;
+        let Some(read) = read else {
             return Ok(Vec::new());
-        }
+        };
+        let results = read.await.map_err(map_err)?;
         if results.len() != holds.len() {
             return Err(Error::protocol(
                 "zk",
@@ -121,10 +158,11 @@ impl RawSession for ZkSession {
         Ok(holds
             .iter()
             .zip(results)
-            .map(|(hold, result)| match result {
-                zk::MultiReadResult::Data { stat, .. } => {
-                    self.owns(&hold.key)
-                        && stat.czxid as u64 == hold.token.get()
+            .map(|(hold, result)| match (result, parse_key(&hold.key)) {
+                (zk::MultiReadResult::Data { stat, .. }, Some((path, czxid))) => {
+                    self.owns(path)
+                        && czxid as u64 == hold.token.get()
+                        && stat.czxid == czxid
                         && stat.ephemeral_owner == session
                 }
                 _ => false,
@@ -136,43 +174,54 @@ impl RawSession for ZkSession {
         let not_held = || Error::NotHeld {
             name: hold.name.to_string(),
         };
-        if !self.owns(&hold.key) {
-            return Err(not_held());
-        }
-        let stat = self.client.check_stat(&hold.key).await.map_err(map_err)?;
-        let Some(stat) = stat.filter(|s| s.czxid as u64 == hold.token.get()) else {
+        let Some((path, czxid)) = parse_key(&hold.key) else {
             return Err(not_held());
         };
-        match self.client.delete(&hold.key, Some(stat.version)).await {
+        if !self.owns(path) || czxid as u64 != hold.token.get() {
+            return Err(not_held());
+        }
+        // One request, so that a release whose reply is lost has happened.
+        // The path names this grant alone: the attempt's guid is never
+        // reused, and an attempt creates no node after its grant.
+        match self.client.delete(path, None).await {
             Ok(()) => {}
-            Err(zk::Error::NoNode | zk::Error::BadVersion) => return Err(not_held()),
+            Err(zk::Error::NoNode) => return Err(not_held()),
             Err(e) => return Err(map_err(e)),
         }
         // Off the release path: the next holder should not wait for it.
-        let client = self.client.clone();
-        let parent = self.inner.parent(&hold.name);
-        tokio::spawn(async move { remove_if_empty(&client, &parent).await });
+        self.tidy(&hold.name);
         Ok(())
     }
 
     async fn close(&self, holds: &[Hold]) -> Result<(), Error> {
         // The session itself ends when its client is dropped (with the
         // session); free the holds now so others need not wait for that.
-        for hold in holds.iter().filter(|h| self.owns(&h.key)) {
-            match self.client.delete(&hold.key, None).await {
+        for hold in holds {
+            let Some((path, _)) = parse_key(&hold.key) else {
+                continue;
+            };
+            if !self.owns(path) {
+                continue;
+            }
+            match self.client.delete(path, None).await {
                 Ok(()) | Err(zk::Error::NoNode) => {
                     remove_if_empty(&self.client, &self.inner.parent(&hold.name)).await
                 }
                 Err(e) => return Err(map_err(e)),
             }
         }
+        let mut tasks =
+            std::mem::take(&mut *self.tidying.lock().unwrap_or_else(|e| e.into_inner()));
+        while tasks.join_next().await.is_some() {}
         Ok(())
     }
 }
 
 /// Deletes a lock's parent node if it has no children left (it is a
 /// container node, so ZooKeeper would also delete it, but only on its next
-/// container sweep).
+/// container sweep). ZooKeeper refuses to delete a parent that has a child,
+/// and a waiter that finds the parent gone creates both in one multi, so
+/// this never strands a waiter.
 async fn remove_if_empty(client: &zk::Client, parent: &str) {
     match client.delete(parent, None).await {
         Ok(()) | Err(zk::Error::NotEmpty | zk::Error::NoNode) => {}
@@ -210,8 +259,19 @@ impl fmt::Debug for ZkAttempt {
 impl ZkAttempt {
     /// Protected mode: the node this attempt created, if a create whose reply
     /// was lost did succeed.
+    ///
+    /// After a connection loss the client may be talking to another server,
+    /// which may not yet have applied a create the leader accepted: `sync`
+    /// first (sent together with the listing, which the server answers after
+    /// the sync). A create still on its way is then either applied before
+    /// the sync (and found) or refused by the leader (the session moved, or
+    /// the same server keeps the session's requests in order): once this
+    /// finds nothing, no create of this attempt can land later.
     async fn find_own(&self) -> Result<Option<(String, i64)>, Error> {
-        let children = match self.client.list_children(&self.parent).await {
+        let synced = self.client.sync(&self.parent);
+        let listed = self.client.list_children(&self.parent);
+        synced.await.map_err(map_err)?;
+        let children = match listed.await {
             Ok(c) => c,
             Err(zk::Error::NoNode) => return Ok(None),
             Err(e) => return Err(map_err(e)),
@@ -237,29 +297,84 @@ impl ZkAttempt {
         let path = format!("{}/{}-lock-", self.parent, self.guid);
         let acls = self.inner.config.acls();
         let options = zk::CreateMode::EphemeralSequential.with_acls(acls);
-        for _ in 0..3 {
+        let container = zk::CreateMode::Container.with_acls(acls);
+        for _ in 0..8 {
             self.sent = true;
             match self.client.create(&path, &self.data, &options).await {
                 Ok((stat, sequence)) => {
                     let node = format!("{}-lock-{sequence}", self.guid);
                     return Ok((node, stat.czxid));
                 }
-                Err(zk::Error::NoNode) => {
-                    // The parent is gone (never created, or removed when its
-                    // last node left): create it as a container node.
-                    let container = zk::CreateMode::Container.with_acls(acls);
-                    match self.client.create(&self.parent, &[], &container).await {
-                        Ok(_) | Err(zk::Error::NodeExists) => {}
-                        Err(e) => return Err(map_err(e)),
-                    }
-                }
+                Err(zk::Error::NoNode) => {}
                 Err(e) => return Err(map_err(e)),
+            }
+            // The parent is gone (never created, or removed when its last
+            // node left): create it and the node in one multi, so that a
+            // removal in between cannot leave the node without a parent.
+            let mut writer = self.client.new_multi_writer();
+            writer
+                .add_create(&self.parent, &[], &container)
+                .map_err(map_err)?;
+            writer
+                .add_create(&path, &self.data, &options)
+                .map_err(map_err)?;
+            match writer.commit().await {
+                Ok(results) => {
+                    let Some(zk::MultiWriteResult::Create { path, stat }) =
+                        results.into_iter().nth(1)
+                    else {
+                        return Err(Error::protocol("zk", "multi create answered oddly"));
+                    };
+                    let node = path.rsplit('/').next().unwrap_or_default().to_owned();
+                    let czxid = if stat.is_invalid() {
+                        // Some servers answer a multi's create without a
+                        // stat (ZOOKEEPER-4026): read it.
+                        match self.client.check_stat(&path).await.map_err(map_err)? {
+                            Some(stat) => stat.czxid,
+                            None => continue, // gone already: look again
+                        }
+                    } else {
+                        stat.czxid
+                    };
+                    return Ok((node, czxid));
+                }
+                // Someone created the parent meanwhile: a plain create again.
+                Err(zk::MultiWriteError::OperationFailed {
+                    source: zk::Error::NodeExists,
+                    ..
+                }) => {}
+                Err(e) => return Err(map_err(e.into())),
             }
         }
         Err(Error::unavailable(
             "zk",
             "the lock's parent node keeps disappearing",
         ))
+    }
+
+    /// Removes this attempt's node, if it has one (also one whose create's
+    /// reply was lost). Idempotent.
+    async fn clean_up(&mut self) -> Result<(), Error> {
+        if self.node.is_none() && self.sent {
+            self.node = self.find_own().await?;
+            if self.node.is_none() {
+                self.sent = false; // nothing was created, nothing will be
+            }
+        }
+        if let Some((node, _)) = &self.node {
+            match self
+                .client
+                .delete(&format!("{}/{node}", self.parent), None)
+                .await
+            {
+                Ok(()) | Err(zk::Error::NoNode) => {}
+                Err(e) => return Err(map_err(e)),
+            }
+            self.node = None;
+            self.sent = false;
+            remove_if_empty(&self.client, &self.parent).await;
+        }
+        Ok(())
     }
 }
 
@@ -294,7 +409,7 @@ impl Attempt for ZkAttempt {
                 return Ok(Take::Granted(Hold {
                     name: self.name.clone(),
                     token: FencingToken::new(czxid as u64),
-                    key: format!("{}/{node}", self.parent),
+                    key: key_of(&format!("{}/{node}", self.parent), czxid),
                 }));
             }
             self.ahead = Some(format!("{}/{}", self.parent, children[position - 1]));
@@ -329,21 +444,7 @@ impl Attempt for ZkAttempt {
     }
 
     async fn abandon(&mut self) -> Result<(), Error> {
-        if self.node.is_none() && self.sent {
-            self.node = self.find_own().await?;
-        }
-        if let Some((node, _)) = &self.node {
-            match self
-                .client
-                .delete(&format!("{}/{node}", self.parent), None)
-                .await
-            {
-                Ok(()) | Err(zk::Error::NoNode) => {}
-                Err(e) => return Err(map_err(e)),
-            }
-            remove_if_empty(&self.client, &self.parent).await;
-        }
-        Ok(())
+        self.clean_up().await
     }
 }
 
@@ -415,7 +516,7 @@ mod server_tests {
             panic!("the retried take did not find its own node");
         };
         assert_eq!(hold.token.get(), czxid as u64);
-        assert!(hold.key.ends_with(&node));
+        assert!(parse_key(&hold.key).unwrap().0.ends_with(&node));
         let children = session
             .client
             .list_children(&session.inner.parent(&name))

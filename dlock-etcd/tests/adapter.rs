@@ -1,0 +1,49 @@
+//! etcd-specific behaviour the conformance suite does not cover, against the
+//! real servers from `scripts/services`.
+
+use std::time::Duration;
+
+use dlock_conformance::wire::{Fault, Link, ProxyLink, hosts_of, with_hosts};
+use dlock_core::{Backend, SessionOptions};
+use dlock_etcd::EtcdBackend;
+
+fn cluster_url() -> Option<String> {
+    if std::env::var("DLOCK_TEST_SKIP").is_ok_and(|v| v.split(',').any(|s| s == "etcd-cluster")) {
+        eprintln!("SKIPPED: DLOCK_TEST_SKIP names etcd-cluster");
+        return None;
+    }
+    Some(
+        std::env::var("DLOCK_TEST_ETCD_CLUSTER_URL")
+            .unwrap_or_else(|_| "etcd://127.0.0.1:22379,127.0.0.1:23379,127.0.0.1:24379".into()),
+    )
+}
+
+/// A client connects, and works, while one member of three refuses
+/// connections (a majority is reachable).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connects_while_a_minority_is_unreachable() {
+    let Some(url) = cluster_url() else { return };
+    let link = ProxyLink::start(&hosts_of(&url)).await.unwrap();
+    for dead in 0..3 {
+        link.heal();
+        link.set(dead, Fault::Cut);
+        let via = with_hosts(&url, &link.addrs().unwrap());
+        for round in 0..5 {
+            let backend = EtcdBackend::connect(&via)
+                .await
+                .unwrap_or_else(|e| panic!("member {dead} cut, round {round}: {e}"));
+            let session = backend
+                .session(SessionOptions::new().ttl(Duration::from_secs(2)))
+                .await
+                .unwrap_or_else(|e| panic!("member {dead} cut, round {round}: session: {e}"));
+            let guard = session
+                .lock(format!("adapter/minority-{:08x}", rand::random::<u32>()))
+                .unwrap()
+                .acquire_timeout(Duration::from_secs(2))
+                .await
+                .unwrap_or_else(|e| panic!("member {dead} cut, round {round}: acquire: {e}"));
+            guard.release().await.unwrap();
+            session.close().await.unwrap();
+        }
+    }
+}

@@ -1,0 +1,179 @@
+//! ZooKeeper-specific behaviour the conformance suite does not cover,
+//! against the real servers from `scripts/services`.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use dlock_conformance::servers::{Servers, ServicesCommand};
+use dlock_core::{Backend, Error, LockName, SessionOptions};
+use dlock_zk::ZkBackend;
+
+const SERVICES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/services");
+
+fn skipped(store: &str, what: &str) -> bool {
+    let skip =
+        std::env::var("DLOCK_TEST_SKIP").is_ok_and(|v| v.split(',').any(|s| s.trim() == store));
+    if skip {
+        eprintln!("SKIPPED {store}::{what}: DLOCK_TEST_SKIP names {store}");
+    }
+    skip
+}
+
+fn standalone_url() -> String {
+    std::env::var("DLOCK_TEST_ZK_URL").unwrap_or_else(|_| "zk://127.0.0.1:12181".into())
+}
+
+async fn connect(url: &str) -> ZkBackend {
+    ZkBackend::connect(url).await.unwrap_or_else(|e| {
+        panic!("cannot reach ZooKeeper at {url} ({e}); start it with `scripts/services up zk` or set DLOCK_TEST_SKIP=zk")
+    })
+}
+
+/// Tests here that kill servers run one at a time.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// `survives_reconnect`: the server is killed and started again (ZooKeeper
+/// keeps sessions in its snapshot and log) while a lock is held; the client
+/// reconnects within its session timeout, and the lock is still held and
+/// valid, with renewals going on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_survives_a_server_restart_within_the_session() {
+    let _serial = SERIAL.lock().await;
+    if skipped("zk", "a_lock_survives_a_server_restart_within_the_session") {
+        return;
+    }
+    let url = format!("{}/dlock-test", standalone_url());
+    let servers: Arc<dyn Servers> = Arc::new(ServicesCommand::new(SERVICES, ["zk"]));
+    let name = LockName::new(format!("adapter/restart-{:08x}", rand::random::<u32>())).unwrap();
+    let a = connect(&url)
+        .await
+        .session(SessionOptions::new().ttl(Duration::from_secs(12)))
+        .await
+        .unwrap();
+    let held = a.lock(&name).unwrap().acquire().await.unwrap();
+    let renewals_before = a.stats().renewals;
+    servers.kill(0).await.unwrap();
+    let started = servers.start(0).await;
+    if started.is_err() {
+        // Put the server back whatever happened.
+        let _ = servers.start(0).await;
+    }
+    started.unwrap();
+    // A renewal after the restart proves the session reconnected.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while a.stats().renewals <= renewals_before + 1 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        a.stats().renewals > renewals_before + 1,
+        "no renewal succeeded after the restart"
+    );
+    assert!(
+        held.is_held(),
+        "lost after a restart: {:?}",
+        held.lost_reason()
+    );
+    let admin = connect(&url).await;
+    assert!(
+        admin.validate(&name, held.token()).await.unwrap(),
+        "the node did not survive the restart"
+    );
+    held.release().await.unwrap();
+    a.close().await.unwrap();
+}
+
+/// Digest credentials: the right ones work, and nodes get `CREATOR_ALL`;
+/// a wrong password (or none) on a root created with credentials is a
+/// typed [`Error::Auth`] at connect, at once and without the password.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_digest_password_is_an_auth_error_at_once() {
+    if skipped("zk", "a_wrong_digest_password_is_an_auth_error_at_once") {
+        return;
+    }
+    let (scheme, hosts) = standalone_url()
+        .split_once("://")
+        .map(|(s, h)| (s.to_owned(), h.to_owned()))
+        .unwrap();
+    let root = format!("/dlock-auth-{:08x}", rand::random::<u32>());
+    let url = |userinfo: &str| format!("{scheme}://{userinfo}{hosts}{root}");
+    // The password has characters a URL must encode.
+    let right = url("app:s3cr%2Fet%40x@");
+    let backend = connect(&right).await;
+    let session = backend
+        .session(SessionOptions::new().ttl(Duration::from_secs(2)))
+        .await
+        .unwrap();
+    let guard = session.lock("auth/x").unwrap().acquire().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert!(guard.is_held());
+    guard.release().await.unwrap();
+    session.close().await.unwrap();
+    for (what, bad) in [
+        ("a wrong password", url("app:wrong%2Fpass@")),
+        ("another user", url("other:pw@")),
+        ("no credentials", url("")),
+    ] {
+        let start = Instant::now();
+        let e = ZkBackend::connect(&bad).await.expect_err(what);
+        assert!(
+            start.elapsed() < Duration::from_secs(3),
+            "{what}: took {:?}",
+            start.elapsed()
+        );
+        assert!(matches!(e, Error::Auth { .. }), "{what}: {e:?}");
+        assert!(!e.is_retryable(), "{what}: {e}");
+        let shown = format!("{e} {e:?}");
+        assert!(
+            !shown.contains("wrong/pass")
+                && !shown.contains("wrong%2Fpass")
+                && !shown.contains("s3cr"),
+            "{shown}"
+        );
+    }
+    // Remove the test's root (its lock parents are containers, gone once
+    // empty, or removed on release).
+    let zk = zookeeper_client::Client::connector()
+        .with_auth("digest", b"app:s3cr/et@x".as_slice())
+        .connect(&hosts)
+        .await
+        .unwrap();
+    for child in zk.list_children(&root).await.unwrap() {
+        let _ = zk.delete(&format!("{root}/{child}"), None).await;
+    }
+    zk.delete(&root, None).await.unwrap();
+}
+
+/// A lock whose parent node does not exist is taken through the multi that
+/// creates parent and node together; a release removes the emptied parent
+/// (in a task of the session, which `close` waits for).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parents_come_and_go_with_their_queues() {
+    if skipped("zk", "parents_come_and_go_with_their_queues") {
+        return;
+    }
+    let url = format!("{}/dlock-test", standalone_url());
+    let backend = connect(&url).await;
+    let session = backend
+        .session(SessionOptions::new().ttl(Duration::from_secs(2)))
+        .await
+        .unwrap();
+    let prefix = format!("adapter/parents-{:08x}", rand::random::<u32>());
+    for round in 0..20 {
+        let name = format!("{prefix}/{}", round % 3);
+        let guard = session
+            .lock(name.as_str())
+            .unwrap()
+            .acquire()
+            .await
+            .unwrap();
+        let info = backend.inspect(guard.name()).await.unwrap().expect("held");
+        assert_eq!(info.token, guard.token());
+        guard.release().await.unwrap();
+    }
+    session.close().await.unwrap();
+    assert_eq!(
+        backend.nodes_under(&prefix).await.unwrap(),
+        0,
+        "nodes left behind"
+    );
+}

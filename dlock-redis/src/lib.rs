@@ -17,10 +17,10 @@
 //! * **Wake-up**: waiters subscribe to the name's channel through one pub/sub
 //!   connection per node, kept by a task that subscribes exactly the channels
 //!   with waiters in this process (no leaked channels). A waiter's first wait
-//!   returns only once its channel is subscribed (or the connection is known
-//!   to be down), and the core then re-checks, so a release just before the
-//!   subscription is not missed; after a gap in the pub/sub connection every
-//!   waiter is woken to re-check. Waiters also wake at the holder's `PTTL`
+//!   returns once the task has subscribed its channel (or found the
+//!   connection down, or the request time limit passed), and the core then
+//!   re-checks, so a release just before the subscription is not missed;
+//!   after a gap in the pub/sub connection every waiter is woken to re-check. Waiters also wake at the holder's `PTTL`
 //!   and on the core's fallback timer.
 //! * **Connections**: one multiplexed command connection per node, opened at
 //!   first use. A connection can die silently (requests hang, nothing closes

@@ -272,6 +272,67 @@ impl fmt::Display for Violation {
 
 impl std::error::Error for Violation {}
 
+/// Counts of what a long history broke (the soak reports counts; the cases
+/// stop at the first violation).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Audit {
+    /// Hold intervals.
+    pub holds: usize,
+    /// Intervals that overlap an earlier one (S1).
+    pub overlaps: usize,
+    /// Intervals whose token is not larger than that of a hold that started
+    /// before they were invoked (S2).
+    pub out_of_order: usize,
+    /// Tokens issued more than once (S2).
+    pub reused_tokens: usize,
+}
+
+impl Audit {
+    /// Audits `intervals`.
+    pub fn of(intervals: &[Interval]) -> Self {
+        let mut sorted = intervals.to_vec();
+        sorted.sort_by_key(|iv| iv.start);
+        // Overlaps: an interval starting before the furthest end so far.
+        let mut furthest: Option<Option<Instant>> = None;
+        let mut overlaps = 0;
+        for iv in &sorted {
+            if let Some(end) = furthest
+                && end.is_none_or(|end| iv.start < end)
+            {
+                overlaps += 1;
+            }
+            furthest = Some(match (furthest, iv.end) {
+                (None, e) => e,
+                (Some(None), _) | (_, None) => None,
+                (Some(Some(a)), Some(b)) => Some(a.max(b)),
+            });
+        }
+        let mut highest = Vec::with_capacity(sorted.len());
+        for iv in &sorted {
+            let best = highest
+                .last()
+                .map_or(iv.token, |&h: &FencingToken| h.max(iv.token));
+            highest.push(best);
+        }
+        let out_of_order = sorted
+            .iter()
+            .filter(|b| {
+                let n = sorted.partition_point(|a| a.start < b.invoked);
+                n > 0 && highest[n - 1] >= b.token
+            })
+            .count();
+        let mut tokens: Vec<_> = sorted.iter().map(|iv| iv.token).collect();
+        tokens.sort();
+        let reused_tokens = tokens.windows(2).filter(|w| w[0] == w[1]).count();
+        Self {
+            holds: sorted.len(),
+            overlaps,
+            out_of_order,
+            reused_tokens,
+        }
+    }
+}
+
 /// Fails if any two intervals overlap (sorted by start).
 pub fn check_overlap(intervals: &[Interval]) -> Result<(), Violation> {
     let mut sorted = intervals.to_vec();
@@ -321,6 +382,27 @@ pub fn check_grant_order(intervals: &[Interval]) -> Result<(), Violation> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn audit_counts_what_check_finds() {
+        let base = Instant::now();
+        let h = History::new();
+        hold(&h, base, 0, 1, 0, Some(10));
+        hold(&h, base, 1, 2, 5, Some(20)); // overlaps 0
+        hold(&h, base, 2, 2, 30, Some(40)); // reuses token 2, out of order
+        hold(&h, base, 3, 5, 50, Some(60));
+        let audit = Audit::of(&h.intervals());
+        assert_eq!(
+            audit,
+            Audit {
+                holds: 4,
+                overlaps: 1,
+                out_of_order: 1,
+                reused_tokens: 1
+            }
+        );
+        assert!(h.check().is_err());
+    }
 
     fn at(base: Instant, ms: u64) -> Instant {
         base + Duration::from_millis(ms)

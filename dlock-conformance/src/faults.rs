@@ -195,7 +195,10 @@ impl RawSession for FaultySession {
             std::future::pending::<()>().await;
         }
         if self.faults.panic_renewals.load(Ordering::SeqCst) {
-            panic!("renewal panicked (fault injection)");
+            // An unwinding panic as a bug would raise, without the panic
+            // hook (whose backtrace printing can stall a loaded machine for
+            // longer than a test TTL).
+            std::panic::resume_unwind(Box::new("renewal panicked (fault injection)"));
         }
         self.inner.renew(holds).await
     }
@@ -243,7 +246,7 @@ impl Attempt for FaultyAttempt {
         self.inner.wait(until).await
     }
 
-    async fn abandon(self: Box<Self>) -> Result<(), Error> {
+    async fn abandon(&mut self) -> Result<(), Error> {
         self.faults.crashed()?;
         if self.faults.drop_abandons.load(Ordering::SeqCst) {
             return Ok(());

@@ -63,6 +63,15 @@ impl Process {
         }
     }
 
+    /// Starts `fut` as a task of the process.
+    pub fn spawn<F>(&self, fut: F) -> tokio::task::JoinHandle<F::Output>
+    where
+        F: Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        self.handle.spawn(fut)
+    }
+
     /// Stops the whole process until [`resume`](Self::resume): returns once
     /// it no longer runs anything.
     pub fn pause(&self) {

@@ -252,10 +252,12 @@ pub trait Attempt: Send + Debug {
     async fn wait(&mut self, until: Instant) -> Result<(), Error>;
 
     /// Removes what this attempt left in the store: its queue entry, or a grant
-    /// it may have received without the core learning of it.
+    /// it may have received without the core learning of it. Idempotent: the
+    /// core calls it again after an error.
     ///
     /// # Cancel safety
-    /// Runs as a session task; if it is cut off, what remains expires after
-    /// one TTL (per-hold stores) or with the session.
-    async fn abandon(self: Box<Self>) -> Result<(), Error>;
+    /// Runs as a session task and is retried with backoff until it succeeds;
+    /// if the session ends first, what remains expires after one TTL
+    /// (per-hold stores) or with the session.
+    async fn abandon(&mut self) -> Result<(), Error>;
 }

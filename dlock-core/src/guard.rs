@@ -6,7 +6,9 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use tokio::time::{Instant, sleep_until};
+use tokio::time::Instant;
+
+use crate::clock;
 use tokio_util::sync::CancellationToken;
 
 use crate::backend::Hold;
@@ -88,7 +90,7 @@ impl HeldState {
     }
 
     pub(crate) fn is_live(&self) -> bool {
-        !self.lost.is_cancelled() && Instant::now() < self.deadline()
+        !self.lost.is_cancelled() && clock::now() < self.deadline()
     }
 
     /// Records the first reason the hold ended and fires `lost()`. Returns
@@ -116,8 +118,8 @@ impl HeldState {
             let deadline = self.deadline();
             tokio::select! {
                 _ = self.lost.cancelled() => {}
-                _ = sleep_until(deadline) => {
-                    if Instant::now() >= self.deadline() {
+                _ = clock::sleep_until(deadline) => {
+                    if clock::now() >= self.deadline() {
                         self.lose(LostReason::Expired);
                     }
                 }
@@ -223,6 +225,11 @@ impl LockGuard {
 
     /// The local validity deadline: after it, the store may grant the lock to
     /// someone else unless a renewal is confirmed first.
+    ///
+    /// It lives on tokio's clock shifted forward by the time the machine has
+    /// spent suspended since the process started (`CLOCK_BOOTTIME` on Linux),
+    /// since a store's TTL runs on while a client sleeps; compare it with
+    /// tokio's `Instant::now()` only in processes that were never suspended.
     pub fn deadline(&self) -> Instant {
         self.held.deadline()
     }

@@ -51,6 +51,7 @@
 //! closes it in the background.
 
 pub mod backend;
+mod clock;
 mod error;
 mod guard;
 mod info;

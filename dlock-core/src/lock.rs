@@ -4,7 +4,7 @@ use std::fmt;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use tokio::time::{Instant, sleep_until, timeout, timeout_at};
+use tokio::time::{Instant, sleep_until, timeout_at};
 use tracing::Instrument;
 
 use crate::backend::{Attempt, Take};
@@ -20,12 +20,12 @@ pub const MAX_WHY_LEN: usize = 512;
 /// # Ownership and reentrancy
 ///
 /// The handle is the owner. Two handles (even of one session, even for one
-/// name) exclude each other like two processes would. One handle is
-/// *reentrant, counted*: acquiring through a handle (or a clone of it) whose
-/// earlier guard is still live returns at once with another guard carrying the
-/// same token, and the lock is freed when the last of those guards is released
-/// or dropped. Ownership lives in the handle, never in a thread or task, since
-/// async code moves between threads.
+/// name, even a clone of this one) exclude each other like two processes
+/// would. One handle is *reentrant, counted*: acquiring through a handle
+/// whose earlier guard is still live returns at once with another guard
+/// carrying the same token, and the lock is freed when the last of those
+/// guards is released or dropped. Ownership lives in the handle, never in a
+/// thread or task, since async code moves between threads.
 ///
 /// ```
 /// # async fn demo(session: dlock_core::Session) -> Result<(), dlock_core::Error> {
@@ -38,12 +38,24 @@ pub const MAX_WHY_LEN: usize = 512;
 /// outer.release().await?; // freed
 /// # Ok(()) }
 /// ```
-#[derive(Clone)]
 pub struct Lock {
     session: Arc<SessionHandle>,
     name: LockName,
     why: Option<Arc<str>>,
     state: Arc<HandleState>,
+}
+
+/// A clone is a new handle: another owner of the same name, which the
+/// original excludes (ownership is per handle, never shared by copying).
+impl Clone for Lock {
+    fn clone(&self) -> Self {
+        Self {
+            session: self.session.clone(),
+            name: self.name.clone(),
+            why: self.why.clone(),
+            state: Arc::default(),
+        }
+    }
 }
 
 #[derive(Default)]
@@ -112,7 +124,8 @@ impl Lock {
         self.acquire_with(Wait::No).await
     }
 
-    /// Waits until the lock is ours. Transient store errors are retried.
+    /// Waits until the lock is ours. Transient store errors are retried;
+    /// [`Error::SessionLost`] if the session ends while waiting.
     ///
     /// # Cancel safety
     /// Cancel safe: dropping the future at any await point leaves no queue
@@ -124,8 +137,9 @@ impl Lock {
             .and_then(|g| g.ok_or_else(|| unreachable_busy(&self.name)))
     }
 
-    /// Waits at most `wait` for the lock; [`Error::Timeout`] after that
-    /// (within `wait` plus one round trip, invariant L5).
+    /// Waits at most `wait` for the lock; [`Error::Timeout`] after that,
+    /// within `wait` plus one round trip (invariant L5), also when the store
+    /// does not answer: the deadline cuts requests in flight.
     ///
     /// # Cancel safety
     /// As [`acquire`](Self::acquire).
@@ -155,73 +169,44 @@ impl Lock {
         self.acquire_inner(wait).instrument(span).await
     }
 
+    /// The acquire loop: take, else wait for a change, retrying transient
+    /// errors, within the caller's deadline and the session's life.
     async fn acquire_inner(&self, wait: Wait) -> Result<Option<LockGuard>, Error> {
         if let Some(guard) = self.reenter() {
             return Ok(Some(guard));
         }
-        let _serial = match wait {
-            Wait::No => match self.state.gate.try_lock() {
-                Ok(g) => g,
-                Err(_) => return Ok(None), // this handle's own acquire is in flight
-            },
-            Wait::Forever => self.state.gate.lock().await,
-            Wait::Until(deadline, asked) => {
-                match timeout_at(deadline, self.state.gate.lock()).await {
-                    Ok(g) => g,
-                    Err(_) => return Err(self.timeout_error(asked)),
-                }
-            }
+        let Some(_serial) = self.serialize(wait).await? else {
+            return Ok(None); // this handle's own acquire is in flight
         };
         if let Some(guard) = self.reenter() {
             return Ok(Some(guard));
         }
         let shared = self.shared().clone();
         shared.check_alive()?;
-        let timing = shared.timing;
         let attempt = self
-            .request(shared.raw.attempt(&self.name, self.why.as_deref()))
+            .request(wait, shared.raw.attempt(&self.name, self.why.as_deref()))
             .await?;
         let mut attempt = AttemptGuard::new(attempt, shared.clone());
-        let mut backoff = Duration::from_millis(10);
+        let mut backoff = Backoff::default();
         loop {
-            let sent = Instant::now();
+            let sent = crate::clock::now();
             Stats::bump(&shared.stats.take_attempts);
-            match self.request(attempt.get().try_take()).await {
+            match self.request(wait, attempt.get().try_take()).await {
                 Ok(Take::Granted(hold)) => {
-                    attempt.disarm();
                     let deadline = shared.grant_deadline(sent);
-                    if deadline <= Instant::now() {
-                        // The take took longer than the TTL allows (Redlock's
-                        // "validity ≤ 0"): the store may already free it, so it
-                        // is not ours to use. Give it back and try again.
-                        tracing::warn!(took = ?sent.elapsed(), "grant arrived after its validity; retrying");
-                        let raw = shared.raw.clone();
-                        let request_timeout = timing.request_timeout;
-                        shared.spawn(async move {
-                            let _ = timeout(request_timeout, raw.release(&hold)).await;
-                        });
-                        let again = self
-                            .request(shared.raw.attempt(&self.name, self.why.as_deref()))
-                            .await?;
-                        attempt = AttemptGuard::new(again, shared.clone());
-                        continue;
+                    if deadline > crate::clock::now() {
+                        return self.granted(&mut attempt, hold, deadline).map(Some);
                     }
-                    let held = shared.register(hold, deadline);
-                    if let Err(e) = shared.check_alive() {
-                        shared.lose(&held, crate::LostReason::Closed);
-                        return Err(e);
-                    }
-                    *self.state.current.lock().unwrap() = Arc::downgrade(&held);
-                    tracing::debug!(token = %held.hold.token, "acquired");
-                    return Ok(Some(LockGuard {
-                        held,
-                        session: self.session.clone(),
-                        done: false,
-                    }));
+                    // The take took longer than the TTL allows (Redlock's
+                    // "validity ≤ 0"): the store may free it any moment, so
+                    // it is not ours to use yet. Take again with the same
+                    // attempt: that re-extends the grant (adapter rule 4)
+                    // and keeps the queue place.
+                    tracing::warn!(took = ?sent.elapsed(), "grant arrived after its validity; taking again");
+                    self.pause(wait, &mut backoff).await?;
                 }
                 Ok(Take::Busy(busy)) => {
-                    backoff = Duration::from_millis(10);
-                    let now = Instant::now();
+                    backoff = Backoff::default();
                     match wait {
                         Wait::No => {
                             // Finish the clean-up before answering, so a
@@ -230,54 +215,143 @@ impl Lock {
                             attempt.abandon_now().await;
                             return Ok(None);
                         }
-                        Wait::Until(deadline, asked) if now >= deadline => {
-                            attempt.abandon();
+                        Wait::Until(deadline, asked) if Instant::now() >= deadline => {
                             return Err(self.timeout_error(asked));
                         }
                         _ => {}
                     }
-                    let mut until = now + jitter(timing.poll_fallback);
-                    if let Some(after) = busy.retry_after {
-                        until = until.min(now + after + Duration::from_millis(1));
-                    }
-                    if let Some(deadline) = wait.deadline() {
-                        until = until.min(deadline);
-                    }
-                    Stats::bump(&shared.stats.waits);
-                    let waited =
-                        timeout_at(until + timing.request_timeout, attempt.get().wait(until)).await;
-                    match waited {
-                        Ok(Ok(())) | Err(_) => {}
-                        Ok(Err(e)) if e.is_retryable() => sleep_until(until).await,
-                        Ok(Err(e)) => return Err(e),
-                    }
+                    self.wait_for_change(&mut attempt, busy, wait).await?;
                 }
                 Err(e) if e.is_retryable() && !matches!(wait, Wait::No) => {
                     tracing::debug!(error = %e, "take failed; retrying");
-                    let mut until = Instant::now() + jitter(backoff);
-                    if let Some(deadline) = wait.deadline() {
-                        if Instant::now() >= deadline {
-                            return Err(e);
-                        }
-                        until = until.min(deadline);
-                    }
-                    sleep_until(until).await;
-                    backoff = (backoff * 2).min(Duration::from_secs(1));
+                    self.pause(wait, &mut backoff).await?;
                 }
                 Err(e) => return Err(e),
             }
         }
     }
 
-    /// Bounds one store request by the session's request timeout.
+    /// One store attempt per handle at a time: waits for this handle's other
+    /// acquire (within the caller's deadline); `None` for a try that finds
+    /// one in flight.
+    async fn serialize(
+        &self,
+        wait: Wait,
+    ) -> Result<Option<tokio::sync::MutexGuard<'_, ()>>, Error> {
+        Ok(Some(match wait {
+            Wait::No => match self.state.gate.try_lock() {
+                Ok(g) => g,
+                Err(_) => return Ok(None),
+            },
+            Wait::Forever => self.state.gate.lock().await,
+            Wait::Until(deadline, asked) => timeout_at(deadline, self.state.gate.lock())
+                .await
+                .map_err(|_| self.timeout_error(asked))?,
+        }))
+    }
+
+    /// Turns a grant into a guard.
+    fn granted(
+        &self,
+        attempt: &mut AttemptGuard,
+        hold: crate::backend::Hold,
+        deadline: Instant,
+    ) -> Result<LockGuard, Error> {
+        let shared = self.shared();
+        attempt.disarm();
+        let held = shared.register(hold, deadline);
+        if let Err(e) = shared.check_alive() {
+            shared.lose(&held, crate::LostReason::Closed);
+            return Err(e);
+        }
+        *self.state.current.lock().unwrap() = Arc::downgrade(&held);
+        tracing::debug!(token = %held.hold.token, "acquired");
+        Ok(LockGuard {
+            held,
+            session: self.session.clone(),
+            done: false,
+        })
+    }
+
+    /// Waits until the lock may have changed: the adapter's notification, the
+    /// holder's expiry hint or the jittered fallback timer, within the
+    /// caller's deadline; ends early if the session ends.
+    async fn wait_for_change(
+        &self,
+        attempt: &mut AttemptGuard,
+        busy: crate::backend::Busy,
+        wait: Wait,
+    ) -> Result<(), Error> {
+        let shared = self.shared().clone();
+        let timing = shared.timing;
+        let now = Instant::now();
+        let mut until = now + jitter(timing.poll_fallback);
+        if let Some(after) = busy.retry_after {
+            until = until.min(now + after + Duration::from_millis(1));
+        }
+        if let Some(deadline) = wait.deadline() {
+            until = until.min(deadline);
+        }
+        Stats::bump(&shared.stats.waits);
+        let waited = tokio::select! {
+            _ = shared.ended() => return Err(shared.lost_error()),
+            w = timeout_at(until + timing.request_timeout, attempt.get().wait(until)) => w,
+        };
+        match waited {
+            Ok(Ok(())) | Err(_) => Ok(()),
+            Ok(Err(e)) if e.is_retryable() => {
+                tokio::select! {
+                    _ = shared.ended() => Err(shared.lost_error()),
+                    _ = sleep_until(until) => Ok(()),
+                }
+            }
+            Ok(Err(e)) => Err(e),
+        }
+    }
+
+    /// Sleeps before retrying; [`Error::Timeout`] if the caller's deadline
+    /// comes first, [`Error::SessionLost`] if the session ends.
+    async fn pause(&self, wait: Wait, backoff: &mut Backoff) -> Result<(), Error> {
+        let shared = self.shared();
+        let mut until = Instant::now() + backoff.next();
+        if let Wait::Until(deadline, asked) = wait {
+            if Instant::now() >= deadline {
+                return Err(self.timeout_error(asked));
+            }
+            until = until.min(deadline);
+        }
+        tokio::select! {
+            _ = shared.ended() => Err(shared.lost_error()),
+            _ = sleep_until(until) => Ok(()),
+        }
+    }
+
+    /// Bounds one store request by the session's request timeout and the
+    /// caller's deadline (which wins: [`Error::Timeout`]), and by the
+    /// session's life.
     async fn request<T>(
         &self,
+        wait: Wait,
         fut: impl std::future::Future<Output = Result<T, Error>>,
     ) -> Result<T, Error> {
         let shared = self.shared();
-        match timeout(shared.timing.request_timeout, fut).await {
-            Ok(r) => r,
-            Err(_) => Err(Error::unavailable(shared.scheme, "request timed out")),
+        let mut limit = Instant::now() + shared.timing.request_timeout;
+        let mut cut_by_caller = None;
+        if let Wait::Until(deadline, asked) = wait
+            && deadline < limit
+        {
+            limit = deadline;
+            cut_by_caller = Some(asked);
+        }
+        tokio::select! {
+            r = timeout_at(limit, fut) => match r {
+                Ok(r) => r,
+                Err(_) => Err(match cut_by_caller {
+                    Some(asked) => self.timeout_error(asked),
+                    None => Error::unavailable(shared.scheme, "request timed out"),
+                }),
+            },
+            _ = shared.ended(), if !matches!(wait, Wait::No) => Err(shared.lost_error()),
         }
     }
 
@@ -302,8 +376,27 @@ fn jitter(d: Duration) -> Duration {
     d.mul_f64(factor)
 }
 
+/// Retry pacing: 10 ms doubling to 1 s, jittered.
+#[derive(Debug, Clone, Copy)]
+struct Backoff(Duration);
+
+impl Default for Backoff {
+    fn default() -> Self {
+        Backoff(Duration::from_millis(10))
+    }
+}
+
+impl Backoff {
+    fn next(&mut self) -> Duration {
+        let now = self.0;
+        self.0 = (self.0 * 2).min(Duration::from_secs(1));
+        jitter(now)
+    }
+}
+
 /// Owns an attempt until it is granted; otherwise abandons it in the
-/// background (also when the acquire future is dropped mid-way).
+/// background (also when the acquire future is dropped mid-way), retrying
+/// until the clean-up succeeds or the session ends (S5, issue 12 item 13).
 struct AttemptGuard {
     attempt: Option<Box<dyn Attempt>>,
     shared: Arc<Shared>,
@@ -325,32 +418,38 @@ impl AttemptGuard {
         self.attempt = None;
     }
 
-    /// Abandons and waits for the clean-up to finish. The clean-up runs as a
-    /// session task, so dropping this future does not cut it short.
+    /// Abandons and waits for the first clean-up try (retries, if any, go
+    /// on in the background). Dropping this future does not cut it short.
     async fn abandon_now(&mut self) {
-        if let Some(task) = self.spawn_abandon() {
-            let _ = task.await;
+        if let Some(first_try) = self.spawn_abandon() {
+            let _ = first_try.await;
         }
     }
 
-    fn spawn_abandon(&mut self) -> Option<tokio::task::JoinHandle<()>> {
-        let attempt = self.attempt.take()?;
-        let request_timeout = self.shared.timing.request_timeout;
-        Some(self.shared.spawn(async move {
-            if let Ok(Err(e)) = timeout(request_timeout, attempt.abandon()).await {
-                tracing::debug!(error = %e, "abandoning an attempt failed");
+    /// Spawns the clean-up; the returned receiver resolves after its first try.
+    fn spawn_abandon(&mut self) -> Option<tokio::sync::oneshot::Receiver<()>> {
+        let mut attempt = self.attempt.take()?;
+        let (tried, first_try) = tokio::sync::oneshot::channel();
+        let mut cleanup = self.shared.cleanup("abandoning an attempt");
+        self.shared.spawn(async move {
+            let mut tried = Some(tried);
+            loop {
+                let done = cleanup.try_once(attempt.abandon()).await;
+                if let Some(tried) = tried.take() {
+                    let _ = tried.send(());
+                }
+                if done || !cleanup.wait_to_retry().await {
+                    return;
+                }
             }
-        }))
-    }
-
-    fn abandon(&mut self) {
-        let _ = self.spawn_abandon();
+        });
+        Some(first_try)
     }
 }
 
 impl Drop for AttemptGuard {
     fn drop(&mut self) {
-        self.abandon();
+        let _ = self.spawn_abandon();
     }
 }
 

@@ -8,7 +8,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::time::{Instant, sleep_until, timeout};
+use tokio::time::timeout;
+
+use crate::clock::{self, sleep_until};
 
 use crate::session::{Shared, Stats};
 use crate::{Error, LostReason};
@@ -16,7 +18,7 @@ use crate::{Error, LostReason};
 pub(crate) async fn run(shared: Arc<Shared>) {
     let timing = shared.timing;
     let retry_every = (timing.renew_every / 4).max(Duration::from_millis(5));
-    let mut next = Instant::now() + timing.renew_every;
+    let mut next = clock::now() + timing.renew_every;
     loop {
         let wake = shared
             .earliest_deadline()
@@ -26,12 +28,12 @@ pub(crate) async fn run(shared: Arc<Shared>) {
             _ = sleep_until(wake) => {}
         }
         shared.expire_overdue();
-        if Instant::now() < next {
+        if clock::now() < next {
             continue;
         }
         let holds = shared.holds();
         let request: Vec<_> = holds.iter().map(|h| h.hold.clone()).collect();
-        let sent = Instant::now();
+        let sent = clock::now();
         let result = tokio::select! {
             _ = shared.shutdown.cancelled() => return,
             r = timeout(timing.request_timeout, shared.raw.renew(&request)) => r,
@@ -62,7 +64,7 @@ pub(crate) async fn run(shared: Arc<Shared>) {
                     got = still_held.len(),
                     "adapter bug: renew answered for a different number of holds"
                 );
-                next = Instant::now() + retry_every;
+                next = clock::now() + retry_every;
             }
             Ok(Err(Error::SessionLost { .. })) => {
                 Stats::bump(&shared.stats.renewal_failures);
@@ -72,12 +74,12 @@ pub(crate) async fn run(shared: Arc<Shared>) {
             Ok(Err(e)) => {
                 Stats::bump(&shared.stats.renewal_failures);
                 tracing::warn!(session = %shared.id(), error = %e, "renewal failed; retrying");
-                next = Instant::now() + retry_every;
+                next = clock::now() + retry_every;
             }
             Err(_) => {
                 Stats::bump(&shared.stats.renewal_failures);
                 tracing::warn!(session = %shared.id(), timeout = ?timing.request_timeout, "renewal timed out; retrying");
-                next = Instant::now() + retry_every;
+                next = clock::now() + retry_every;
             }
         }
     }

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use tokio::runtime::Handle;
 use tokio::task::JoinHandle;
-use tokio::time::{Instant, sleep, timeout};
+use tokio::time::{Instant, sleep, sleep_until, timeout};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -125,9 +125,33 @@ impl Shared {
     pub(crate) fn check_alive(&self) -> Result<(), Error> {
         match self.state.load(Ordering::Acquire) {
             ALIVE => Ok(()),
-            _ => Err(Error::SessionLost {
-                session: self.id.to_string(),
-            }),
+            _ => Err(self.lost_error()),
+        }
+    }
+
+    /// The error for work on a session that has ended.
+    pub(crate) fn lost_error(&self) -> Error {
+        Error::SessionLost {
+            session: self.id.to_string(),
+        }
+    }
+
+    /// Resolves when the session is lost or closed.
+    pub(crate) fn ended(&self) -> tokio_util::sync::WaitForCancellationFuture<'_> {
+        self.ended.cancelled()
+    }
+
+    /// A retry policy for one clean-up in the store (see [`Cleanup`]).
+    pub(crate) fn cleanup(self: &Arc<Self>, what: &'static str) -> Cleanup {
+        Cleanup {
+            shared: self.clone(),
+            what,
+            backoff: Duration::from_millis(10),
+            // What a per-hold store keeps expires on its own after a TTL.
+            expires: match self.expiry {
+                ExpiryModel::PerHold => Some(Instant::now() + self.timing.ttl),
+                ExpiryModel::Session => None,
+            },
         }
     }
 
@@ -210,20 +234,38 @@ impl Shared {
         if matches!(reason, LostReason::Expired | LostReason::Closed) {
             let shared = self.clone();
             let hold = held.hold.clone();
+            let mut cleanup = self.cleanup("releasing a lost hold");
             self.spawn(async move {
-                let _ = timeout(shared.timing.request_timeout, shared.raw.release(&hold)).await;
+                while !cleanup.try_once(shared.raw.release(&hold)).await {
+                    if !cleanup.wait_to_retry().await {
+                        return;
+                    }
+                }
             });
         }
     }
 
     /// Fires `lost()` for every hold past its local deadline.
     pub(crate) fn expire_overdue(self: &Arc<Self>) {
-        let now = Instant::now();
+        let now = crate::clock::now();
         for held in self.holds() {
             if held.deadline() <= now || !held.is_live() {
                 self.lose(&held, LostReason::Expired);
             }
         }
+    }
+
+    /// The renewal task died (a panic in an adapter or driver): without it
+    /// the holds would look valid while nothing renews them, so the session
+    /// is lost now, and freed in the store so others need not wait (item 8).
+    pub(crate) fn renewal_died(self: &Arc<Self>) {
+        tracing::error!(session = %self.id, "the renewal task panicked; the session is lost");
+        let holds: Vec<Hold> = self.holds().iter().map(|h| h.hold.clone()).collect();
+        self.mark_lost();
+        let shared = self.clone();
+        self.spawn(async move {
+            let _ = timeout(shared.timing.request_timeout, shared.raw.close(&holds)).await;
+        });
     }
 
     /// The store dropped the session: every hold is lost, nothing more works.
@@ -256,7 +298,7 @@ impl Shared {
             match result {
                 Ok(()) => return Ok(()),
                 Err(Error::NotHeld { .. }) if outcome_unknown => return Ok(()),
-                Err(e) if e.is_retryable() && Instant::now() + backoff < give_up_at => {
+                Err(e) if e.is_retryable() && crate::clock::now() + backoff < give_up_at => {
                     tracing::debug!(lock = %hold.name, error = %e, "release failed; retrying");
                     outcome_unknown = true;
                     sleep(backoff).await;
@@ -264,6 +306,61 @@ impl Shared {
                 }
                 Err(e) => return Err(e),
             }
+        }
+    }
+}
+
+/// A clean-up in the store (an abandoned attempt, a lost hold): tried until
+/// it succeeds or finds nothing to clean ([`Error::NotHeld`]), retrying
+/// transient errors with backoff while the session lives and what it cleans
+/// would not expire by itself anyway (issue 12 item 13: a clean-up sent once
+/// and dropped on error leaves an orphan for as long as the session lives).
+pub(crate) struct Cleanup {
+    shared: Arc<Shared>,
+    what: &'static str,
+    backoff: Duration,
+    expires: Option<Instant>,
+}
+
+impl Cleanup {
+    /// Runs one try within the request timeout; true when done.
+    pub(crate) async fn try_once(
+        &mut self,
+        request: impl Future<Output = Result<(), Error>>,
+    ) -> bool {
+        match timeout(self.shared.timing.request_timeout, request).await {
+            Ok(Ok(()) | Err(Error::NotHeld { .. })) => true,
+            Ok(Err(e)) if !e.is_retryable() => {
+                tracing::debug!(what = self.what, error = %e, "clean-up failed for good");
+                true
+            }
+            Ok(Err(e)) => {
+                tracing::debug!(what = self.what, error = %e, "clean-up failed; retrying");
+                false
+            }
+            Err(_) => {
+                tracing::debug!(what = self.what, "clean-up timed out; retrying");
+                false
+            }
+        }
+    }
+
+    /// Waits before the next try; false when trying again is pointless
+    /// (the session ended, or what is left has expired by itself).
+    pub(crate) async fn wait_to_retry(&mut self) -> bool {
+        let next = Instant::now() + self.backoff;
+        self.backoff = (self.backoff * 2).min(
+            self.shared
+                .timing
+                .renew_every
+                .max(Duration::from_millis(10)),
+        );
+        if self.expires.is_some_and(|e| next >= e) {
+            return false;
+        }
+        tokio::select! {
+            _ = self.shared.ended.cancelled() => false,
+            _ = sleep_until(next) => true,
         }
     }
 }
@@ -337,7 +434,7 @@ impl Session {
         options.validate(backend.min_ttl())?;
         let id = SessionId::generate(options.label_value());
         let request_timeout = options.open_timeout();
-        let sent = Instant::now();
+        let sent = crate::clock::now();
         let raw = match timeout(request_timeout, backend.open(id.clone(), &options)).await {
             Ok(raw) => raw?,
             Err(_) => return Err(Error::unavailable(scheme, "timed out opening a session")),
@@ -372,7 +469,16 @@ impl Session {
             runtime: Handle::current(),
             stats: Stats::default(),
         });
-        shared.spawn(crate::renew::run(shared.clone()));
+        let renewal = shared.clone();
+        shared.spawn(async move {
+            // Watched, so that a panic cannot leave a zombie session.
+            let task = tokio::spawn(crate::renew::run(renewal.clone()));
+            if let Err(e) = task.await
+                && e.is_panic()
+            {
+                renewal.renewal_died();
+            }
+        });
         tracing::debug!(session = %shared.id, backend = scheme, ttl = ?timing.ttl, "session opened");
         Ok(Session {
             handle: Arc::new(SessionHandle { shared }),

@@ -1,42 +1,147 @@
-//! URL helpers shared by adapters: password redaction.
+//! URL helpers shared by adapters: password redaction (invariant S9).
 
-/// Replaces the password in `scheme://user:password@host...` with `***`.
+use std::borrow::Cow;
+
+/// Query parameters whose values are secrets in some driver's URL syntax
+/// (compared without case): `password=` (sqlx, mongodb), `sslpassword=`
+/// (libpq), `token=`, ...
+const SECRET_PARAMS: &[&str] = &[
+    "password",
+    "pass",
+    "passwd",
+    "pwd",
+    "sslpassword",
+    "secret",
+    "token",
+    "auth",
+    "authtoken",
+    "access_key",
+    "secret_key",
+    "api_key",
+    "apikey",
+];
+
+const MASK: &str = "***";
+
+/// Replaces the password of a URL (in its user info or in a password-like
+/// query parameter) with `***`.
 ///
-/// Works on any string, including malformed URLs and multi-host URLs such as
-/// `redlock://u:p@h1:1,h2:2`, so it is safe to call on user input before it
-/// is validated.
+/// Well-formed URLs are redacted by a real URL parser; anything else (a
+/// multi-host authority, a password with an unencoded `/`, `?`, `#` or `@`,
+/// plain garbage) by a conservative rule: everything between the first `:`
+/// after `scheme://` and the **last** `@` is treated as a password. It may
+/// hide more than the password of a malformed URL, never less.
 ///
 /// ```
 /// use dlock_core::url::redact;
 /// assert_eq!(redact("postgres://app:s3cret@db:5432/x"), "postgres://app:***@db:5432/x");
 /// assert_eq!(redact("redis://:s3cret@h"), "redis://:***@h");
+/// assert_eq!(redact("redis://:pa/ss@h:6379/0"), "redis://:***@h:6379/0");
+/// assert_eq!(redact("postgres://u@h/db?password=s3cret"), "postgres://u@h/db?password=***");
+/// assert_eq!(redact("etcd://u:p@h1:1,h2:2/pre"), "etcd://u:***@h1:1,h2:2/pre");
 /// assert_eq!(redact("sqlite://dlock.db"), "sqlite://dlock.db");
 /// ```
 pub fn redact(url: &str) -> String {
-    // After `scheme://`, or after `scheme:` for malformed input like
-    // `postgres:user:pass@host`.
+    let url = redact_params(url);
+    match ::url::Url::parse(&url) {
+        Ok(parsed) if read_as_written(&url, &parsed) => redact_parsed(parsed),
+        _ => redact_userinfo_loosely(&url).into_owned(),
+    }
+}
+
+/// Whether the parser's user info is the one a reader sees: a password it
+/// found appears verbatim before `@host`, or there is no `@` at all. (A
+/// password holding an unencoded `/` or `?` parses "fine" as host, port and
+/// path: `redis://u:12/x@h`.)
+fn read_as_written(url: &str, parsed: &::url::Url) -> bool {
+    match parsed.password() {
+        Some(password) => {
+            let host = parsed.host_str().unwrap_or("");
+            !host.is_empty() && url.contains(&format!(":{password}@{host}"))
+        }
+        None => !url.contains('@'),
+    }
+}
+
+fn redact_parsed(mut parsed: ::url::Url) -> String {
+    if parsed.password().is_some() {
+        let _ = parsed.set_password(Some(MASK));
+    }
+    parsed.to_string()
+}
+
+/// `scheme://user:<anything>@host...` → `scheme://user:***@host...`, taking
+/// the last `@` so that a password holding `/ ? # @` is hidden whole.
+fn redact_userinfo_loosely(url: &str) -> Cow<'_, str> {
     let Some(start) = url
         .find("://")
         .map(|i| i + 3)
         .or_else(|| url.find(':').map(|i| i + 1))
     else {
-        return url.to_owned();
+        return Cow::Borrowed(url);
     };
     let rest = &url[start..];
-    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    let Some(at) = rest[..authority_end].rfind('@') else {
-        return url.to_owned();
+    let Some(at) = rest.rfind('@') else {
+        return Cow::Borrowed(url);
     };
     let userinfo = &rest[..at];
     match userinfo.find(':') {
-        Some(colon) => format!("{}{}:***{}", &url[..start], &userinfo[..colon], &rest[at..]),
-        None => url.to_owned(),
+        Some(colon) => Cow::Owned(format!(
+            "{}{}:{MASK}{}",
+            &url[..start],
+            &userinfo[..colon],
+            &rest[at..]
+        )),
+        None => Cow::Borrowed(url),
     }
+}
+
+/// Masks the values of secret query parameters (`?password=…&x=1`). A
+/// secret value runs to the next `&` or `;`, so an unencoded `#` in it is
+/// hidden too.
+fn redact_params(url: &str) -> String {
+    let Some(q) = url.find('?') else {
+        return url.to_owned();
+    };
+    let (head, query) = url.split_at(q + 1);
+    let mut out = String::with_capacity(url.len());
+    out.push_str(head);
+    let mut rest = query;
+    loop {
+        let end = rest.find(['&', ';']).unwrap_or(rest.len());
+        let pair = &rest[..end];
+        match pair.split_once('=') {
+            Some((key, _)) if is_secret(key) => {
+                out.push_str(key);
+                out.push('=');
+                out.push_str(MASK);
+            }
+            _ => out.push_str(pair),
+        }
+        if end == rest.len() {
+            return out;
+        }
+        out.push_str(&rest[end..end + 1]);
+        rest = &rest[end + 1..];
+    }
+}
+
+fn is_secret(key: &str) -> bool {
+    let decoded = ::url::form_urlencoded::parse(key.as_bytes())
+        .next()
+        .map(|(k, _)| k.into_owned())
+        .unwrap_or_else(|| key.to_owned());
+    SECRET_PARAMS
+        .iter()
+        .any(|s| decoded.eq_ignore_ascii_case(s))
 }
 
 #[cfg(test)]
 mod tests {
     use super::redact;
+
+    /// A password with every character that breaks naive parsing.
+    const NASTY: &str = "p/@:?#%s";
 
     #[test]
     fn redacts_only_the_password() {
@@ -50,5 +155,52 @@ mod tests {
         assert_eq!(redact("x://"), "x://");
         assert_eq!(redact("postgres:u:p@h"), "postgres:u:***@h");
         assert_eq!(redact("h:1"), "h:1");
+        assert_eq!(
+            redact("postgres://u@h/db?sslmode=require&PassWord=x&application_name=a"),
+            "postgres://u@h/db?sslmode=require&PassWord=***&application_name=a"
+        );
+        // A secret runs to the next separator: an unencoded `#` in it is hidden.
+        assert_eq!(
+            redact("redis://h?password=x#frag"),
+            "redis://h?password=***"
+        );
+    }
+
+    #[test]
+    fn no_scheme_leaks_a_nasty_password() {
+        let encoded: String = ::url::form_urlencoded::byte_serialize(NASTY.as_bytes()).collect();
+        for scheme in [
+            "redis",
+            "rediss",
+            "redlock",
+            "etcd",
+            "etcds",
+            "zk",
+            "postgres",
+            "postgresql",
+            "mysql",
+            "mariadb",
+            "mongodb",
+            "mongodb+srv",
+            "sqlite",
+            "memory",
+            "nats",
+        ] {
+            for url in [
+                format!("{scheme}://user:{NASTY}@127.0.0.1:1/db"),
+                format!("{scheme}://user:{encoded}@127.0.0.1:1/db"),
+                format!("{scheme}://:{NASTY}@h1:1,h2:2/pre"),
+                format!("{scheme}://user:{NASTY}@h1:1,h2:2"),
+                format!("{scheme}://h:1/db?password={encoded}&x=1"),
+                format!("{scheme}://h:1/db?x=1&password={NASTY}"),
+                format!("{scheme}:user:{NASTY}@h"),
+            ] {
+                let shown = redact(&url);
+                for secret in [NASTY, &encoded, "p/@:", "?#%s", "%2F%40"] {
+                    assert!(!shown.contains(secret), "{url:?} redacted to {shown:?}");
+                }
+                assert!(shown.contains("***"), "{url:?} redacted to {shown:?}");
+            }
+        }
     }
 }

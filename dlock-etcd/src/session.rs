@@ -448,7 +448,7 @@ impl Attempt for EtcdAttempt {
         }
     }
 
-    async fn abandon(self: Box<Self>) -> Result<(), Error> {
+    async fn abandon(&mut self) -> Result<(), Error> {
         if !self.sent {
             return Ok(());
         }

@@ -461,26 +461,21 @@ impl Attempt for MongoAttempt {
         Ok(())
     }
 
-    async fn abandon(self: Box<Self>) -> Result<(), Error> {
-        let MongoAttempt {
-            inner,
-            name,
-            owner,
-            subscription,
-            sent,
-            ..
-        } = *self;
-        drop(subscription);
-        if !sent {
+    async fn abandon(&mut self) -> Result<(), Error> {
+        if !self.sent {
             return Ok(());
         }
-        let done = inner
+        let done = self
+            .inner
             .locks
-            .update_one(query::abandon_filter(&name, &owner), query::free_update())
+            .update_one(
+                query::abandon_filter(&self.name, &self.owner),
+                query::free_update(),
+            )
             .await
             .map_err(map_err)?;
         if done.matched_count > 0 {
-            inner.hub.wake_all(name.as_str());
+            self.inner.hub.wake_all(self.name.as_str());
         }
         Ok(())
     }

@@ -296,19 +296,12 @@ impl Attempt for RedisAttempt {
         Ok(())
     }
 
-    async fn abandon(self: Box<Self>) -> Result<(), Error> {
-        let RedisAttempt {
-            inner,
-            keys,
-            owner,
-            sent,
-            subscriptions,
-            limit,
-            ..
-        } = *self;
-        drop(subscriptions);
-        if sent {
-            release_everywhere(&inner, &keys, &owner, None, limit).await?;
+    async fn abandon(&mut self) -> Result<(), Error> {
+        // No more waiting: let the channels go now (the core may keep the
+        // attempt while it retries the clean-up).
+        self.subscriptions = None;
+        if self.sent {
+            release_everywhere(&self.inner, &self.keys, &self.owner, None, self.limit).await?;
         }
         Ok(())
     }

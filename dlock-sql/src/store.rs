@@ -281,28 +281,20 @@ impl Attempt for SqlAttempt {
         Ok(())
     }
 
-    async fn abandon(self: Box<Self>) -> Result<(), Error> {
-        let SqlAttempt {
-            inner,
-            name,
-            owner,
-            waiter,
-            sent,
-            ..
-        } = *self;
-        drop(waiter);
-        if !sent {
+    async fn abandon(&mut self) -> Result<(), Error> {
+        if !self.sent {
             return Ok(());
         }
+        let inner = &self.inner;
         let done = inner
             .sql
             .abandon
-            .bind(&[Arg::Text(name.as_str()), Arg::Text(&owner)])
+            .bind(&[Arg::Text(self.name.as_str()), Arg::Text(&self.owner)])
             .execute(&inner.pool)
             .await
             .map_err(|e| map_err(inner.sql.dialect.scheme(), e))?;
         if done.rows_affected() > 0 {
-            inner.hub.wake_all(name.as_str());
+            inner.hub.wake_all(self.name.as_str());
         }
         Ok(())
     }

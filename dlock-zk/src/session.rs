@@ -328,7 +328,7 @@ impl Attempt for ZkAttempt {
         Ok(())
     }
 
-    async fn abandon(mut self: Box<Self>) -> Result<(), Error> {
+    async fn abandon(&mut self) -> Result<(), Error> {
         if self.node.is_none() && self.sent {
             self.node = self.find_own().await?;
         }
@@ -422,7 +422,7 @@ mod server_tests {
             .await
             .unwrap();
         assert_eq!(children, [node], "a second node was created");
-        Box::new(attempt).abandon().await.unwrap();
+        attempt.abandon().await.unwrap();
         assert_eq!(
             backend.nodes_under(name.as_str()).await.unwrap(),
             0,

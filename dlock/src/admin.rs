@@ -12,7 +12,7 @@ use serde::Serialize;
 use tokio::time::timeout;
 
 use crate::cli::{ListArgs, ReleaseArgs, StatusArgs};
-use crate::exit::{FAILURE, Failure, UNAVAILABLE};
+use crate::exit::{FAILURE, FREE, Failure, UNAVAILABLE};
 
 /// The longest one admin request may take.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
@@ -90,7 +90,7 @@ pub(crate) async fn status(url: &str, args: StatusArgs) -> Result<u8, Failure> {
         (None, false) => out = format!("{name} is free\n"),
     }
     print(&out)?;
-    Ok(if info.is_some() { 0 } else { FAILURE })
+    Ok(if info.is_some() { 0 } else { FREE })
 }
 
 /// `dlock list [PREFIX]`: a table or a JSON array of the held locks.

@@ -12,12 +12,15 @@ use crate::exit::Failure;
 pub(crate) const EXIT_STATUS: &str = "\
 Exit status:
   0       success; `status`: the lock is held
-  1       other errors; `status`: the lock is free
+  1       `status`: the lock is free (never an error)
   2       usage error: bad flag, duration, lock name or URL, backend not compiled in
-  69      the backend is unreachable
+  69      the backend is unreachable, or the session ended (after `run` has
+          retried within --wait)
+  70      other errors (a reply dlock cannot use, a refused request)
   75      `run`: the lock was not acquired (busy with --no-wait, or --wait ran out);
           change it with --conflict-exit-code
   76      `run`: the lock was lost while the command ran (the command was stopped)
+  77      the store refused the credentials
   126     `run`: the command is not executable
   127     `run`: the command was not found
   128+N   `run`: the command was killed by signal N, or dlock got signal N while
@@ -62,7 +65,7 @@ session (TTL --ttl). Phases, run phase by phase across the backends:
      holds, grant order) over phase 3.
 Lock names are under a fresh bench/<random>/ prefix. The table goes to
 stdout (the JSON with --json); DIR/bench.md, DIR/bench.json and
-DIR/bench.svg are written. Exits 1 if the safety check fails.";
+DIR/bench.svg are written. Exits 70 if the safety check fails.";
 
 /// `dlock`: run a command under a distributed lock, or inspect and break locks.
 #[derive(Debug, Parser)]
@@ -101,6 +104,9 @@ pub(crate) enum Command {
     /// Benchmark backends: latency, hot-lock handoffs, throughput, safety.
     #[command(long_about = BENCH_ABOUT, after_help = EXIT_STATUS)]
     Bench(BenchArgs),
+    /// Soak backends with fenced acquisitions under injected faults.
+    #[command(long_about = TORTURE_ABOUT, after_help = EXIT_STATUS)]
+    Torture(TortureArgs),
 }
 
 /// `dlock run`.
@@ -211,6 +217,93 @@ pub(crate) struct BenchArgs {
     pub(crate) quiet: bool,
 }
 
+const TORTURE_ABOUT: &str = "\
+Runs fenced acquisitions on one hot lock under a nemesis, for every backend
+given with --url (repeat it) and every fault profile, and audits the history.
+
+--clients clients, each in a simulated process of its own behind a link of
+its own (a TCP proxy per store node; in-process for memory://), acquire the
+lock, write a fenced register while they believe they hold it, and release,
+until --acquisitions are done. Meanwhile the nemesis cycles the profile's
+faults, on the current holder half of the time:
+  none                 no faults (the baseline)
+  delays               one client's requests and replies delayed (to TTL/4)
+  lost-replies         one client's replies lost; its requests take effect
+  partitions           one client cut off, connections open (to 2 TTL)
+  resets               one client's connections reset and refused
+  dead-connections     one client's connections silently dead
+  minority-partitions  a minority of the nodes cut off from one client
+  client-pauses        one client's whole process stopped past the TTL
+  server-pauses        one server stopped (SIGSTOP); needs --servers
+  server-restarts      one server killed and restarted; needs --servers
+  clock-jumps          the store's clock jumps past the TTL (memory://)
+Reported per backend and profile: acquisitions, register violations (tokens
+out of grant order or reused), overlapping holds (a hold ends at its release,
+its lost signal or its local deadline), stale writes the register refused,
+lost signals, and how long the lock stayed unavailable after a holder lost
+it. DIR/torture.md and DIR/torture.json are written. Exits 70 if a check
+fails that the profile does not excuse by design (overlaps under clock jumps,
+or restarts of a store without persistence).";
+
+/// `dlock torture`.
+#[derive(Debug, Clone, Args)]
+pub(crate) struct TortureArgs {
+    /// Clients on the lock, each its own process, link and session.
+    #[arg(long, value_name = "N", default_value_t = 8,
+          value_parser = clap::value_parser!(u32).range(2..=64))]
+    pub(crate) clients: u32,
+
+    /// Acquisitions per backend and profile.
+    #[arg(long, value_name = "N", default_value_t = 10_000,
+          value_parser = clap::value_parser!(u64).range(1..=100_000_000))]
+    pub(crate) acquisitions: u64,
+
+    /// Faults each profile injects at least (it runs on past its
+    /// acquisitions until then).
+    #[arg(long, value_name = "N", default_value_t = 3)]
+    pub(crate) min_faults: u64,
+
+    /// The fault profiles: `all` or a comma-separated list.
+    #[arg(long, value_name = "LIST", default_value = "all")]
+    pub(crate) profiles: String,
+
+    /// One hold in N lasts TTL/4 .. TTL (writing every TTL/10), so that
+    /// faults hit holders that renew; the others write once and release.
+    /// 0: no long holds.
+    #[arg(long, value_name = "N", default_value_t = 100)]
+    pub(crate) long_holds: u32,
+
+    /// The clients' session TTL (faults are timed from it).
+    #[arg(long, value_name = "D", default_value = "1s", value_parser = parse_positive_duration)]
+    pub(crate) ttl: Duration,
+
+    /// Give up a profile after this long (its row then fails).
+    #[arg(long, value_name = "D", default_value = "20m", value_parser = parse_positive_duration)]
+    pub(crate) max_time: Duration,
+
+    /// The servers behind each --url, in the same order (repeat it; `-` for
+    /// none): `NAME,NAME[@GROUP]` as --services-command knows them, for the
+    /// server-pauses and server-restarts profiles.
+    #[arg(long, value_name = "NAMES", action = ArgAction::Append)]
+    pub(crate) servers: Vec<String>,
+
+    /// The command that controls --servers (the scripts/services interface).
+    #[arg(long, value_name = "CMD", default_value = "scripts/services")]
+    pub(crate) services_command: String,
+
+    /// Where torture.md and torture.json are written (created if missing).
+    #[arg(long, value_name = "DIR", default_value = "target/torture")]
+    pub(crate) out: PathBuf,
+
+    /// Print the JSON report on stdout instead of the Markdown table.
+    #[arg(long)]
+    pub(crate) json: bool,
+
+    /// No progress lines on stderr.
+    #[arg(long)]
+    pub(crate) quiet: bool,
+}
+
 /// The one URL of a command other than `bench`: `--url` given twice is a
 /// usage error there.
 pub(crate) fn single_url(urls: &[String]) -> Result<&str, Failure> {
@@ -218,7 +311,7 @@ pub(crate) fn single_url(urls: &[String]) -> Result<&str, Failure> {
         [url] => Ok(url),
         [] => Ok(dlock::DEFAULT_URL),
         _ => Err(Failure::usage(
-            "--url given more than once; only `dlock bench` takes several",
+            "--url given more than once; only `dlock bench` and `dlock torture` take several",
         )),
     }
 }

@@ -5,11 +5,16 @@ use std::fmt;
 
 use dlock::Error;
 
-/// Other errors; `status`: the lock is free.
-pub(crate) const FAILURE: u8 = 1;
+/// `status`: the lock is free (an answer, never an error).
+pub(crate) const FREE: u8 = 1;
+/// Errors of dlock itself or replies it cannot use (`EX_SOFTWARE`).
+pub(crate) const FAILURE: u8 = 70;
+/// The store refused the credentials (`EX_NOPERM`).
+pub(crate) const AUTH: u8 = 77;
 /// Usage errors: bad flags, durations, names or URLs; backend not compiled in.
 pub(crate) const USAGE: u8 = 2;
-/// The backend is unreachable (`EX_UNAVAILABLE`).
+/// The backend is unreachable, or the session ended for good
+/// (`EX_UNAVAILABLE`).
 pub(crate) const UNAVAILABLE: u8 = 69;
 /// `run`: the lock was not acquired (`EX_TEMPFAIL`); `--conflict-exit-code`.
 pub(crate) const CONFLICT: u8 = 75;
@@ -67,7 +72,8 @@ pub(crate) fn code_for(e: &Error) -> u8 {
         | Error::InvalidUrl { .. }
         | Error::Config(_)
         | Error::FeatureDisabled { .. } => USAGE,
-        Error::Unavailable { .. } => UNAVAILABLE,
+        Error::Unavailable { .. } | Error::SessionLost { .. } => UNAVAILABLE,
+        Error::Auth { .. } => AUTH,
         Error::Timeout { .. } => CONFLICT,
         Error::Lost { .. } => LOST,
         _ => FAILURE,
@@ -92,5 +98,21 @@ mod tests {
         );
         assert_eq!(code_for(&Error::Config("x".into())), USAGE);
         assert_eq!(code_for(&Error::protocol("sql", "garbage")), FAILURE);
+        let lost = Error::SessionLost {
+            session: "s".into(),
+        };
+        assert_eq!(code_for(&lost), UNAVAILABLE);
+        // An error never shares a status with `status`'s answer "free".
+        for e in [
+            Error::protocol("sql", "garbage"),
+            Error::backend("sql", "denied"),
+            Error::Auth {
+                backend: "sql",
+                reason: "wrong password".into(),
+            },
+            lost,
+        ] {
+            assert_ne!(code_for(&e), FREE, "{e}");
+        }
     }
 }

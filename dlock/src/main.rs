@@ -33,9 +33,11 @@
 //! |---|---|
 //! | CMD's status | `run`: CMD exited on its own; if a signal killed it, 128 + the signal number |
 //! | 0 | `status`: the lock is held; `list`, `release --force`: success |
-//! | 1 | `status`: the lock is free; any command: other errors |
+//! | 1 | `status`: the lock is free (an answer: no error exits 1) |
 //! | 2 | usage errors: bad flags, durations, lock names or URLs; a backend not compiled in |
-//! | 69 | the backend is unreachable |
+//! | 69 | the backend is unreachable, or the session ended; `run --wait` first retries within its budget (reconnecting, opening a new session) |
+//! | 70 | other errors: a reply dlock cannot use, a request the store refused |
+//! | 77 | the store refused the credentials |
 //! | 75 | `run`: the lock was not acquired (busy with `--no-wait`, or `--wait` ran out); `--conflict-exit-code N` changes it, like flock(1)'s `-E` |
 //! | 76 | `run`: the lock was lost while CMD ran (CMD was stopped) |
 //! | 126 | `run`: CMD is not executable |
@@ -51,6 +53,7 @@ mod cli;
 mod exit;
 mod run;
 mod signals;
+mod torture;
 
 use std::ffi::OsString;
 use std::io::IsTerminal;
@@ -67,7 +70,7 @@ use crate::cli::{Cli, Command};
 use crate::exit::{Failure, UNAVAILABLE};
 
 /// The longest connecting to the backend may take.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The default log filter: warnings, except the core's "lock lost" line, which
 /// `run` reports itself, and sqlx's "slow statement" notes, which a paused or
@@ -94,7 +97,12 @@ fn main() -> ExitCode {
             }
         },
     };
-    init_logging();
+    // Under injected faults, renewal and connection warnings are the point.
+    init_logging(if matches!(cli.command, Command::Torture(_)) {
+        "error"
+    } else {
+        DEFAULT_LOG
+    });
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -126,6 +134,7 @@ async fn dispatch(cli: Cli) -> Result<u8, Failure> {
         Command::List(args) => admin::list(cli::single_url(urls)?, args).await,
         Command::Release(args) => admin::release(cli::single_url(urls)?, args).await,
         Command::Bench(args) => bench::bench(urls, args).await,
+        Command::Torture(args) => torture::torture(urls, args).await,
     }
 }
 
@@ -150,14 +159,14 @@ pub(crate) async fn connect(url: &str) -> Result<Arc<dyn Backend>, Failure> {
     }
 }
 
-/// Logs to stderr, filtered by `DLOCK_LOG` (default [`DEFAULT_LOG`]).
-fn init_logging() {
+/// Logs to stderr, filtered by `DLOCK_LOG` (default `default`).
+fn init_logging(default: &str) {
     let filter = match std::env::var("DLOCK_LOG") {
         Ok(spec) if !spec.trim().is_empty() => EnvFilter::try_new(&spec).unwrap_or_else(|e| {
             eprintln!("dlock: ignoring DLOCK_LOG={spec:?}: {e}");
-            EnvFilter::new(DEFAULT_LOG)
+            EnvFilter::new(default)
         }),
-        _ => EnvFilter::new(DEFAULT_LOG),
+        _ => EnvFilter::new(default),
     };
     tracing_subscriber::fmt()
         .with_env_filter(filter)

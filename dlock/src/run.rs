@@ -12,13 +12,14 @@ use std::future::Future;
 use std::io;
 use std::os::unix::process::ExitStatusExt;
 use std::process::ExitStatus;
+use std::sync::Arc;
 use std::time::Duration;
 
 use dlock::{Error, Lock, LockGuard, LockName, Session, SessionOptions};
 use nix::errno::Errno;
 use nix::sys::signal::Signal;
 use tokio::process::{Child, Command};
-use tokio::time::{sleep, timeout};
+use tokio::time::{Instant, sleep, timeout};
 
 use crate::cli::RunArgs;
 use crate::exit::{FAILURE, Failure, LOST, NOT_EXECUTABLE, NOT_FOUND, SIGNAL_BASE};
@@ -45,40 +46,22 @@ pub(crate) async fn run(url: &str, args: RunArgs) -> Result<u8, Failure> {
     let mut signals = Signals::install()
         .map_err(|e| Failure::new(FAILURE, format!("cannot catch signals: {e}")))?;
 
-    let backend = unless_signalled(&mut signals, crate::connect(url))
-        .await
-        .map_err(|sig| interrupted(sig, "connecting"))??;
-    let options = SessionOptions::new().ttl(args.ttl).label("dlock");
-    let session = unless_signalled(&mut signals, backend.session(options))
-        .await
-        .map_err(|sig| interrupted(sig, "opening a session"))??;
-    let mut lock = session.lock(&name)?;
-    if let Some(why) = &args.why {
-        lock = lock.why(why.as_str());
-    }
-
-    let guard = match unless_signalled(&mut signals, acquire(&lock, &args)).await {
-        Ok(Ok(Some(guard))) => guard,
-        Ok(Ok(None)) => {
-            close(&session).await;
-            let message = match args.wait {
-                Some(wait) if !args.no_wait => format!(
-                    "lock {name} is still busy after {}",
-                    humantime::format_duration(wait)
-                ),
-                _ => format!("lock {name} is busy"),
-            };
-            return Err(Failure::new(args.conflict_exit_code, message));
-        }
-        Ok(Err(e)) => {
-            close(&session).await;
-            return Err(e.into());
-        }
-        Err(sig) => {
-            close(&session).await;
-            return Err(interrupted(sig, &format!("waiting for lock {name}")));
-        }
-    };
+    let (session, guard) =
+        match unless_signalled(&mut signals, wait_for_lock(url, &name, &args)).await {
+            Ok(Ok(Some(held))) => held,
+            Ok(Ok(None)) => {
+                let message = match args.wait {
+                    Some(wait) if !args.no_wait => format!(
+                        "lock {name} is still busy after {}",
+                        humantime::format_duration(wait)
+                    ),
+                    _ => format!("lock {name} is busy"),
+                };
+                return Err(Failure::new(args.conflict_exit_code, message));
+            }
+            Ok(Err(e)) => return Err(e),
+            Err(sig) => return Err(interrupted(sig, &format!("waiting for lock {name}"))),
+        };
     tracing::debug!(lock = %name, token = %guard.token(), "acquired; starting the command");
 
     let mut child = match Command::new(program)
@@ -122,15 +105,84 @@ pub(crate) async fn run(url: &str, args: RunArgs) -> Result<u8, Failure> {
     Ok(code)
 }
 
-/// Acquires as the flags say; `None` when the lock is busy (`--no-wait`) or
-/// `--wait` ran out.
-async fn acquire(lock: &Lock, args: &RunArgs) -> Result<Option<LockGuard>, Error> {
-    let result = if args.no_wait {
-        lock.try_acquire().await
-    } else if let Some(wait) = args.wait {
-        lock.acquire_timeout(wait).await.map(Some)
-    } else {
-        lock.acquire().await.map(Some)
+/// Connects, opens a session and acquires as the flags say, riding out
+/// network trouble within the wait budget: an unreachable store is retried
+/// with backoff, and a session that ends while waiting (its lease expired
+/// during a partition) is replaced by a new one. `None` when the lock is busy
+/// (`--no-wait`) or `--wait` ran out; an error only when the budget is spent
+/// on an unreachable store, or the error is permanent. `--no-wait` tries once.
+async fn wait_for_lock(
+    url: &str,
+    name: &LockName,
+    args: &RunArgs,
+) -> Result<Option<(Session, LockGuard)>, Failure> {
+    let deadline = (!args.no_wait).then(|| args.wait.map(|w| Instant::now() + w));
+    let mut backoff = Duration::from_millis(100);
+    let mut backend = None;
+    loop {
+        let attempt = async {
+            let b = match &backend {
+                Some(b) => Arc::clone(b),
+                None => {
+                    let b = timeout(crate::CONNECT_TIMEOUT, dlock::connect(url))
+                        .await
+                        .map_err(|_| Error::unavailable("dlock", "no answer while connecting"))??;
+                    backend = Some(Arc::clone(&b));
+                    b
+                }
+            };
+            let options = SessionOptions::new().ttl(args.ttl).label("dlock");
+            let session = b.session(options).await?;
+            let mut lock = session.lock(name)?;
+            if let Some(why) = &args.why {
+                lock = lock.why(why.as_str());
+            }
+            let left = match deadline {
+                None => None,
+                Some(None) => Some(None),
+                Some(Some(d)) => Some(Some(d.saturating_duration_since(Instant::now()))),
+            };
+            let result = acquire(&lock, left).await;
+            Ok::<_, Error>((session, result))
+        };
+        let error = match attempt.await {
+            Ok((session, Ok(Some(guard)))) => return Ok(Some((session, guard))),
+            Ok((session, Ok(None))) => {
+                close(&session).await;
+                return Ok(None);
+            }
+            Ok((session, Err(e))) => {
+                close(&session).await;
+                e
+            }
+            Err(e) => e,
+        };
+        let transient = matches!(error, Error::Unavailable { .. } | Error::SessionLost { .. });
+        let time_left = match deadline {
+            None => None,
+            Some(None) => Some(Duration::MAX),
+            Some(Some(d)) => Some(d.saturating_duration_since(Instant::now())),
+        };
+        match time_left {
+            Some(left) if transient && left > Duration::ZERO => {
+                // The backend stays: drivers reconnect on their own.
+                eprintln!("dlock: {error}; still waiting for lock {name}");
+                sleep(backoff.min(left)).await;
+                backoff = (backoff * 2).min(Duration::from_secs(2));
+            }
+            Some(left) if transient && left.is_zero() => return Ok(None),
+            _ => return Err(error.into()),
+        }
+    }
+}
+
+/// One acquire: `left` is `None` for `--no-wait`, `Some(None)` to wait
+/// forever, `Some(Some(d))` to wait at most `d`. `None` when busy or timed out.
+async fn acquire(lock: &Lock, left: Option<Option<Duration>>) -> Result<Option<LockGuard>, Error> {
+    let result = match left {
+        None => lock.try_acquire().await,
+        Some(Some(wait)) => lock.acquire_timeout(wait).await.map(Some),
+        Some(None) => lock.acquire().await.map(Some),
     };
     match result {
         Err(Error::Timeout { .. }) => Ok(None),

@@ -103,12 +103,15 @@ pub async fn tokens_after_restart(h: &dyn Harness) -> Outcome {
     passed()
 }
 
+/// A waiting acquire: its outcome and when it came.
+type Waiting = tokio::task::JoinHandle<(Result<LockGuard, dlock_core::Error>, Instant)>;
+
 /// A lock acquired after a server fault: by the waiter that queued before
 /// it, if its session lived through the fault, else by a fresh client. A
 /// waiter whose session ended must say so (not hang).
 async fn next_holder(
     ctx: &Ctx<'_>,
-    waiter: tokio::task::JoinHandle<(Result<LockGuard, dlock_core::Error>, Instant)>,
+    waiter: Waiting,
     name: &dlock_core::LockName,
     what: &str,
 ) -> Result<(LockGuard, Instant), Failure> {
@@ -129,10 +132,7 @@ async fn next_holder(
 }
 
 /// Waits for `name` in the background; the outcome and when it came.
-fn wait_for(
-    session: &Session,
-    name: &dlock_core::LockName,
-) -> Result<tokio::task::JoinHandle<(Result<LockGuard, dlock_core::Error>, Instant)>, Failure> {
+fn wait_for(session: &Session, name: &dlock_core::LockName) -> Result<Waiting, Failure> {
     let lock = session.lock(name)?;
     Ok(tokio::spawn(async move {
         let g = lock.acquire_timeout(Duration::from_secs(120)).await;

@@ -341,7 +341,10 @@ async fn write_when_due(
     mut way: Way,
 ) {
     while let Some((at, bytes)) = due.recv().await {
-        sleep_until(at).await;
+        // No timer for bytes that are due: tokio's ticks in milliseconds.
+        if at > Instant::now() {
+            sleep_until(at).await;
+        }
         // Bytes already in flight are held by a partition that starts now.
         loop {
             match way.flow() {

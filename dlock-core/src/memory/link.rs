@@ -204,7 +204,7 @@ impl Link {
         let epoch = rx.borrow().epoch;
         match crossing(&mut rx, epoch, |flows| flows.1).await? {
             Crossing::At(at) => {
-                sleep_until(at).await;
+                arrive(at).await;
                 Ok(true)
             }
             Crossing::Lost => Ok(false),
@@ -227,6 +227,14 @@ impl Drop for Reconnect<'_> {
     }
 }
 
+/// Waits until `at`; at once (no timer, which ticks in milliseconds) when
+/// nothing delays the message.
+async fn arrive(at: Instant) {
+    if at > Instant::now() {
+        sleep_until(at).await;
+    }
+}
+
 enum Crossing {
     /// Arrives at this time.
     At(Instant),
@@ -243,7 +251,7 @@ async fn cross(
 ) -> Result<(), Error> {
     match crossing(rx, started, direction).await? {
         Crossing::At(at) => {
-            sleep_until(at).await;
+            arrive(at).await;
             Ok(())
         }
         Crossing::Lost => {

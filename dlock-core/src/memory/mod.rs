@@ -370,7 +370,7 @@ impl Attempt for MemoryAttempt {
         }
     }
 
-    async fn abandon(self: Box<Self>) -> Result<(), Error> {
+    async fn abandon(&mut self) -> Result<(), Error> {
         let (name, ticket) = (&self.name, self.ticket);
         request(&self.link, &self.server, |s| s.abandon(name, ticket)).await
     }

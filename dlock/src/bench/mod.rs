@@ -173,7 +173,7 @@ fn unique_labels(targets: &mut [Target]) {
 /// A command line (`args` as `std::env::args_os` gives them) as one
 /// shell-quoted line, with `dlock` for the program and every password
 /// redacted.
-fn command_line(args: impl IntoIterator<Item = OsString>) -> String {
+pub(crate) fn command_line(args: impl IntoIterator<Item = OsString>) -> String {
     std::iter::once("dlock".to_owned())
         .chain(
             args.into_iter()

@@ -1,0 +1,294 @@
+//! The fault profiles of `dlock torture` and the nemesis that plays them.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use dlock_conformance::wire::Fault;
+use rand::Rng;
+use tokio::time::{Instant, sleep};
+
+use super::{Client, Deployment, Shared};
+
+/// One fault profile.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Profile {
+    /// No faults: the baseline.
+    None,
+    /// Requests and replies of one client delayed by up to TTL/4.
+    Delays,
+    /// One client's replies lost (the requests take effect).
+    LostReplies,
+    /// One client cut off (nothing passes, connections stay open) for up to
+    /// twice the TTL.
+    Partitions,
+    /// One client's connections reset and refused for a moment.
+    Resets,
+    /// One client's connections go silently dead; new ones work.
+    DeadConnections,
+    /// A random minority of the store's nodes cut off from one client.
+    MinorityPartitions,
+    /// One client process stopped (SIGSTOP-like) past the TTL.
+    ClientPauses,
+    /// One store node stopped (SIGSTOP) for about the TTL.
+    ServerPauses,
+    /// One store node killed (SIGKILL) and started again with its data.
+    ServerRestarts,
+    /// The store's clock jumps forward past the TTL (memory backend only).
+    ClockJumps,
+}
+
+const ALL: [Profile; 11] = [
+    Profile::None,
+    Profile::Delays,
+    Profile::LostReplies,
+    Profile::Partitions,
+    Profile::Resets,
+    Profile::DeadConnections,
+    Profile::MinorityPartitions,
+    Profile::ClientPauses,
+    Profile::ServerPauses,
+    Profile::ServerRestarts,
+    Profile::ClockJumps,
+];
+
+impl Profile {
+    /// The profile's name on the command line and in the table.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Profile::None => "none",
+            Profile::Delays => "delays",
+            Profile::LostReplies => "lost-replies",
+            Profile::Partitions => "partitions",
+            Profile::Resets => "resets",
+            Profile::DeadConnections => "dead-connections",
+            Profile::MinorityPartitions => "minority-partitions",
+            Profile::ClientPauses => "client-pauses",
+            Profile::ServerPauses => "server-pauses",
+            Profile::ServerRestarts => "server-restarts",
+            Profile::ClockJumps => "clock-jumps",
+        }
+    }
+
+    /// `all`, or names separated by commas.
+    pub(crate) fn parse_list(list: &str) -> Result<Vec<Profile>, String> {
+        if list == "all" {
+            return Ok(ALL.to_vec());
+        }
+        list.split(',')
+            .map(|name| {
+                ALL.iter()
+                    .copied()
+                    .find(|p| p.name() == name.trim())
+                    .ok_or_else(|| {
+                        let known: Vec<_> = ALL.iter().map(|p| p.name()).collect();
+                        format!(
+                            "unknown fault profile {name:?} (known: all, {})",
+                            known.join(", ")
+                        )
+                    })
+            })
+            .collect()
+    }
+
+    /// Whether the profile can run on `deployment`, or why not.
+    pub(crate) fn applies(self, deployment: &Deployment) -> Result<(), &'static str> {
+        let needs_links = !matches!(
+            self,
+            Profile::None
+                | Profile::ClientPauses
+                | Profile::ServerPauses
+                | Profile::ServerRestarts
+                | Profile::ClockJumps
+        );
+        if needs_links && !deployment.has_links() {
+            return Err("no network between client and store (an embedded database)");
+        }
+        match self {
+            Profile::MinorityPartitions if deployment.endpoints.len() < 3 => {
+                Err("fewer than three nodes: no minority to cut off")
+            }
+            Profile::ServerPauses | Profile::ServerRestarts if deployment.servers().is_none() => {
+                Err("no --servers given for this URL")
+            }
+            Profile::ClockJumps if !deployment.is_memory() => {
+                Err("the store's clock cannot be stepped from here (memory:// only)")
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Overlapping holds this profile causes by design (clock faults are
+    /// outside S4; a store without persistence forgets locks on a restart),
+    /// with the reason; fencing must still refuse the stale holder.
+    pub(crate) fn overlaps_by_design(self, url: &str) -> Option<&'static str> {
+        let forgets = ["redis://", "rediss://", "memory://"]
+            .iter()
+            .any(|s| url.starts_with(s));
+        match self {
+            Profile::ClockJumps => Some("a store clock that jumps ends leases early (outside S4)"),
+            Profile::ServerRestarts if forgets => {
+                Some("a restart without persistence forgets held locks")
+            }
+            _ => None,
+        }
+    }
+}
+
+/// Plays one profile against the clients and servers of one run.
+pub(crate) struct Nemesis<'a> {
+    profile: Profile,
+    deployment: &'a Deployment,
+    clients: &'a [Client],
+    shared: Arc<Shared>,
+    ttl: Duration,
+}
+
+impl<'a> Nemesis<'a> {
+    pub(crate) fn new(
+        profile: Profile,
+        deployment: &'a Deployment,
+        clients: &'a [Client],
+        shared: Arc<Shared>,
+        ttl: Duration,
+    ) -> Self {
+        Self {
+            profile,
+            deployment,
+            clients,
+            shared,
+            ttl,
+        }
+    }
+
+    /// Faults until the clients have their acquisitions and at least
+    /// `min_faults` faults were injected (or `max_time` passed); returns how
+    /// many faults it injected.
+    pub(crate) async fn run(&self, max_time: Duration, min_faults: u64) -> u64 {
+        let until = Instant::now() + max_time;
+        let min_faults = if self.profile == Profile::None {
+            0
+        } else {
+            min_faults
+        };
+        let mut faults = 0;
+        loop {
+            let enough = self.done() && faults >= min_faults;
+            if enough || Instant::now() >= until {
+                return faults;
+            }
+            self.quiet(self.ttl / 2, self.ttl).await;
+            if Instant::now() >= until || (self.done() && faults >= min_faults) {
+                return faults;
+            }
+            if self.profile != Profile::None {
+                self.one_fault().await;
+                faults += 1;
+            }
+        }
+    }
+
+    /// Whether the clients have their acquisitions.
+    fn done(&self) -> bool {
+        self.shared.acquisitions.load(Ordering::Relaxed) >= self.shared.target
+    }
+
+    /// Sleeps a random time in `from ..= to`.
+    async fn quiet(&self, from: Duration, to: Duration) {
+        sleep(between(from, to)).await;
+    }
+
+    /// The current holder half of the time, else a random client.
+    fn victim(&self) -> &Client {
+        let n = self.clients.len();
+        let holder = self.shared.holder.load(Ordering::Relaxed) as usize;
+        let i = if holder < n && rand::rng().random_bool(0.5) {
+            holder
+        } else {
+            rand::rng().random_range(0..n)
+        };
+        &self.clients[i]
+    }
+
+    async fn one_fault(&self) {
+        let t = self.ttl;
+        match self.profile {
+            Profile::None => {}
+            Profile::Delays => {
+                let client = self.victim();
+                let fault = Fault::delay(
+                    between(Duration::ZERO, t / 4),
+                    between(Duration::ZERO, t / 4),
+                );
+                client.link.set_all(fault);
+                self.quiet(t / 2, t).await;
+                client.link.heal();
+            }
+            Profile::LostReplies => self.link_fault(Fault::LOSE_REPLIES, t / 5, t).await,
+            Profile::Partitions => self.link_fault(Fault::BLACKHOLE, t / 2, t * 2).await,
+            Profile::Resets => {
+                self.link_fault(Fault::Cut, Duration::from_millis(10), t / 3)
+                    .await
+            }
+            Profile::DeadConnections => self.link_fault(Fault::StallExisting, t, t * 2).await,
+            Profile::MinorityPartitions => {
+                let client = self.victim();
+                let nodes = client.link.nodes();
+                let minority = (nodes - 1) / 2;
+                let first = rand::rng().random_range(0..nodes);
+                for k in 0..minority {
+                    client.link.set((first + k) % nodes, Fault::BLACKHOLE);
+                }
+                self.quiet(t / 2, t * 2).await;
+                client.link.heal();
+            }
+            Profile::ClientPauses => {
+                let client = self.victim();
+                client.process.pause();
+                sleep(between(t, t * 2)).await;
+                client.process.resume();
+            }
+            Profile::ServerPauses => {
+                if let Some(servers) = self.deployment.servers() {
+                    let node = rand::rng().random_range(0..servers.nodes());
+                    if servers.pause(node).await.is_ok() {
+                        sleep(between(t / 2, t * 3 / 2)).await;
+                        let _ = servers.resume(node).await;
+                    }
+                }
+            }
+            Profile::ServerRestarts => {
+                if let Some(servers) = self.deployment.servers() {
+                    let node = rand::rng().random_range(0..servers.nodes());
+                    let _ = servers.kill(node).await;
+                    if servers.nodes() > 1 {
+                        let _ = servers.start(node).await;
+                    } else {
+                        let _ = servers.start_all().await;
+                    }
+                }
+            }
+            Profile::ClockJumps => {
+                if let Some(servers) = self.deployment.servers() {
+                    let _ = servers.step_clock(0, t * 2).await;
+                }
+            }
+        }
+    }
+
+    async fn link_fault(&self, fault: Fault, from: Duration, to: Duration) {
+        let client = self.victim();
+        client.link.set_all(fault);
+        self.quiet(from, to).await;
+        client.link.heal();
+    }
+}
+
+/// A random duration in `from ..= to`.
+pub(crate) fn between(from: Duration, to: Duration) -> Duration {
+    if to <= from {
+        return from;
+    }
+    let span = (to - from).as_secs_f64();
+    from + Duration::from_secs_f64(rand::rng().random_range(0.0..=span))
+}

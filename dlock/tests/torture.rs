@@ -1,0 +1,58 @@
+//! `dlock torture` end to end on the in-process memory backend: every
+//! profile that applies runs to its acquisitions with no violation, the
+//! report says why the others did not run, and the files are written.
+
+use std::process::Command;
+
+use serde_json::Value;
+
+#[test]
+fn every_profile_on_memory() {
+    let out_dir = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_dlock"))
+        .args([
+            "torture",
+            "--url",
+            "memory://torture-test",
+            "--acquisitions",
+            "300",
+        ])
+        .args([
+            "--ttl",
+            "200ms",
+            "--clients",
+            "4",
+            "--long-holds",
+            "20",
+            "--json",
+            "--quiet",
+        ])
+        .arg("--out")
+        .arg(out_dir.path())
+        .output()
+        .expect("run dlock torture");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    let report: Value = serde_json::from_slice(&out.stdout).expect("JSON report");
+    let rows = report["rows"].as_array().expect("rows");
+    assert_eq!(rows.len(), 11, "{report:#}");
+    for row in rows {
+        let profile = row["profile"].as_str().unwrap();
+        if profile == "minority-partitions" {
+            assert!(row["skipped"].is_string(), "{row:#}");
+            continue;
+        }
+        assert!(row["skipped"].is_null(), "{row:#}");
+        assert!(row["acquisitions"].as_u64().unwrap() >= 300, "{row:#}");
+        assert_eq!(row["tokens_out_of_order"], 0, "{row:#}");
+        assert_eq!(row["tokens_reused"], 0, "{row:#}");
+        if profile != "clock-jumps" && profile != "server-restarts" {
+            assert_eq!(row["overlaps"], 0, "{row:#}");
+        }
+        if profile != "none" {
+            assert!(row["faults"].as_u64().unwrap() > 0, "{row:#}");
+        }
+    }
+    assert!(out_dir.path().join("torture.md").exists());
+    assert!(out_dir.path().join("torture.json").exists());
+}

@@ -14,28 +14,143 @@
 //!   `DEL` and `PUBLISH` on the name's channel; compare, then `PEXPIRE`), run
 //!   by `EVALSHA` with a `NOSCRIPT` fallback. One script renews every lock a
 //!   session holds: one round trip per period.
-//! * **Wake-up**: waiters subscribe to the name's channel through one shared
-//!   pub/sub connection per node (channels are unsubscribed when their last
-//!   waiter goes); the first wait subscribes and then re-checks at once, so a
-//!   release just before the subscription is not missed; waiters also wake at
-//!   the holder's `PTTL` and on the core's fallback timer.
+//! * **Wake-up**: waiters subscribe to the name's channel through one pub/sub
+//!   connection per node, kept by a task that subscribes exactly the channels
+//!   with waiters in this process (no leaked channels). A waiter's first wait
+//!   returns once the task has subscribed its channel (or found the
+//!   connection down, or the request time limit passed), and the core then
+//!   re-checks, so a release just before the subscription is not missed;
+//!   after a gap in the pub/sub connection every waiter is woken to re-check. Waiters also wake at the holder's `PTTL`
+//!   and on the core's fallback timer.
+//! * **Connections**: one multiplexed command connection per node, opened at
+//!   first use. A connection can die silently (requests hang, nothing closes
+//!   it); so a request that fails at the connection level, or goes
+//!   unanswered past its time limit (or is cut off by the core's request
+//!   timeout) while the connection answered nothing else meanwhile, makes
+//!   the **next request use a new connection**, and the node's pub/sub
+//!   connection is probed (`PING`) and replaced if it does not answer. A
+//!   session's requests are limited by its request timeout (for Redlock,
+//!   ¾ of it per node, so that one silent node fails alone while the
+//!   majority's answers still count).
 //! * **Keys** carry the name in a hash tag (`dlock:{name}`), so one lock's keys
-//!   share a Cluster slot. **Redis Cluster is not supported yet**: renewal
-//!   batches keys of many slots into one script.
+//!   share a Cluster slot. **Redis Cluster is not supported**: renewal batches
+//!   keys of many slots into one script. A Cluster node is refused with
+//!   [`Error::Config`] naming Redis Cluster (seen by `INFO` at connect, or by
+//!   a `MOVED`, `ASK`, `CLUSTERDOWN`, `CROSSSLOT` or `TRYAGAIN` reply), never
+//!   retried. `READONLY` (a replica, e.g. during a failover) is
+//!   [`Error::Unavailable`]: retried, on a new connection.
 //! * `list` uses `SCAN`, never `KEYS`.
+//!
+//! # URL options
+//!
+//! `redis://[user:password@]host:port[/db][?options]`, `rediss://...` (TLS),
+//! `redlock://[user:password@]h1:p1,h2:p2,h3:p3[/db][?options]` (the same
+//! credentials and options for every node). Passwords are percent-encoded
+//! (`p%40ss` for `p@ss`) and never shown in errors or logs. Unknown options
+//! are refused.
+//!
+//! | option | meaning |
+//! |---|---|
+//! | `dlock_prefix=NAME` | key prefix (default `dlock`) |
+//! | `restart_guard=true` | plain Redis: turn the restart guard on (below); Redlock always has it |
+//! | `max_ttl=60s` | with the guard: the largest TTL a session may use, and how long a restarted node waits (default 60 s) |
+//! | `allow_eviction=true` | accept a server whose `maxmemory-policy` may evict held locks (below) |
+//! | `tls=true` | `redlock://`: reach the nodes over TLS (`rediss://` does for one node) |
+//! | `tls_ca=PATH` | PEM file of the CA that signed the server's certificate (default: the webpki roots) |
+//! | `tls_cert=PATH`, `tls_key=PATH` | PEM client certificate and key (mutual TLS) |
+//! | `tls_insecure=true` (or `#insecure`) | do not verify the server's certificate (tests only) |
+//! | `protocol=resp3` | passed to the driver |
+//!
+//! Credentials the server refuses (`WRONGPASS`, `NOAUTH`, a client
+//! certificate it rejects) are [`Error::Auth`], a server certificate that is
+//! not trusted is [`Error::Config`]: neither is retried. With ACLs, the user
+//! needs `EVAL`, `EVALSHA`, `SCRIPT`, `INFO`, `PING`, `PUBLISH`, `SUBSCRIBE`,
+//! `UNSUBSCRIBE`, `SCAN`, `PTTL`, `PUBSUB` and the keys and channels under
+//! the prefix (`~dlock:* &dlock:*`).
+//!
+//! # Eviction and failover
+//!
+//! Every lock key has a TTL, so any `maxmemory-policy` but `noeviction` —
+//! `volatile-*` as much as `allkeys-*` — can evict a *held* lock under memory
+//! pressure, and another client then gets it. Every new connection checks
+//! the policy (`INFO`): with a `maxmemory` set, an evicting policy is refused
+//! with [`Error::Config`] unless the URL says `allow_eviction=true`; without
+//! a `maxmemory` nothing is evicted yet, and dlock logs a warning. (Where the
+//! user may not run `INFO`, dlock cannot check and logs a warning.)
+//!
+//! Redis replication is asynchronous: a **failover** (Sentinel, a managed
+//! service) can promote a replica that missed the latest grants, and a lock
+//! held on the old master is then free on the new one. Without the restart
+//! guard that is a lost lock (its holder hears of it at its next renewal, but
+//! another client may be granted first; fencing tokens still increase). With
+//! the guard, the promoted replica is a server process the guard's record
+//! (replicated from the old master) does not name, so it grants nothing for
+//! `max_ttl`. Neither helps when the old master keeps serving clients that
+//! still reach it (a partition): `min-replicas-to-write 1` on the master
+//! bounds that.
+//!
+//! # The restart guard: what exactly is guaranteed
+//!
+//! A node with the guard on (always for Redlock; `restart_guard=true` for
+//! Redis) keeps a record `P:boot` = (`run_id`, `since`): the `run_id` of the
+//! server process (from `INFO server`: drawn at random by every Redis process
+//! when it starts, never persisted, so no RDB, AOF or replication can bring
+//! an old one back) and the server time at which dlock first saw it. The
+//! take and renew scripts read `run_id` **inside the same atomic script**
+//! that grants or renews; if the record is missing or names another process
+//! (a restart with or without data, a restore from any snapshot, a promoted
+//! replica, a `FLUSHALL`), the script writes a new record and refuses; until
+//! the record is `max_ttl` old it grants nothing and confirms no renewal.
+//!
+//! **Guarantee**: a node grants a lock, or confirms a renewal, only while it
+//! runs a server process that dlock has seen for at least `max_ttl` by that
+//! server's clock. Any hold it granted or renewed before that process
+//! started — which the process may have forgotten, or may remember from an
+//! older snapshot — was granted or renewed at least `max_ttl` earlier, and
+//! has expired (its TTL is at most `max_ttl`). So no data loss or rollback
+//! on the node lets it grant a lock it may still hold for someone, or vouch
+//! for a hold it may have lost.
+//!
+//! Under these assumptions: every client of the deployment uses the same
+//! `max_ttl` (a client with a smaller one waits less than another's TTL);
+//! the server's clock neither jumps forward (that shortens the wait, and
+//! expires keys early anyway) nor back (tokens); data is not rolled back
+//! without a new process (`DEBUG RELOAD`, disabled by default since Redis 7,
+//! is outside).
+//!
+//! **Cost**: after every restart or failover, and the first time dlock sees
+//! a server, the node waits `max_ttl` (default 60 s; set it close to the TTL
+//! you use) before it grants. [`RedisBackend::wait_ready`] takes that wait
+//! up front, e.g. at service start.
+//!
+//! **Single Redis: guard opt-in.** Without it (the default), a restart
+//! without persistence, a restore from an older snapshot or AOF, a failover
+//! or a `FLUSHALL` loses held locks: each holder learns at its next renewal
+//! (within the renewal period, TTL/3 by default), but another client may be
+//! granted the lock first, so two clients may both believe they hold it for
+//! up to one renewal period; fencing tokens still increase, so a
+//! [`FenceGate`](dlock_core::FenceGate) refuses the stale holder. That is the
+//! usual trade for a single Redis (fast, always available at once); turn the
+//! guard on when that window matters more than a `max_ttl` wait after every
+//! restart or failover.
 //!
 //! # Redlock: what it guarantees and what it does not
 //!
-//! A grant needs the take script to succeed on a majority (N/2+1) of nodes
-//! within the validity time `ttl − elapsed − drift`, elapsed measured from
-//! before the first request; a failed attempt releases on every node. This is
-//! Redis's own algorithm, and Martin Kleppmann's critique applies: its mutual
-//! exclusion rests on *timing assumptions* — bounded clock drift between the
-//! nodes and the client, bounded network delay and process pauses. A client
-//! paused past its validity, or a node whose clock jumps, can make two clients
-//! believe they hold the lock. dlock's local deadline (S4) makes the client
-//! *learn* of the loss in time when it is not paused, but only fencing makes
-//! the *resource* safe.
+//! A grant needs the take script to succeed on a majority (N/2+1) **of the
+//! configured N nodes** — never of the nodes reachable now: two clients that
+//! each see a different majority of live nodes still overlap in one — within
+//! the validity time `ttl − elapsed − drift`, elapsed measured from before
+//! the first request; a failed attempt releases on every node. A node that
+//! cannot be reached when a client connects stays part of its backend and is
+//! connected when it comes back; connecting fails
+//! ([`Error::Unavailable`]) unless a majority answers. This is Redis's own
+//! algorithm, and Martin Kleppmann's critique applies: its mutual exclusion
+//! rests on *timing assumptions* — bounded clock drift between the nodes and
+//! the client, bounded network delay and process pauses. A client paused past
+//! its validity, or a node whose clock jumps, can make two clients believe
+//! they hold the lock. dlock's local deadline (S4) makes the client *learn* of
+//! the loss in time when it is not paused, but only fencing makes the
+//! *resource* safe.
 //!
 //! Fencing tokens under Redlock: each node proposes `max(last + 1, TIME µs)`;
 //! the client takes the quorum's largest and writes it back to the lock and
@@ -43,13 +158,11 @@
 //! majority accepts it). Any later grant needs a majority, which overlaps
 //! ours in at least one node, whose `last` is ours: so tokens strictly
 //! increase **as long as the nodes' clocks never step back and a node that
-//! lost its data (restart without persistence) stays out of quorums until its
-//! old locks have expired**. dlock enforces the latter itself: a node refuses
-//! grants until it has been up for `max_ttl` (default 60 s, URL option
-//! `max_ttl=30s`; sessions may not use a longer TTL) — the "delayed restart"
-//! of the Redis docs, without relying on operators. Tokens are *not*
-//! monotonic if those assumptions break; when correctness matters more than
-//! availability, prefer a consensus store (etcd, ZooKeeper).
+//! lost or rolled back its data stays out of quorums until its old locks have
+//! expired** — which the restart guard above enforces, without relying on
+//! operators to delay restarts. Tokens are *not* monotonic if those
+//! assumptions break; when correctness matters more than availability,
+//! prefer a consensus store (etcd, ZooKeeper).
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), dlock_core::Error> {
@@ -77,15 +190,18 @@ use dlock_core::{
 };
 use futures::future::join_all;
 
-use node::Node;
-pub use options::DEFAULT_PREFIX;
+use node::{CONNECT_TIMEOUT, Node, Record};
 use options::RedisOptions;
+pub use options::{DEFAULT_MAX_TTL, DEFAULT_PREFIX};
 
 /// The smallest TTL: `PX` has millisecond resolution and a renewal round trip
 /// must fit well inside a third of it.
 pub const MIN_TTL: Duration = Duration::from_millis(100);
 
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long one node may take to answer an admin call (`inspect`, `list`,
+/// `validate`, `force_release`, `ping`, `wait_ready`); session requests use
+/// the session's request timeout instead.
+const ADMIN_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// A lock service on Redis or Redlock (see the [crate docs](crate)).
 #[derive(Clone)]
@@ -94,75 +210,124 @@ pub struct RedisBackend {
 }
 
 pub(crate) struct Inner {
+    /// Every configured node, reachable or not: a node down now is connected
+    /// when it comes back.
     pub(crate) nodes: Vec<Node>,
     pub(crate) options: RedisOptions,
 }
 
 impl Inner {
-    /// Majority of the nodes (1 for a single instance).
+    /// Majority of the *configured* nodes (1 for a single instance), never of
+    /// the reachable ones: two clients that each see a different majority
+    /// of the live nodes still overlap in one node.
     pub(crate) fn quorum(&self) -> usize {
         self.nodes.len() / 2 + 1
     }
 
-    /// How long a node must be up before it may grant (Redlock only).
+    /// How long a node must have been seen up before it may grant (the
+    /// restart guard; zero when off).
     pub(crate) fn min_uptime(&self) -> Duration {
-        if self.options.redlock {
+        if self.options.restart_guard {
             self.options.max_ttl
         } else {
             Duration::ZERO
         }
     }
+
+    /// How long one node may take to answer a session's request. With
+    /// several nodes, less than the session's request timeout, so that one
+    /// silent node fails alone and the majority's answers still count.
+    pub(crate) fn node_limit(&self, request_timeout: Duration) -> Duration {
+        if self.nodes.len() > 1 {
+            request_timeout * 3 / 4
+        } else {
+            request_timeout
+        }
+    }
 }
 
 impl RedisBackend {
-    /// Connects to `redis://`, `rediss://` or `redlock://` (see the crate docs).
-    /// For Redlock, a majority of the nodes must answer.
+    /// Connects to `redis://`, `rediss://` or `redlock://` (see the crate
+    /// docs for the URL options).
+    ///
+    /// Every configured node stays part of the backend: one that cannot be
+    /// reached now is connected at its first later use. For Redlock, a
+    /// majority of the nodes must answer now, else [`Error::Unavailable`].
+    /// A node that refuses the credentials ([`Error::Auth`]), is a Redis
+    /// Cluster node, or may evict held locks ([`Error::Config`]) fails the
+    /// connect whatever the others say.
     ///
     /// # Cancel safety
     /// Cancel safe.
     pub async fn connect(url: &str) -> Result<Self, Error> {
         let options = RedisOptions::from_url(url)?;
-        let connecting = options.nodes.iter().map(|u| {
-            let client = redis::Client::open(u.as_str())
-                .map_err(|_| Error::invalid_url(url, "not a valid Redis URL"));
-            let prefix = options.prefix.clone();
-            let shown = dlock_core::url::redact(u);
-            async move { Node::connect(client?, prefix, shown, CONNECT_TIMEOUT).await }
-        });
-        let results = join_all(connecting).await;
+        let certificates = load_tls(&options)?;
+        if options.tls {
+            // rustls picks no provider by itself when the build enables
+            // none or several; without one every TLS connect panics. An
+            // application that installed its own keeps it.
+            let _ = rustls::crypto::ring::default_provider().install_default();
+        }
+        let mut nodes = Vec::with_capacity(options.nodes.len());
+        for node in &options.nodes {
+            let client = match &certificates {
+                Some(certs) => redis::Client::build_with_tls(node.url.as_str(), certs.clone()),
+                None => redis::Client::open(node.url.as_str()),
+            }
+            .map_err(|e| {
+                Error::invalid_url(
+                    url,
+                    format!(
+                        "not a valid Redis URL ({})",
+                        e.detail().unwrap_or("bad syntax")
+                    ),
+                )
+            })?;
+            nodes.push(Node::new(
+                client,
+                options.prefix.clone(),
+                node.shown.clone(),
+                options.allow_eviction,
+            ));
+        }
+        let inner = Arc::new(Inner { nodes, options });
+        let results = join_all(inner.nodes.iter().map(|n| n.connect(CONNECT_TIMEOUT))).await;
         let total = results.len();
-        let mut nodes = Vec::new();
-        let mut errors = Vec::new();
-        for r in results {
-            match r {
-                Ok(n) => nodes.push(n),
-                Err(e) => errors.push(e),
+        let mut reachable = 0;
+        let mut first_error = None;
+        for result in results {
+            match result {
+                Ok(()) => reachable += 1,
+                // Retrying does not fix a wrong password or a bad server
+                // setting: say so now rather than fail every request later.
+                Err(e) if !e.is_retryable() => return Err(e),
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
             }
         }
-        if nodes.len() < total / 2 + 1 {
-            let first = errors.into_iter().next().expect("a failed node");
+        let quorum = inner.quorum();
+        if reachable < quorum {
+            let first = first_error.expect("a node failed");
             return Err(if total == 1 {
                 first
             } else {
                 Error::unavailable(
                     "redis",
                     format!(
-                        "only {} of {total} Redlock nodes reachable: {first}",
-                        nodes.len()
+                        "only {reachable} of {total} Redlock nodes reachable, {quorum} needed: {first}"
                     ),
                 )
             });
         }
-        if nodes.len() < total {
+        if reachable < total {
             tracing::warn!(
-                reachable = nodes.len(),
+                reachable,
                 total,
-                "some Redlock nodes are unreachable"
+                "some Redlock nodes are unreachable; they are connected when they come back"
             );
         }
-        Ok(Self {
-            inner: Arc::new(Inner { nodes, options }),
-        })
+        Ok(Self { inner })
     }
 
     /// Keys under `prefix` that would never expire plus subscribed channels:
@@ -170,16 +335,17 @@ impl RedisBackend {
     pub async fn leftovers(&self, prefix: &str) -> Result<usize, Error> {
         let mut total = 0;
         for node in &self.inner.nodes {
-            total += node.persistent_keys(prefix).await?;
+            total += node.persistent_keys(prefix, ADMIN_TIMEOUT).await?;
         }
         Ok(total)
     }
 
     /// Waits until a majority of the nodes may grant, at most `limit`.
     ///
-    /// A Redlock node refuses grants until it has been up for `max_ttl` since
-    /// dlock first saw it (or saw it again after losing its data); this starts
-    /// that clock on every node and waits it out. A no-op for plain Redis.
+    /// With the restart guard on (Redlock; Redis with `restart_guard=true`),
+    /// a node refuses grants for `max_ttl` after dlock first sees its server
+    /// process; this starts that clock on every node and waits it out. A
+    /// no-op without the guard.
     ///
     /// # Cancel safety
     /// Cancel safe.
@@ -190,14 +356,24 @@ impl RedisBackend {
         }
         let deadline = tokio::time::Instant::now() + limit;
         loop {
-            let answers = join_all(self.inner.nodes.iter().map(|n| n.ready_in(min_uptime))).await;
+            let answers = join_all(
+                self.inner
+                    .nodes
+                    .iter()
+                    .map(|n| n.ready_in(min_uptime, ADMIN_TIMEOUT)),
+            )
+            .await;
             let mut waits: Vec<Duration> = answers.into_iter().filter_map(Result::ok).collect();
             waits.sort();
             let quorum = self.inner.quorum();
             let Some(wait) = waits.get(quorum - 1).copied() else {
                 return Err(Error::unavailable(
                     "redis",
-                    "no majority of Redlock nodes answered",
+                    format!(
+                        "only {} of {} Redis nodes answered, {quorum} needed",
+                        waits.len(),
+                        self.inner.nodes.len()
+                    ),
                 ));
             };
             if wait.is_zero() {
@@ -206,12 +382,35 @@ impl RedisBackend {
             if tokio::time::Instant::now() + wait > deadline {
                 return Err(Error::unavailable(
                     "redis",
-                    format!("Redlock nodes need {wait:?} more before they may grant"),
+                    format!("the restarted Redis nodes need {wait:?} more before they may grant"),
                 ));
             }
             tokio::time::sleep(wait).await;
         }
     }
+}
+
+/// Reads the PEM files named by `tls_ca`, `tls_cert` and `tls_key`.
+fn load_tls(options: &RedisOptions) -> Result<Option<redis::TlsCertificates>, Error> {
+    let Some(files) = &options.tls_files else {
+        return Ok(None);
+    };
+    let read = |what: &str, path: &std::path::Path| {
+        std::fs::read(path)
+            .map_err(|e| Error::Config(format!("cannot read {what} {}: {e}", path.display())))
+    };
+    let root_cert = files.ca.as_deref().map(|p| read("tls_ca", p)).transpose()?;
+    let client_tls = match (&files.cert, &files.key) {
+        (Some(cert), Some(key)) => Some(redis::ClientTlsConfig {
+            client_cert: read("tls_cert", cert)?,
+            client_key: read("tls_key", key)?,
+        }),
+        _ => None,
+    };
+    Ok(Some(redis::TlsCertificates {
+        client_tls,
+        root_cert,
+    }))
 }
 
 impl fmt::Debug for RedisBackend {
@@ -243,17 +442,19 @@ impl Backend for RedisBackend {
         options: &SessionOptions,
     ) -> Result<Arc<dyn RawSession>, Error> {
         let ttl = options.ttl_value();
-        if self.inner.options.redlock && ttl > self.inner.options.max_ttl {
+        if self.inner.options.restart_guard && ttl > self.inner.options.max_ttl {
             return Err(Error::InvalidTtl {
                 ttl,
                 min: MIN_TTL,
                 max: self.inner.options.max_ttl,
             });
         }
+        let limit = self.inner.node_limit(options.request_timeout_or_default());
         Ok(Arc::new(session::RedisSession::new(
             self.inner.clone(),
             id,
             ttl,
+            limit,
         )))
     }
 
@@ -263,7 +464,7 @@ impl Backend for RedisBackend {
             self.inner
                 .nodes
                 .iter()
-                .map(|n| async { n.ping().await.map(|()| true) }),
+                .map(|n| async { n.ping(ADMIN_TIMEOUT).await.map(|()| true) }),
         )
         .await;
         let (_, answered) = count(answers)?;
@@ -271,20 +472,43 @@ impl Backend for RedisBackend {
     }
 
     async fn inspect(&self, name: &LockName) -> Result<Option<LockInfo>, Error> {
-        let answers = join_all(self.inner.nodes.iter().map(|n| n.inspect(name))).await;
+        let answers = join_all(
+            self.inner
+                .nodes
+                .iter()
+                .map(|n| n.inspect(name, ADMIN_TIMEOUT)),
+        )
+        .await;
         quorum_view(&self.inner, answers)
     }
 
     async fn list(&self, prefix: &str) -> Result<Vec<LockInfo>, Error> {
         name::check_prefix(prefix)?;
+        let scans = join_all(
+            self.inner
+                .nodes
+                .iter()
+                .map(|n| n.scan(prefix, ADMIN_TIMEOUT)),
+        )
+        .await;
         let mut names = Vec::new();
-        for node in &self.inner.nodes {
-            match node.scan(prefix).await {
-                Ok(n) => names.extend(n),
-                Err(e) if self.inner.nodes.len() == 1 => return Err(e),
-                Err(_) => {}
+        let mut answered = 0;
+        let mut first_error = None;
+        for scan in scans {
+            match scan {
+                Ok(n) => {
+                    answered += 1;
+                    names.extend(n);
+                }
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
             }
         }
+        if answered == 0 {
+            return Err(first_error.expect("a node"));
+        }
+        check_answered(&self.inner, answered)?;
         names.sort();
         names.dedup();
         let mut out = Vec::new();
@@ -297,14 +521,26 @@ impl Backend for RedisBackend {
     }
 
     async fn validate(&self, name: &LockName, token: FencingToken) -> Result<bool, Error> {
-        let answers = join_all(self.inner.nodes.iter().map(|n| n.validate(name, token))).await;
+        let answers = join_all(
+            self.inner
+                .nodes
+                .iter()
+                .map(|n| n.validate(name, token, ADMIN_TIMEOUT)),
+        )
+        .await;
         let (ok, answered) = count(answers)?;
         check_answered(&self.inner, answered)?;
         Ok(ok >= self.inner.quorum())
     }
 
     async fn force_release(&self, name: &LockName) -> Result<bool, Error> {
-        let answers = join_all(self.inner.nodes.iter().map(|n| n.force_release(name))).await;
+        let answers = join_all(
+            self.inner
+                .nodes
+                .iter()
+                .map(|n| n.force_release(name, ADMIN_TIMEOUT)),
+        )
+        .await;
         let (freed, answered) = count(answers)?;
         check_answered(&self.inner, answered)?;
         if freed > 0 {
@@ -342,8 +578,9 @@ pub(crate) fn check_answered(inner: &Inner, answered: usize) -> Result<(), Error
         Err(Error::unavailable(
             "redis",
             format!(
-                "only {answered} of {} Redis nodes answered",
-                inner.nodes.len()
+                "only {answered} of {} Redis nodes answered, {} needed",
+                inner.nodes.len(),
+                inner.quorum()
             ),
         ))
     } else {
@@ -351,19 +588,22 @@ pub(crate) fn check_answered(inner: &Inner, answered: usize) -> Result<(), Error
     }
 }
 
-/// The holder a majority of the nodes agree on.
+/// The holder a majority of the nodes agree on: the same attempt (owner).
+/// Its token is the one a majority records; before a Redlock grant's token
+/// was written back (its reply lost), the nodes still record their own
+/// proposals, and the largest is shown.
 fn quorum_view(
     inner: &Inner,
-    answers: Vec<Result<Option<LockInfo>, Error>>,
+    answers: Vec<Result<Option<Record>, Error>>,
 ) -> Result<Option<LockInfo>, Error> {
-    let mut infos = Vec::new();
+    let mut records = Vec::new();
     let mut answered = 0;
     let mut first_error = None;
     for a in answers {
         match a {
-            Ok(i) => {
+            Ok(r) => {
                 answered += 1;
-                infos.extend(i);
+                records.extend(r);
             }
             Err(e) => {
                 first_error.get_or_insert(e);
@@ -374,14 +614,22 @@ fn quorum_view(
         return Err(first_error.expect("some node"));
     }
     check_answered(inner, answered)?;
-    for info in &infos {
-        let agree = infos
+    let quorum = inner.quorum();
+    for record in &records {
+        let agreeing: Vec<&Record> = records
             .iter()
-            .filter(|o| o.holder == info.holder && o.token == info.token)
-            .count();
-        if agree >= inner.quorum() {
-            return Ok(Some(info.clone()));
+            .filter(|o| o.owner == record.owner && o.info.holder == record.info.holder)
+            .collect();
+        if agreeing.len() < quorum {
+            continue;
         }
+        let by_token = |t: FencingToken| agreeing.iter().filter(|o| o.info.token == t).count();
+        let chosen = agreeing
+            .iter()
+            .find(|o| by_token(o.info.token) >= quorum)
+            .or_else(|| agreeing.iter().max_by_key(|o| o.info.token))
+            .expect("a majority agrees");
+        return Ok(Some(chosen.info.clone()));
     }
     Ok(None)
 }

@@ -1,15 +1,30 @@
-//! One Redis server: a multiplexed command connection (reconnecting), one
-//! shared pub/sub connection for wake-ups, and the scripted operations.
+//! One Redis server: a multiplexed command connection that is replaced as
+//! soon as a request on it fails at the connection level, times out, or is
+//! abandoned with its answer outstanding; one pub/sub connection for
+//! wake-ups, kept by a task of its own; and the scripted operations.
+//!
+//! Why replace on a time-out: a connection can die silently (a NAT entry
+//! dropped, a peer that vanished without a reset). Requests on it then hang
+//! and nothing ever closes it, so a client that only reconnects on *closed*
+//! connections never recovers. Here the next request after a time-out (the
+//! adapter's own, or the core cutting a request off by dropping it) goes out
+//! on a new connection, and the pub/sub connection is probed.
 
+use std::collections::HashSet;
 use std::fmt;
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use dlock_core::wake::{Waiter, WakeHub};
 use dlock_core::{Error, FencingToken, LockInfo, LockName};
 use futures::StreamExt;
-use redis::aio::{ConnectionManager, ConnectionManagerConfig, PubSubSink};
-use redis::{Client, RedisError};
+use futures::future::{BoxFuture, FutureExt, Shared};
+use redis::aio::MultiplexedConnection;
+use redis::{AsyncConnectionConfig, Client, RedisError};
+use tokio::sync::{Notify, watch};
+use tokio::time::{Instant, sleep, timeout, timeout_at};
 
 use crate::script;
 
@@ -17,30 +32,143 @@ use crate::script;
 /// clock in µs is the floor; see [`script`]).
 pub(crate) const KEEP_LAST_MS: u64 = 10_000;
 
+/// The longest a new connection (TCP, TLS, AUTH and the server checks) may
+/// take.
+pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How long the pub/sub connection may take to confirm a (un)subscription or
+/// answer a probe before it is replaced.
+const PUBSUB_TIMEOUT: Duration = Duration::from_secs(2);
+
 const BACKEND: &str = "redis";
 
-/// Maps a driver error to the core error by meaning.
-pub(crate) fn map_err(e: RedisError) -> Error {
-    if e.is_io_error()
+/// Maps a driver error to the core error by meaning (the node named, no
+/// secret), and says whether the connection must be replaced.
+pub(crate) fn map_err(shown: &str, e: &RedisError) -> (Error, bool) {
+    use redis::ErrorKind as K;
+    use redis::ServerErrorKind as S;
+    let kind = e.kind();
+    let code = e.code();
+    if kind == K::AuthenticationFailed || matches!(code, Some("WRONGPASS" | "NOAUTH")) {
+        // The driver's and the server's messages name no password.
+        let reason = format!("{shown}: {e}");
+        return (
+            Error::Auth {
+                backend: BACKEND,
+                reason,
+            },
+            true,
+        );
+    }
+    if matches!(
+        kind,
+        K::Server(S::Moved | S::Ask | S::ClusterDown | S::CrossSlot | S::TryAgain)
+    ) {
+        return (
+            cluster_refused(shown, code.unwrap_or("cluster error")),
+            false,
+        );
+    }
+    // TLS failures that retrying cannot fix (rustls's messages, wrapped in
+    // an I/O error by the driver).
+    let text = e.to_string();
+    if text.contains("invalid peer certificate") {
+        return (
+            Error::Config(format!(
+                "{shown}: TLS: the server's certificate is not trusted ({text}); give the CA \
+                 that signed it with tls_ca=PATH"
+            )),
+            true,
+        );
+    }
+    if [
+        "CertificateRequired",
+        "BadCertificate",
+        "UnknownCA",
+        "AccessDenied",
+    ]
+    .iter()
+    .any(|alert| text.contains(&format!("received fatal alert: {alert}")))
+    {
+        return (
+            Error::Auth {
+                backend: BACKEND,
+                reason: format!("{shown}: the server refused the TLS client certificate ({text})"),
+            },
+            true,
+        );
+    }
+    if kind == K::Server(S::NoPerm) {
+        return (
+            Error::backend(
+                BACKEND,
+                format!("{shown}: the Redis user lacks a permission dlock needs (ACL): {e}"),
+            ),
+            false,
+        );
+    }
+    let replace = e.is_io_error()
         || e.is_connection_dropped()
         || e.is_connection_refusal()
         || e.is_timeout()
-        || e.is_cluster_error()
-        || matches!(
-            e.kind(),
-            redis::ErrorKind::Server(redis::ServerErrorKind::BusyLoading)
-                | redis::ErrorKind::Server(redis::ServerErrorKind::TryAgain)
-                | redis::ErrorKind::Server(redis::ServerErrorKind::MasterDown)
-        )
-    {
-        Error::unavailable(BACKEND, e)
-    } else if matches!(
-        e.kind(),
-        redis::ErrorKind::Parse | redis::ErrorKind::UnexpectedReturnType
-    ) {
-        Error::protocol(BACKEND, e.to_string())
+        || e.is_unrecoverable_error()
+        // A master demoted to replica in a failover: a new connection may
+        // reach the new master (same address behind a VIP or DNS name).
+        || kind == K::Server(S::ReadOnly);
+    let transient = replace
+        || matches!(kind, K::Server(S::BusyLoading | S::MasterDown))
+        || matches!(code, Some("BUSY" | "OOM"));
+    let error = if transient {
+        Error::unavailable(BACKEND, format!("{shown}: {e}"))
+    } else if matches!(kind, K::Parse | K::UnexpectedReturnType) {
+        Error::protocol(BACKEND, format!("{shown}: {e}"))
     } else {
-        Error::backend(BACKEND, e)
+        Error::backend(BACKEND, format!("{shown}: {e}"))
+    };
+    (error, replace)
+}
+
+fn cluster_refused(shown: &str, what: &str) -> Error {
+    Error::Config(format!(
+        "{shown} is a Redis Cluster node ({what}): dlock-redis does not support Redis Cluster; \
+         use a standalone Redis, or redlock:// over independent masters"
+    ))
+}
+
+/// An [`Error`] that can be handed to every caller waiting on one connect.
+#[derive(Debug, Clone)]
+enum SharedError {
+    Auth(String),
+    Config(String),
+    Backend(String),
+    Unavailable(String),
+}
+
+impl From<Error> for SharedError {
+    fn from(e: Error) -> Self {
+        match e {
+            Error::Auth { reason, .. } => Self::Auth(reason),
+            Error::Config(m) => Self::Config(m),
+            Error::Backend { source, .. } => Self::Backend(source.to_string()),
+            other => Self::Unavailable(match other {
+                Error::Unavailable { source, .. } => source.to_string(),
+                e => e.to_string(),
+            }),
+        }
+    }
+}
+
+impl From<SharedError> for Error {
+    fn from(e: SharedError) -> Self {
+        match e {
+            SharedError::Auth(reason) => Error::Auth {
+                backend: BACKEND,
+                reason,
+            },
+            SharedError::Config(m) => Error::Config(m),
+            SharedError::Backend(m) => Error::backend(BACKEND, m),
+            SharedError::Unavailable(m) => Error::unavailable(BACKEND, m),
+        }
     }
 }
 
@@ -59,10 +187,14 @@ impl Keys {
         Self {
             last: format!("{lock}:t"),
             channel: format!("{lock}:c"),
-            boot: format!("{prefix}:boot"),
+            boot: boot_key(prefix),
             lock,
         }
     }
+}
+
+fn boot_key(prefix: &str) -> String {
+    format!("{prefix}:boot")
 }
 
 /// What a take script answered.
@@ -71,12 +203,210 @@ pub(crate) enum Taken {
     Busy(Duration),
 }
 
+/// What one node says about a lock (for `inspect`).
+pub(crate) struct Record {
+    pub(crate) info: LockInfo,
+    /// The attempt that holds it: nodes agree on a holder by this.
+    pub(crate) owner: String,
+}
+
+type Connecting = Shared<BoxFuture<'static, Result<Live, SharedError>>>;
+
+/// The command connection of one node, and how to make a new one.
+struct Commands {
+    client: Client,
+    shown: String,
+    allow_eviction: bool,
+    /// The eviction warning is logged once per node.
+    warned: AtomicBool,
+    state: Mutex<ConnState>,
+    generations: AtomicU64,
+    /// The zero of [`Live::answered`].
+    epoch: Instant,
+}
+
+/// A connection requests can use.
+#[derive(Clone)]
+struct Live {
+    generation: u64,
+    conn: MultiplexedConnection,
+    /// When it last answered anything, in µs since [`Commands::epoch`]: a
+    /// connection that answered after a request was sent is alive (that
+    /// request is queued behind others), one that did not may be dead.
+    answered: Arc<AtomicU64>,
+}
+
+#[derive(Default)]
+struct ConnState {
+    /// The connection requests use.
+    live: Option<Live>,
+    /// A connect under way, shared by everyone who needs it.
+    connecting: Option<Connecting>,
+}
+
+impl Commands {
+    /// The live connection, connecting first if there is none. The connect
+    /// runs in a task of its own, so callers that give up (their deadline)
+    /// do not cancel it for the next caller.
+    async fn connection(self: &Arc<Self>, deadline: Instant) -> Result<Live, Error> {
+        let pending = {
+            let mut state = self.state.lock().unwrap();
+            if let Some(live) = &state.live {
+                return Ok(live.clone());
+            }
+            state
+                .connecting
+                .get_or_insert_with(|| self.spawn_connect())
+                .clone()
+        };
+        match timeout_at(deadline, pending).await {
+            Ok(r) => r.map_err(Error::from),
+            Err(_) => Err(Error::unavailable(
+                BACKEND,
+                format!("{}: not connected in time", self.shown),
+            )),
+        }
+    }
+
+    fn spawn_connect(self: &Arc<Self>) -> Connecting {
+        let this = self.clone();
+        let task = tokio::spawn(async move {
+            let opened = timeout(CONNECT_TIMEOUT, this.open())
+                .await
+                .unwrap_or_else(|_| {
+                    Err(Error::unavailable(
+                        BACKEND,
+                        format!(
+                            "{}: connect timed out after {CONNECT_TIMEOUT:?}",
+                            this.shown
+                        ),
+                    ))
+                });
+            let mut state = this.state.lock().unwrap();
+            state.connecting = None;
+            let conn = opened.map_err(SharedError::from)?;
+            let generation = this.generations.fetch_add(1, Ordering::Relaxed) + 1;
+            let live = Live {
+                generation,
+                conn,
+                answered: Arc::new(AtomicU64::new(this.micros(Instant::now()))),
+            };
+            state.live = Some(live.clone());
+            tracing::debug!(node = %this.shown, generation, "connected");
+            Ok(live)
+        });
+        let shown = self.shown.clone();
+        async move {
+            task.await.unwrap_or_else(|e| {
+                Err(SharedError::Unavailable(format!(
+                    "{shown}: connect task failed: {e}"
+                )))
+            })
+        }
+        .boxed()
+        .shared()
+    }
+
+    /// A new connection to a server dlock can use (see [`Commands::check`]).
+    async fn open(&self) -> Result<MultiplexedConnection, Error> {
+        // No driver response timeout: requests are bounded by dlock's own
+        // limits, which replace the connection when they expire.
+        let config = AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(CONNECT_TIMEOUT))
+            .set_response_timeout(None);
+        let mut conn = self
+            .client
+            .get_multiplexed_async_connection_with_config(&config)
+            .await
+            .map_err(|e| map_err(&self.shown, &e).0)?;
+        match redis::cmd("INFO").query_async::<String>(&mut conn).await {
+            Ok(info) => self.check(&info)?,
+            Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoPerm) => {
+                if !self.warned.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(
+                        node = %self.shown,
+                        "the Redis user may not run INFO: dlock cannot check maxmemory-policy \
+                         (an evicting policy can drop held locks)"
+                    );
+                }
+            }
+            Err(e) => return Err(map_err(&self.shown, &e).0),
+        }
+        Ok(conn)
+    }
+
+    /// Refuses servers dlock cannot use safely: Redis Cluster nodes,
+    /// Sentinels, and an eviction policy that may delete held locks (every
+    /// lock key has a TTL, so `volatile-*` policies evict them as readily as
+    /// `allkeys-*`) unless `allow_eviction=true` says the risk is accepted.
+    fn check(&self, info: &str) -> Result<(), Error> {
+        let field = |name: &str| {
+            info.lines()
+                .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+                .map(str::trim)
+        };
+        if field("redis_mode") == Some("cluster") || field("cluster_enabled") == Some("1") {
+            return Err(cluster_refused(&self.shown, "cluster_enabled:1"));
+        }
+        if field("redis_mode") == Some("sentinel") {
+            return Err(Error::Config(format!(
+                "{} is a Redis Sentinel, not a Redis server: give the master's address",
+                self.shown
+            )));
+        }
+        let policy = field("maxmemory_policy").unwrap_or("noeviction");
+        let limit: u64 = field("maxmemory").and_then(|m| m.parse().ok()).unwrap_or(0);
+        if policy == "noeviction" {
+            return Ok(());
+        }
+        if limit > 0 && !self.allow_eviction {
+            return Err(Error::Config(format!(
+                "{}: maxmemory-policy {policy} with maxmemory {limit} may evict held locks (two \
+                 holders at once); set maxmemory-policy noeviction, use a Redis of its own for \
+                 locks, or add allow_eviction=true to the URL to accept the risk",
+                self.shown
+            )));
+        }
+        if !self.warned.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                node = %self.shown,
+                policy,
+                maxmemory = limit,
+                "maxmemory-policy may evict held locks (now, or once a maxmemory is set): \
+                 two clients could then hold one lock; prefer noeviction"
+            );
+        }
+        Ok(())
+    }
+
+    fn micros(&self, at: Instant) -> u64 {
+        at.saturating_duration_since(self.epoch).as_micros() as u64
+    }
+
+    /// Drops connection `generation` if it is still the live one: the next
+    /// request connects anew. Returns whether it was.
+    fn retire(&self, generation: u64, why: &str) -> bool {
+        let mut state = self.state.lock().unwrap();
+        if state
+            .live
+            .as_ref()
+            .is_some_and(|l| l.generation == generation)
+        {
+            state.live = None;
+            tracing::debug!(node = %self.shown, generation, why, "replacing the connection");
+            true
+        } else {
+            false
+        }
+    }
+}
+
 /// One Redis server.
 pub(crate) struct Node {
-    conn: ConnectionManager,
+    commands: Arc<Commands>,
     pub(crate) prefix: String,
     pub(crate) shown: String,
-    subs: Arc<Subscriptions>,
+    wakeups: Wakeups,
 }
 
 impl fmt::Debug for Node {
@@ -85,43 +415,138 @@ impl fmt::Debug for Node {
     }
 }
 
+/// One request in flight: if it is dropped with its answer outstanding
+/// (the core cut it off at its request timeout), the connection is
+/// suspected like on a time-out of the adapter's own.
+struct InFlight<'a> {
+    node: &'a Node,
+    live: Live,
+    sent: Instant,
+    limit: Duration,
+    done: bool,
+}
+
+impl InFlight<'_> {
+    /// A request on this connection got its answer (any answer, errors too).
+    fn answered(&self) {
+        let now = self.node.commands.micros(Instant::now());
+        self.live.answered.fetch_max(now, Ordering::Relaxed);
+    }
+
+    /// The request went unanswered: replace the connection unless it
+    /// answered something since this request was sent (then it is alive and
+    /// busy, and replacing it would only add a connect to the load).
+    fn unanswered(&self, why: &str) {
+        let sent = self.node.commands.micros(self.sent);
+        if self.live.answered.load(Ordering::Relaxed) < sent {
+            self.node.retire(self.live.generation, why);
+        }
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        // Dropped early (a caller cancelling at once) says nothing about the
+        // connection; dropped after waiting a while for an answer, it does.
+        if !self.done && self.sent.elapsed() >= self.limit / 2 {
+            self.unanswered("request abandoned");
+        }
+    }
+}
+
 impl Node {
-    /// Connects (and checks the server answers) within `timeout`.
-    pub(crate) async fn connect(
-        client: Client,
-        prefix: String,
-        shown: String,
-        timeout: Duration,
-    ) -> Result<Self, Error> {
-        let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(timeout))
-            .set_response_timeout(Some(timeout))
-            .set_number_of_retries(1);
-        let conn = tokio::time::timeout(timeout, client.get_connection_manager_with_config(config))
-            .await
-            .map_err(|_| Error::unavailable(BACKEND, format!("{shown}: connect timed out")))?
-            .map_err(map_err)?;
-        let subs = Arc::new(Subscriptions::new(client.clone()));
-        Ok(Self {
-            conn,
+    /// A node that connects at its first request (or [`Node::connect`]).
+    /// Must be called inside a Tokio runtime (it starts the wake-up task).
+    pub(crate) fn new(client: Client, prefix: String, shown: String, allow_eviction: bool) -> Self {
+        let wakeups = Wakeups::start(client.clone(), shown.clone());
+        Self {
+            commands: Arc::new(Commands {
+                client,
+                shown: shown.clone(),
+                allow_eviction,
+                warned: AtomicBool::new(false),
+                state: Mutex::default(),
+                generations: AtomicU64::new(0),
+                epoch: Instant::now(),
+            }),
             prefix,
             shown,
-            subs,
-        })
+            wakeups,
+        }
+    }
+
+    /// Connects now (and checks the server), within `limit`.
+    pub(crate) async fn connect(&self, limit: Duration) -> Result<(), Error> {
+        self.commands
+            .connection(Instant::now() + limit)
+            .await
+            .map(|_| ())
+    }
+
+    fn retire(&self, generation: u64, why: &str) {
+        if self.commands.retire(generation, why) {
+            // The pub/sub connection likely crosses the same dead path.
+            self.wakeups.probe();
+        }
+    }
+
+    /// Runs `op` on the live connection within `limit`. A connection-level
+    /// error retires the connection (the next request uses a new one); so
+    /// does a time-out, or `op` being dropped after waiting, unless the
+    /// connection answered anything meanwhile.
+    async fn request<T, F, Fut>(&self, limit: Duration, op: F) -> Result<T, Error>
+    where
+        F: FnOnce(MultiplexedConnection) -> Fut,
+        Fut: Future<Output = Result<T, RedisError>>,
+    {
+        let deadline = Instant::now() + limit;
+        let live = self.commands.connection(deadline).await?;
+        let conn = live.conn.clone();
+        let mut in_flight = InFlight {
+            node: self,
+            live,
+            sent: Instant::now(),
+            limit: deadline.saturating_duration_since(Instant::now()),
+            done: false,
+        };
+        let outcome = timeout_at(deadline, op(conn)).await;
+        in_flight.done = true;
+        match outcome {
+            Ok(Ok(v)) => {
+                in_flight.answered();
+                Ok(v)
+            }
+            Ok(Err(e)) => {
+                let (error, replace) = map_err(&self.shown, &e);
+                if replace {
+                    self.retire(in_flight.live.generation, "connection error");
+                } else {
+                    in_flight.answered();
+                }
+                Err(error)
+            }
+            Err(_) => {
+                in_flight.unanswered("request timed out");
+                Err(Error::unavailable(
+                    BACKEND,
+                    format!("{}: no answer within {limit:?}", self.shown),
+                ))
+            }
+        }
     }
 
     pub(crate) fn keys(&self, name: &LockName) -> Keys {
         Keys::new(&self.prefix, name)
     }
 
-    pub(crate) async fn ping(&self) -> Result<(), Error> {
-        let mut conn = self.conn.clone();
-        redis::cmd("PING")
-            .query_async::<()>(&mut conn)
-            .await
-            .map_err(map_err)
+    pub(crate) async fn ping(&self, limit: Duration) -> Result<(), Error> {
+        self.request(limit, |mut c| async move {
+            redis::cmd("PING").query_async::<()>(&mut c).await
+        })
+        .await
     }
 
+    #[allow(clippy::too_many_arguments)]
     pub(crate) async fn take(
         &self,
         keys: &Keys,
@@ -130,9 +555,10 @@ impl Node {
         why: &str,
         ttl: Duration,
         min_uptime: Duration,
+        limit: Duration,
     ) -> Result<Taken, Error> {
-        let mut conn = self.conn.clone();
-        let (granted, value): (i64, i64) = script::TAKE
+        let mut invocation = script::TAKE.prepare_invoke();
+        invocation
             .key(&keys.lock)
             .key(&keys.last)
             .key(&keys.boot)
@@ -141,10 +567,12 @@ impl Node {
             .arg(why)
             .arg(ttl.as_millis() as u64)
             .arg(KEEP_LAST_MS)
-            .arg(min_uptime.as_millis() as u64)
-            .invoke_async(&mut conn)
-            .await
-            .map_err(map_err)?;
+            .arg(min_uptime.as_millis() as u64);
+        let (granted, value): (i64, i64) = self
+            .request(limit, |mut c| async move {
+                invocation.invoke_async(&mut c).await
+            })
+            .await?;
         Ok(if granted == 1 {
             let token = u64::try_from(value)
                 .ok()
@@ -162,41 +590,53 @@ impl Node {
         keys: &Keys,
         owner: &str,
         token: Option<FencingToken>,
+        limit: Duration,
     ) -> Result<bool, Error> {
-        let mut conn = self.conn.clone();
         let token = token.map(|t| t.get().to_string()).unwrap_or_default();
-        let released: i64 = script::RELEASE
+        let mut invocation = script::RELEASE.prepare_invoke();
+        invocation
             .key(&keys.lock)
             .key(&keys.last)
             .arg(owner)
             .arg(token)
             .arg(&keys.channel)
-            .arg(KEEP_LAST_MS)
-            .invoke_async(&mut conn)
-            .await
-            .map_err(map_err)?;
+            .arg(KEEP_LAST_MS);
+        let released: i64 = self
+            .request(limit, |mut c| async move {
+                invocation.invoke_async(&mut c).await
+            })
+            .await?;
         Ok(released == 1)
     }
 
-    /// Renews every `(keys, owner, token)` in one script.
+    /// Renews every `(keys, owner, token)` in one script; with the restart
+    /// guard on (`min_uptime > 0`), a node that restarted confirms none.
     pub(crate) async fn renew(
         &self,
         holds: &[(Keys, &str, FencingToken)],
         ttl: Duration,
+        min_uptime: Duration,
+        limit: Duration,
     ) -> Result<Vec<bool>, Error> {
         if holds.is_empty() {
             return Ok(Vec::new());
         }
-        let mut conn = self.conn.clone();
         let mut invocation = script::RENEW.prepare_invoke();
-        invocation.arg(ttl.as_millis() as u64);
+        invocation
+            .arg(ttl.as_millis() as u64)
+            .arg(min_uptime.as_millis() as u64);
         for (keys, owner, token) in holds {
             invocation
                 .key(&keys.lock)
                 .arg(*owner)
                 .arg(token.get().to_string());
         }
-        let out: Vec<i64> = invocation.invoke_async(&mut conn).await.map_err(map_err)?;
+        invocation.key(boot_key(&self.prefix));
+        let out: Vec<i64> = self
+            .request(limit, |mut c| async move {
+                invocation.invoke_async(&mut c).await
+            })
+            .await?;
         if out.len() != holds.len() {
             return Err(Error::protocol(
                 BACKEND,
@@ -206,15 +646,21 @@ impl Node {
         Ok(out.into_iter().map(|v| v == 1).collect())
     }
 
-    /// Milliseconds before this node may grant (Redlock boot guard).
-    pub(crate) async fn ready_in(&self, min_uptime: Duration) -> Result<Duration, Error> {
-        let mut conn = self.conn.clone();
-        let left: i64 = script::READY
-            .key(format!("{}:boot", self.prefix))
-            .arg(min_uptime.as_millis() as u64)
-            .invoke_async(&mut conn)
-            .await
-            .map_err(map_err)?;
+    /// How long before this node may grant (the restart guard).
+    pub(crate) async fn ready_in(
+        &self,
+        min_uptime: Duration,
+        limit: Duration,
+    ) -> Result<Duration, Error> {
+        let mut invocation = script::READY.prepare_invoke();
+        invocation
+            .key(boot_key(&self.prefix))
+            .arg(min_uptime.as_millis() as u64);
+        let left: i64 = self
+            .request(limit, |mut c| async move {
+                invocation.invoke_async(&mut c).await
+            })
+            .await?;
         Ok(Duration::from_millis(left.max(0) as u64))
     }
 
@@ -225,31 +671,39 @@ impl Node {
         owner: &str,
         token: FencingToken,
         ttl: Duration,
+        limit: Duration,
     ) -> Result<bool, Error> {
-        let mut conn = self.conn.clone();
-        let done: i64 = script::BUMP
+        let mut invocation = script::BUMP.prepare_invoke();
+        invocation
             .key(&keys.lock)
             .key(&keys.last)
             .arg(owner)
             .arg(token.get().to_string())
-            .arg(ttl.as_millis() as u64 + KEEP_LAST_MS)
-            .invoke_async(&mut conn)
-            .await
-            .map_err(map_err)?;
+            .arg(ttl.as_millis() as u64 + KEEP_LAST_MS);
+        let done: i64 = self
+            .request(limit, |mut c| async move {
+                invocation.invoke_async(&mut c).await
+            })
+            .await?;
         Ok(done == 1)
     }
 
-    pub(crate) async fn inspect(&self, name: &LockName) -> Result<Option<LockInfo>, Error> {
+    pub(crate) async fn inspect(
+        &self,
+        name: &LockName,
+        limit: Duration,
+    ) -> Result<Option<Record>, Error> {
         let keys = self.keys(name);
-        let mut conn = self.conn.clone();
-        let reply: Option<Vec<String>> = script::INSPECT
-            .key(&keys.lock)
-            .invoke_async(&mut conn)
-            .await
-            .map_err(map_err)?;
+        let mut invocation = script::INSPECT.prepare_invoke();
+        invocation.key(&keys.lock);
+        let reply: Option<Vec<String>> = self
+            .request(limit, |mut c| async move {
+                invocation.invoke_async(&mut c).await
+            })
+            .await?;
         let Some(v) = reply else { return Ok(None) };
         let bad = || Error::protocol(BACKEND, format!("unexpected lock record {v:?}"));
-        let [session, token, why, at, pttl, now] = v.as_slice() else {
+        let [session, token, why, at, pttl, now, owner] = v.as_slice() else {
             return Err(bad());
         };
         let num = |s: &str| s.parse::<i64>().map_err(|_| bad());
@@ -262,24 +716,30 @@ impl Node {
         info.why = (!why.is_empty()).then(|| why.clone());
         info.acquired_at = Some(epoch_ms(at));
         info.expires_at = Some(epoch_ms(now + pttl));
-        Ok(Some(info))
+        Ok(Some(Record {
+            info,
+            owner: owner.clone(),
+        }))
     }
 
-    /// Every key matching `pattern`, by `SCAN` (never `KEYS`).
-    async fn scan_keys(&self, pattern: &str) -> Result<Vec<String>, Error> {
-        let mut conn = self.conn.clone();
+    /// Every key matching `pattern`, by `SCAN` (never `KEYS`); `limit` per
+    /// round trip.
+    async fn scan_keys(&self, pattern: &str, limit: Duration) -> Result<Vec<String>, Error> {
         let mut cursor = 0u64;
         let mut all = Vec::new();
         loop {
-            let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
-                .arg(cursor)
-                .arg("MATCH")
-                .arg(pattern)
-                .arg("COUNT")
-                .arg(1000)
-                .query_async(&mut conn)
-                .await
-                .map_err(map_err)?;
+            let (next, keys): (u64, Vec<String>) = self
+                .request(limit, |mut c| async move {
+                    redis::cmd("SCAN")
+                        .arg(cursor)
+                        .arg("MATCH")
+                        .arg(pattern)
+                        .arg("COUNT")
+                        .arg(1000)
+                        .query_async(&mut c)
+                        .await
+                })
+                .await?;
             all.extend(keys);
             if next == 0 {
                 return Ok(all);
@@ -289,13 +749,13 @@ impl Node {
     }
 
     /// Names of held locks under `prefix`, by `SCAN` (never `KEYS`).
-    pub(crate) async fn scan(&self, prefix: &str) -> Result<Vec<LockName>, Error> {
+    pub(crate) async fn scan(&self, prefix: &str, limit: Duration) -> Result<Vec<LockName>, Error> {
         // Names contain no glob characters, so the prefix needs no escaping;
         // the trailing `}` excludes the `:t` last-token keys.
         let pattern = format!("{}:{{{prefix}*}}", self.prefix);
         let lock_prefix = format!("{}:{{", self.prefix);
         let mut names: Vec<LockName> = self
-            .scan_keys(&pattern)
+            .scan_keys(&pattern, limit)
             .await?
             .iter()
             .filter_map(|key| key.strip_prefix(&lock_prefix)?.strip_suffix('}'))
@@ -306,30 +766,37 @@ impl Node {
         Ok(names)
     }
 
-    /// Keys under `prefix` that would never expire (none should): the leak
-    /// check of the conformance suite.
-    pub(crate) async fn persistent_keys(&self, prefix: &str) -> Result<usize, Error> {
-        let mut conn = self.conn.clone();
+    /// Keys under `prefix` that would never expire (none should) plus
+    /// subscribed channels: the leak check of the conformance suite.
+    pub(crate) async fn persistent_keys(
+        &self,
+        prefix: &str,
+        limit: Duration,
+    ) -> Result<usize, Error> {
         let mut count = 0;
         for key in self
-            .scan_keys(&format!("{}:{{{prefix}*", self.prefix))
+            .scan_keys(&format!("{}:{{{prefix}*", self.prefix), limit)
             .await?
         {
-            let ttl: i64 = redis::cmd("PTTL")
-                .arg(&key)
-                .query_async(&mut conn)
-                .await
-                .map_err(map_err)?;
+            let ttl: i64 = self
+                .request(limit, |mut c| async move {
+                    redis::cmd("PTTL").arg(&key).query_async(&mut c).await
+                })
+                .await?;
             if ttl == -1 {
                 count += 1;
             }
         }
-        let channels: Vec<String> = redis::cmd("PUBSUB")
-            .arg("CHANNELS")
-            .arg(format!("{}:{{{prefix}*", self.prefix))
-            .query_async(&mut conn)
-            .await
-            .map_err(map_err)?;
+        let pattern = format!("{}:{{{prefix}*", self.prefix);
+        let channels: Vec<String> = self
+            .request(limit, |mut c| async move {
+                redis::cmd("PUBSUB")
+                    .arg("CHANNELS")
+                    .arg(&pattern)
+                    .query_async(&mut c)
+                    .await
+            })
+            .await?;
         Ok(count + channels.len())
     }
 
@@ -337,35 +804,45 @@ impl Node {
         &self,
         name: &LockName,
         token: FencingToken,
+        limit: Duration,
     ) -> Result<bool, Error> {
         let keys = self.keys(name);
-        let mut conn = self.conn.clone();
-        let ok: i64 = script::VALIDATE
-            .key(&keys.lock)
-            .arg(token.get().to_string())
-            .invoke_async(&mut conn)
-            .await
-            .map_err(map_err)?;
+        let mut invocation = script::VALIDATE.prepare_invoke();
+        invocation.key(&keys.lock).arg(token.get().to_string());
+        let ok: i64 = self
+            .request(limit, |mut c| async move {
+                invocation.invoke_async(&mut c).await
+            })
+            .await?;
         Ok(ok == 1)
     }
 
-    pub(crate) async fn force_release(&self, name: &LockName) -> Result<bool, Error> {
+    pub(crate) async fn force_release(
+        &self,
+        name: &LockName,
+        limit: Duration,
+    ) -> Result<bool, Error> {
         let keys = self.keys(name);
-        let mut conn = self.conn.clone();
-        let done: i64 = script::FORCE
+        let mut invocation = script::FORCE.prepare_invoke();
+        invocation
             .key(&keys.lock)
             .key(&keys.last)
             .arg(&keys.channel)
-            .arg(KEEP_LAST_MS)
-            .invoke_async(&mut conn)
-            .await
-            .map_err(map_err)?;
+            .arg(KEEP_LAST_MS);
+        let done: i64 = self
+            .request(limit, |mut c| async move {
+                invocation.invoke_async(&mut c).await
+            })
+            .await?;
         Ok(done == 1)
     }
 
-    /// Subscribes to `channel` on the node's shared pub/sub connection.
-    pub(crate) async fn subscribe(&self, channel: &str) -> Result<Subscription, Error> {
-        self.subs.clone().subscribe(channel).await
+    /// Registers a waiter on `channel` and waits (at most `limit`) until the
+    /// node's pub/sub connection is subscribed to it, or has failed to
+    /// connect. Never fails: a waiter without notifications still has the
+    /// core's timers, and is woken when the connection comes back.
+    pub(crate) async fn subscribe(&self, channel: &str, limit: Duration) -> Subscription {
+        self.wakeups.subscribe(channel, limit).await
     }
 }
 
@@ -373,36 +850,47 @@ fn epoch_ms(ms: i64) -> std::time::SystemTime {
     std::time::UNIX_EPOCH + Duration::from_millis(ms.max(0) as u64)
 }
 
-/// The shared pub/sub connection of one node: channels are subscribed while
-/// at least one waiter needs them (no leaked channels), and every message
-/// wakes the longest-waiting waiter of its channel in this process.
-struct Subscriptions {
-    client: Client,
-    /// The sink of the live connection, if any.
-    state: tokio::sync::Mutex<Option<PubSubSink>>,
+/// State shared by a node's waiters and its wake-up task.
+struct WakeShared {
     /// The waiters per channel (dlock-core's wake-up plumbing).
-    waiters: Arc<WakeHub>,
-    /// The task reading the live connection; aborted with the hub.
-    reader: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    hub: Arc<WakeHub>,
+    /// Subscription requests, numbered.
+    requests: AtomicU64,
+    /// Something changed: a waiter came or went.
+    kick: Notify,
+    /// The command connection failed: check the pub/sub connection too.
+    probe: Notify,
+    /// Every subscription request numbered up to this has been handled by
+    /// the wake-up task (subscribed, or the connection found down).
+    served: watch::Sender<u64>,
 }
 
-impl Drop for Subscriptions {
+/// The pub/sub side of a node: one task owns the connection and keeps it
+/// subscribed to exactly the channels that have waiters in this process (no
+/// leaked channels); every message wakes the longest-waiting waiter of its
+/// channel here.
+struct Wakeups {
+    shared: Arc<WakeShared>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Wakeups {
     fn drop(&mut self) {
-        if let Some(reader) = self.reader.lock().unwrap().take() {
-            reader.abort();
-        }
+        self.task.abort();
     }
 }
 
-/// A waiter's registration; unsubscribes the channel when the last one goes.
+/// A waiter's registration; the channel is unsubscribed when its last
+/// waiter goes.
 pub(crate) struct Subscription {
     /// `Some` until dropped.
     waiter: Option<Waiter>,
-    subs: Arc<Subscriptions>,
+    shared: Arc<WakeShared>,
 }
 
 impl Subscription {
-    /// Resolves at the next release notification on the channel.
+    /// Resolves at the next release notification on the channel (or when
+    /// the pub/sub connection came back after a gap).
     pub(crate) async fn notified(&self) {
         if let Some(w) = &self.waiter {
             w.notified().await;
@@ -417,109 +905,220 @@ impl Drop for Subscription {
         };
         let channel = waiter.key().to_owned();
         drop(waiter);
-        if !self.subs.waiters.has_waiters(&channel)
-            && let Ok(rt) = tokio::runtime::Handle::try_current()
-        {
-            let subs = self.subs.clone();
-            rt.spawn(async move { subs.unsubscribe_if_unused(&channel).await });
+        if !self.shared.hub.has_waiters(&channel) {
+            self.shared.kick.notify_one();
         }
     }
 }
 
-impl Subscriptions {
-    fn new(client: Client) -> Self {
-        Self {
-            client,
-            state: tokio::sync::Mutex::new(None),
-            waiters: Arc::default(),
-            reader: Mutex::new(None),
-        }
+impl Wakeups {
+    fn start(client: Client, shown: String) -> Self {
+        let (served, _) = watch::channel(0);
+        let shared = Arc::new(WakeShared {
+            hub: Arc::default(),
+            requests: AtomicU64::new(0),
+            kick: Notify::new(),
+            probe: Notify::new(),
+            served,
+        });
+        let task = tokio::spawn(run_wakeups(client, shown, shared.clone()));
+        Self { shared, task }
     }
 
-    async fn subscribe(self: Arc<Self>, channel: &str) -> Result<Subscription, Error> {
-        let first = !self.waiters.has_waiters(channel);
+    fn probe(&self) {
+        self.shared.probe.notify_one();
+    }
+
+    async fn subscribe(&self, channel: &str, limit: Duration) -> Subscription {
+        let shared = &self.shared;
         let subscription = Subscription {
-            waiter: Some(self.waiters.subscribe(channel)),
-            subs: self.clone(),
+            waiter: Some(shared.hub.subscribe(channel)),
+            shared: shared.clone(),
         };
-        let mut state = self.state.lock().await;
-        if state.is_none() {
-            // A new connection subscribes every channel with waiters,
-            // including this one.
-            *state = Some(self.connect().await?);
-        } else if first {
-            let sink = state.as_mut().expect("checked above");
-            if let Err(e) = sink.subscribe(channel).await {
-                *state = None;
-                return Err(map_err(e));
+        // Registered first, numbered second: a reconcile that has seen this
+        // number has seen the registration (see `run_wakeups`).
+        let ticket = shared.requests.fetch_add(1, Ordering::SeqCst) + 1;
+        shared.kick.notify_one();
+        let mut served = shared.served.subscribe();
+        let _ = timeout(limit, served.wait_for(|s| *s >= ticket)).await;
+        subscription
+    }
+}
+
+/// The wake-up task of one node: reconciles the subscribed channels with
+/// the waiters' (connecting, reconnecting with back-off), forwards messages,
+/// probes the connection when asked, and after a gap in the connection wakes
+/// every waiter (a release may have gone unseen meanwhile).
+async fn run_wakeups(client: Client, shown: String, shared: Arc<WakeShared>) {
+    const FIRST_BACKOFF: Duration = Duration::from_millis(50);
+    let mut conn: Option<(redis::aio::PubSubSink, redis::aio::PubSubStream)> = None;
+    let mut subscribed: HashSet<String> = HashSet::new();
+    // Waiters lost notifications for a while: wake them once reconnected.
+    let mut gap = false;
+    let mut backoff = FIRST_BACKOFF;
+    loop {
+        // Numbered before the waiters are read: every request up to
+        // `through` registered before this snapshot.
+        let through = shared.requests.load(Ordering::SeqCst);
+        let wanted: HashSet<String> = shared.hub.keys().into_iter().collect();
+        let mut failure = None;
+        if conn.is_none() && !wanted.is_empty() {
+            match timeout(CONNECT_TIMEOUT, client.get_async_pubsub()).await {
+                Ok(Ok(pubsub)) => {
+                    conn = Some(pubsub.split());
+                    subscribed.clear();
+                }
+                Ok(Err(e)) => failure = Some(map_err(&shown, &e).0.to_string()),
+                Err(_) => failure = Some("connect timed out".to_owned()),
             }
         }
-        Ok(subscription)
-    }
-
-    fn channels(&self) -> Vec<String> {
-        self.waiters.keys()
-    }
-
-    /// Opens a pub/sub connection subscribed to every channel with waiters
-    /// and starts its reader; the caller stores the sink.
-    // Boxed with an explicit `Send`: the reader task calls it again to
-    // reconnect, and a recursive `async fn` cannot prove it is `Send`.
-    fn connect(self: &Arc<Self>) -> futures::future::BoxFuture<'_, Result<PubSubSink, Error>> {
-        Box::pin(async move {
-            let pubsub = self.client.get_async_pubsub().await.map_err(map_err)?;
-            let (mut sink, mut stream) = pubsub.split();
-            for channel in self.channels() {
-                sink.subscribe(&channel).await.map_err(map_err)?;
+        if let Some((sink, _)) = conn.as_mut() {
+            let add: Vec<&String> = wanted.difference(&subscribed).collect();
+            let remove: Vec<&String> = subscribed.difference(&wanted).collect();
+            let reconcile = async {
+                if !add.is_empty() {
+                    sink.subscribe(&add).await?;
+                }
+                if !remove.is_empty() {
+                    sink.unsubscribe(&remove).await?;
+                }
+                Ok::<_, RedisError>(())
+            };
+            match timeout(PUBSUB_TIMEOUT, reconcile).await {
+                Ok(Ok(())) => subscribed = wanted,
+                Ok(Err(e)) => failure = Some(e.to_string()),
+                Err(_) => failure = Some("no answer".to_owned()),
             }
-            let weak = Arc::downgrade(self);
-            let reader = tokio::spawn(async move {
-                while let Some(msg) = stream.next().await {
-                    let Some(subs) = weak.upgrade() else { return };
-                    // One waiter per release in this process (no herd); if it
-                    // loses the race, the winner's release wakes the next.
-                    subs.waiters.wake_first(msg.get_channel_name());
-                }
-                // Connection lost: reconnect and resubscribe while anyone waits;
-                // waiters fall back to their timers meanwhile.
-                loop {
-                    let Some(subs) = weak.upgrade() else { return };
-                    let mut state = subs.state.lock().await;
-                    if subs.channels().is_empty() {
-                        *state = None;
-                        return;
+        } else {
+            // Nobody waits: nobody missed anything.
+            subscribed.clear();
+            gap = false;
+        }
+        if let Some(why) = failure {
+            tracing::warn!(node = %shown, error = %why, "redis pub/sub connection failed; waiters poll until it is back");
+            conn = None;
+            subscribed.clear();
+            gap = true;
+            // Served: those waiters go on without notifications for now.
+            shared.served.send_replace(through);
+            sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_secs(1));
+            continue;
+        }
+        backoff = FIRST_BACKOFF;
+        shared.served.send_replace(through);
+        if gap && conn.is_some() {
+            gap = false;
+            shared.hub.wake_everyone();
+        }
+        let mut dead = false;
+        match conn.as_mut() {
+            Some((sink, stream)) => {
+                tokio::select! {
+                    _ = shared.kick.notified() => {}
+                    _ = shared.probe.notified() => {
+                        let answered = timeout(PUBSUB_TIMEOUT, sink.ping::<redis::Value>()).await;
+                        dead = !matches!(answered, Ok(Ok(_)));
                     }
-                    match subs.connect().await {
-                        Ok(connected) => {
-                            *state = Some(connected);
-                            return;
-                        }
-                        Err(e) => {
-                            *state = None;
-                            drop(state);
-                            drop(subs);
-                            tracing::warn!(error = %e, "redis pub/sub reconnect failed; retrying");
-                            tokio::time::sleep(Duration::from_millis(500)).await;
-                        }
-                    }
+                    msg = stream.next() => match msg {
+                        // One waiter per release in this process (no herd); if
+                        // it loses the race, the winner's release wakes the next.
+                        Some(msg) => shared.hub.wake_first(msg.get_channel_name()),
+                        None => dead = true,
+                    },
                 }
-            });
-            *self.reader.lock().unwrap() = Some(reader);
-            Ok(sink)
-        })
+            }
+            None => {
+                tokio::select! {
+                    _ = shared.kick.notified() => {}
+                    _ = shared.probe.notified() => {}
+                }
+            }
+        }
+        if dead {
+            tracing::debug!(node = %shown, "redis pub/sub connection lost; reconnecting");
+            conn = None;
+            subscribed.clear();
+            gap = true;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The error a server reply `-LINE` becomes in the driver.
+    fn server_error(line: &str) -> RedisError {
+        redis::parse_redis_value(format!("-{line}\r\n").as_bytes())
+            .expect("a RESP error line")
+            .extract_error()
+            .expect_err("an error")
     }
 
-    async fn unsubscribe_if_unused(&self, channel: &str) {
-        // Checked under the connection lock: a subscriber that registers
-        // after this check subscribes again once it gets the lock.
-        let mut state = self.state.lock().await;
-        if self.waiters.has_waiters(channel) {
-            return;
+    #[test]
+    fn cluster_replies_name_redis_cluster_and_are_final() {
+        for line in [
+            "MOVED 3999 127.0.0.1:6381",
+            "ASK 3999 127.0.0.1:6381",
+            "CLUSTERDOWN Hash slot not served",
+            "CROSSSLOT Keys in request don't hash to the same slot",
+            "TRYAGAIN Multiple keys request during rehashing of slot",
+        ] {
+            let (e, replace) = map_err("redis://h:1", &server_error(line));
+            assert!(
+                matches!(e, Error::Config(ref m) if m.contains("Redis Cluster") && m.contains("redis://h:1")),
+                "{line}: {e:?}"
+            );
+            assert!(!e.is_retryable() && !replace, "{line}");
         }
-        if let Some(sink) = state.as_mut()
-            && sink.unsubscribe(channel).await.is_err()
-        {
-            *state = None;
+    }
+
+    #[test]
+    fn failover_and_busy_replies_are_retryable() {
+        let (e, replace) = map_err(
+            "n",
+            &server_error("READONLY You can't write against a read only replica."),
+        );
+        assert!(e.is_retryable() && replace, "{e:?}");
+        for line in [
+            "LOADING Redis is loading the dataset in memory",
+            "MASTERDOWN Link with MASTER is down",
+            "BUSY Redis is busy running a script.",
+            "OOM command not allowed when used memory > 'maxmemory'.",
+        ] {
+            let (e, replace) = map_err("n", &server_error(line));
+            assert!(e.is_retryable() && !replace, "{line}: {e:?}");
         }
+    }
+
+    #[test]
+    fn refused_credentials_are_auth_errors() {
+        for line in [
+            "WRONGPASS invalid username-password pair or user is disabled.",
+            "NOAUTH Authentication required.",
+        ] {
+            let (e, _) = map_err("n", &server_error(line));
+            assert!(matches!(e, Error::Auth { .. }), "{line}: {e:?}");
+            assert!(!e.is_retryable());
+        }
+        let (e, _) = map_err(
+            "n",
+            &server_error("NOPERM this user has no permissions to run the 'eval' command"),
+        );
+        assert!(
+            matches!(e, Error::Backend { .. }) && e.to_string().contains("ACL"),
+            "{e:?}"
+        );
+    }
+
+    #[test]
+    fn dead_connections_are_replaced() {
+        let io = RedisError::from(std::io::Error::new(
+            std::io::ErrorKind::ConnectionReset,
+            "reset",
+        ));
+        let (e, replace) = map_err("n", &io);
+        assert!(e.is_retryable() && replace, "{e:?}");
     }
 }

@@ -3,24 +3,62 @@
 //! Keys per lock name N (the name in a hash tag, so all of them map to one
 //! Cluster slot): `P:{N}` the lock hash (`owner`, `session`, `token`, `why`,
 //! `at`) with a `PX` expiry; `P:{N}:t` the last token, kept for a while after
-//! release; channel `P:{N}:c` for release notifications.
+//! release; channel `P:{N}:c` for release notifications. Per node: `P:boot`,
+//! the restart guard's record (`run`, `since`).
 //!
 //! Tokens: `max(last + 1, TIME in µs)`. While the last-token key lives, that is
 //! `last + 1`; once it is gone (expired, or lost with a restart without
 //! persistence) the server clock in microseconds is larger than every token
 //! issued before — **assuming the server's clock never steps back**.
-
+//!
+//! Restart guard (when `min_uptime > 0`): the server's `run_id` (from `INFO
+//! server`, drawn at random by every server process at start and never
+//! persisted) is compared with the one recorded in `P:boot`. A different or
+//! missing record means a server process dlock has not seen before (a
+//! restart with or without data, a promoted replica, a `FLUSHALL`): the node
+//! records the new `run_id` with the server time and, for `min_uptime` from
+//! then, grants nothing and confirms no renewal.
 use redis::Script;
 use std::sync::LazyLock;
+
+/// Defines `guard_wait(key, min_uptime_ms, now_ms)`: the ms this node must
+/// still wait before it may grant or confirm a renewal (0: it may).
+const GUARD: &str = r#"
+local function guard_wait(key, min_uptime, now_ms)
+  if min_uptime <= 0 then return 0 end
+  local run = string.match(redis.call('INFO', 'server'), 'run_id:(%x+)')
+  if not run then error('dlock: INFO server shows no run_id') end
+  local since = nil
+  if redis.call('TYPE', key)['ok'] == 'hash' then
+    local v = redis.call('HMGET', key, 'run', 'since')
+    if v[1] == run then since = tonumber(v[2]) end
+  end
+  if not since then
+    redis.call('DEL', key)
+    redis.call('HSET', key, 'run', run, 'since', string.format('%.0f', now_ms))
+    return min_uptime
+  end
+  return math.max(0, math.ceil(min_uptime - (now_ms - since)))
+end
+"#;
+
+fn guarded(body: &str) -> Script {
+    Script::new(&format!(
+        "if redis.replicate_commands then redis.replicate_commands() end\n{GUARD}\n{body}"
+    ))
+}
 
 /// Take if free. KEYS: lock, last, boot. ARGV: owner, session, why, ttl_ms,
 /// keep_last_ms, min_uptime_ms. Returns `{1, token}` (granted, also when
 /// this owner already holds it — then the expiry is extended too) or
-/// `{0, ms_until_retry}`.
+/// `{0, ms_until_retry}` (busy, or the restart guard is on).
 pub(crate) static TAKE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
+    guarded(
         r#"
-if redis.replicate_commands then redis.replicate_commands() end
+local t = redis.call('TIME')
+local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local wait = guard_wait(KEYS[3], tonumber(ARGV[6]), math.floor(now_us / 1000))
+if wait > 0 then return {0, wait} end
 local owner = redis.call('HGET', KEYS[1], 'owner')
 if owner then
   if owner == ARGV[1] then
@@ -29,20 +67,6 @@ if owner then
     return {1, tonumber(redis.call('HGET', KEYS[1], 'token'))}
   end
   return {0, redis.call('PTTL', KEYS[1])}
-end
-local t = redis.call('TIME')
-local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local min_uptime = tonumber(ARGV[6])
-if min_uptime > 0 then
-  local boot = redis.call('GET', KEYS[3])
-  if not boot then
-    redis.call('SET', KEYS[3], string.format('%.0f', now_us / 1000))
-    return {0, min_uptime}
-  end
-  local up = now_us / 1000 - tonumber(boot)
-  if up < min_uptime then
-    return {0, math.ceil(min_uptime - up)}
-  end
 end
 local last = tonumber(redis.call('GET', KEYS[2]) or '0')
 local token = math.max(last + 1, now_us)
@@ -72,15 +96,27 @@ return 1
     )
 });
 
-/// Owner-checked renewal of many holds. KEYS: lock keys. ARGV: ttl_ms, then
-/// owner and token per key. Returns 1/0 per key.
+/// Owner-checked renewal of many holds. KEYS: lock keys, then boot. ARGV:
+/// ttl_ms, min_uptime_ms, then owner and token per lock key. Returns 1/0 per
+/// lock key (all 0 while the restart guard is on: a restarted node vouches
+/// for nothing).
 pub(crate) static RENEW: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
+    guarded(
         r#"
 local out = {}
-for i = 1, #KEYS do
-  if redis.call('HGET', KEYS[i], 'owner') == ARGV[2 * i]
-     and redis.call('HGET', KEYS[i], 'token') == ARGV[2 * i + 1] then
+local n = #KEYS - 1
+local min_uptime = tonumber(ARGV[2])
+if min_uptime > 0 then
+  local t = redis.call('TIME')
+  local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  if guard_wait(KEYS[#KEYS], min_uptime, now_ms) > 0 then
+    for i = 1, n do out[i] = 0 end
+    return out
+  end
+end
+for i = 1, n do
+  if redis.call('HGET', KEYS[i], 'owner') == ARGV[2 * i + 1]
+     and redis.call('HGET', KEYS[i], 'token') == ARGV[2 * i + 2] then
     redis.call('PEXPIRE', KEYS[i], ARGV[1])
     out[i] = 1
   else
@@ -93,16 +129,16 @@ return out
 });
 
 /// Holder details. KEYS: lock. Returns `{session, token, why, at_ms, pttl,
-/// now_ms}` as strings, or nil if free.
+/// now_ms, owner}` as strings, or nil if free.
 pub(crate) static INSPECT: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r#"
-local v = redis.call('HMGET', KEYS[1], 'session', 'token', 'why', 'at')
+local v = redis.call('HMGET', KEYS[1], 'session', 'token', 'why', 'at', 'owner')
 if not v[2] then return nil end
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 return {v[1] or '', v[2], v[3] or '', v[4] or '0',
-  tostring(redis.call('PTTL', KEYS[1])), string.format('%.0f', now_ms)}
+  tostring(redis.call('PTTL', KEYS[1])), string.format('%.0f', now_ms), v[5] or ''}
 "#,
     )
 });
@@ -152,21 +188,15 @@ return 1
     )
 });
 
-/// Redlock boot guard: records when dlock first saw this node (or saw it
-/// again after a restart without persistence). KEYS: boot. ARGV:
-/// min_uptime_ms. Returns the ms left before the node may grant.
+/// Restart guard alone: starts the guard's clock on a server process dlock
+/// has not seen yet. KEYS: boot. ARGV: min_uptime_ms. Returns the ms left
+/// before the node may grant.
 pub(crate) static READY: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
+    guarded(
         r#"
-if redis.replicate_commands then redis.replicate_commands() end
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local boot = redis.call('GET', KEYS[1])
-if not boot then
-  redis.call('SET', KEYS[1], string.format('%.0f', now_ms))
-  return tonumber(ARGV[1])
-end
-return math.max(0, math.ceil(tonumber(ARGV[1]) - (now_ms - tonumber(boot))))
+return guard_wait(KEYS[1], tonumber(ARGV[1]), now_ms)
 "#,
     )
 });

@@ -20,15 +20,18 @@ pub(crate) struct RedisSession {
     /// `id#`: every owner value of this session starts with it.
     owner_prefix: String,
     ttl: Duration,
+    /// How long one node may take to answer one of this session's requests.
+    limit: Duration,
 }
 
 impl RedisSession {
-    pub(crate) fn new(inner: Arc<Inner>, id: SessionId, ttl: Duration) -> Self {
+    pub(crate) fn new(inner: Arc<Inner>, id: SessionId, ttl: Duration, limit: Duration) -> Self {
         Self {
             owner_prefix: format!("{id}#"),
             inner,
             id,
             ttl,
+            limit,
         }
     }
 
@@ -54,8 +57,15 @@ async fn release_everywhere(
     keys: &Keys,
     owner: &str,
     token: Option<FencingToken>,
+    limit: Duration,
 ) -> Result<usize, Error> {
-    let answers = join_all(inner.nodes.iter().map(|n| n.release(keys, owner, token))).await;
+    let answers = join_all(
+        inner
+            .nodes
+            .iter()
+            .map(|n| n.release(keys, owner, token, limit)),
+    )
+    .await;
     let (released, answered) = count(answers)?;
     if released == 0 {
         // Nobody released it: only a majority of answers makes that a "no".
@@ -83,6 +93,7 @@ impl RawSession for RedisSession {
             session: self.id.to_string(),
             why: why.unwrap_or_default().to_owned(),
             ttl: self.ttl,
+            limit: self.limit,
             sent: false,
             subscriptions: None,
             backoff: None,
@@ -98,7 +109,14 @@ impl RawSession for RedisSession {
             .iter()
             .map(|h| (Keys::new(prefix, &h.name), h.key.as_str(), h.token))
             .collect();
-        let answers = join_all(self.inner.nodes.iter().map(|n| n.renew(&request, self.ttl))).await;
+        let min_uptime = self.inner.min_uptime();
+        let answers = join_all(
+            self.inner
+                .nodes
+                .iter()
+                .map(|n| n.renew(&request, self.ttl, min_uptime, self.limit)),
+        )
+        .await;
         let mut votes = vec![0usize; holds.len()];
         let mut answered = 0;
         let mut first_error = None;
@@ -135,7 +153,8 @@ impl RawSession for RedisSession {
             return Err(not_held());
         }
         let keys = Keys::new(&self.inner.options.prefix, &hold.name);
-        let released = release_everywhere(&self.inner, &keys, &hold.key, Some(hold.token)).await?;
+        let released =
+            release_everywhere(&self.inner, &keys, &hold.key, Some(hold.token), self.limit).await?;
         if released == 0 {
             Err(not_held())
         } else {
@@ -146,7 +165,7 @@ impl RawSession for RedisSession {
     async fn close(&self, holds: &[Hold]) -> Result<(), Error> {
         let releases = holds.iter().filter(|h| self.owns(h)).map(|h| async move {
             let keys = Keys::new(&self.inner.options.prefix, &h.name);
-            release_everywhere(&self.inner, &keys, &h.key, Some(h.token)).await
+            release_everywhere(&self.inner, &keys, &h.key, Some(h.token), self.limit).await
         });
         for r in join_all(releases).await {
             r?;
@@ -164,6 +183,8 @@ struct RedisAttempt {
     session: String,
     why: String,
     ttl: Duration,
+    /// How long one node may take to answer.
+    limit: Duration,
     /// Whether a take was sent (abandon must then release everywhere).
     sent: bool,
     /// Channel subscriptions, made at the first wait.
@@ -197,6 +218,7 @@ impl Attempt for RedisAttempt {
                 &self.why,
                 self.ttl,
                 min_uptime,
+                self.limit,
             )
         }))
         .await;
@@ -233,7 +255,7 @@ impl Attempt for RedisAttempt {
         // No majority: undo the partial grant at once so that others (and
         // our retry) are not blocked until those keys expire.
         if !tokens.is_empty() {
-            let _ = release_everywhere(inner, &self.keys, &self.owner, None).await;
+            let _ = release_everywhere(inner, &self.keys, &self.owner, None, self.limit).await;
             let spread = Duration::from_millis(2 + 3 * inner.nodes.len() as u64);
             self.backoff = Some(spread.mul_f64(rand::random::<f64>()));
         }
@@ -253,26 +275,19 @@ impl Attempt for RedisAttempt {
         if self.subscriptions.is_none() {
             // Subscribe, then return at once: the core re-checks, so a
             // release between the last take and this subscription is seen.
+            // Nodes whose pub/sub connection is down still register the
+            // waiter: it is woken when the connection is back.
             let subs = join_all(
                 self.inner
                     .nodes
                     .iter()
-                    .map(|n| n.subscribe(&self.keys.channel)),
+                    .map(|n| n.subscribe(&self.keys.channel, self.limit)),
             )
             .await;
-            let subs: Vec<_> = subs.into_iter().filter_map(Result::ok).collect();
-            if subs.is_empty() {
-                // No notifications available: poll by the core's timers.
-                sleep_until(until).await;
-            }
             self.subscriptions = Some(subs);
             return Ok(());
         }
         let subs = self.subscriptions.as_ref().expect("checked");
-        if subs.is_empty() {
-            sleep_until(until).await;
-            return Ok(());
-        }
         let notified = futures::future::select_all(subs.iter().map(|s| Box::pin(s.notified())));
         tokio::select! {
             _ = notified => {}
@@ -282,8 +297,11 @@ impl Attempt for RedisAttempt {
     }
 
     async fn abandon(&mut self) -> Result<(), Error> {
+        // No more waiting: let the channels go now (the core may keep the
+        // attempt while it retries the clean-up).
+        self.subscriptions = None;
         if self.sent {
-            release_everywhere(&self.inner, &self.keys, &self.owner, None).await?;
+            release_everywhere(&self.inner, &self.keys, &self.owner, None, self.limit).await?;
         }
         Ok(())
     }
@@ -297,9 +315,9 @@ impl RedisAttempt {
         granted: &[(usize, FencingToken)],
         token: FencingToken,
     ) -> Result<usize, Error> {
-        let bumps = granted
-            .iter()
-            .map(|(i, _)| self.inner.nodes[*i].bump(&self.keys, &self.owner, token, self.ttl));
+        let bumps = granted.iter().map(|(i, _)| {
+            self.inner.nodes[*i].bump(&self.keys, &self.owner, token, self.ttl, self.limit)
+        });
         let (landed, _) = count(join_all(bumps).await)?;
         Ok(landed)
     }

@@ -1,5 +1,6 @@
-//! The conformance suite on a real Redis and on Redlock over three real
-//! Redis servers, all from `scripts/services`.
+//! The conformance suite on a real Redis (plain, and with the opt-in restart
+//! guard) and on Redlock over five real Redis servers, all from
+//! `scripts/services`.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -16,6 +17,8 @@ struct RedisHarness {
     store: &'static str,
     url: String,
     nodes: Vec<&'static str>,
+    /// Whether the restart guard is on (always for Redlock).
+    guarded: bool,
 }
 
 const SERVICES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/services");
@@ -28,7 +31,19 @@ impl RedisHarness {
             store: "redis",
             url,
             nodes: vec!["redis"],
+            guarded: false,
         }
+    }
+
+    /// Plain Redis with `restart_guard=true`: a restarted (or restored, or
+    /// promoted) server grants nothing for `max_ttl`, so a restart does not
+    /// lose held locks to another client. Short `max_ttl` for fast tests.
+    fn guarded() -> Self {
+        let mut harness = Self::single();
+        let sep = if harness.url.contains('?') { '&' } else { '?' };
+        harness.url = format!("{}{sep}restart_guard=true&max_ttl=2s", harness.url);
+        harness.guarded = true;
+        harness
     }
 
     fn redlock() -> Self {
@@ -42,6 +57,7 @@ impl RedisHarness {
             store: "redlock",
             url: format!("{url}{sep}max_ttl=2s"),
             nodes: vec!["redis-r1", "redis-r2", "redis-r3", "redis-r4", "redis-r5"],
+            guarded: true,
         }
     }
 }
@@ -62,8 +78,9 @@ impl Harness for RedisHarness {
         caps.recovery_bound = Duration::from_millis(500);
         caps.survives_reconnect = true;
         // No persistence in the test servers: a restart forgets held locks
-        // (plain Redis; Redlock's restart guard keeps a restarted node out).
-        caps.restart_loses_locks = self.store == "redis";
+        // (plain Redis without the guard; the restart guard keeps a
+        // restarted node from granting until they have expired).
+        caps.restart_loses_locks = !self.guarded;
         caps
     }
 
@@ -104,6 +121,10 @@ impl Harness for RedisHarness {
             "redlock://127.0.0.1:1,127.0.0.1:2",
             "redlock://127.0.0.1:16380,127.0.0.1:16381,127.0.0.1:16382?max_ttl=soon",
             "http://127.0.0.1:16379",
+            "redis://:secret@127.0.0.1:16379?max_tll=5s",
+            "redis://127.0.0.1:16379?tls_ca=/etc/ca.pem",
+            "redis://127.0.0.1:16379?max_ttl=5s",
+            "redlock://127.0.0.1:1,127.0.0.1:2,127.0.0.1:3?restart_guard=false",
         ]
         .map(String::from)
         .to_vec()
@@ -120,6 +141,11 @@ impl Harness for RedisHarness {
 mod redis {
     use super::*;
     conformance_tests!(RedisHarness::single());
+}
+
+mod redis_guarded {
+    use super::*;
+    conformance_tests!(RedisHarness::guarded());
 }
 
 mod redlock {

@@ -1,90 +1,61 @@
-//! Faults below the adapter, on real Redis servers from `scripts/services`:
-//! restarts without persistence, a majority of Redlock nodes down, partial
-//! grants, and a restarted node that must not re-grant early.
+//! Redlock faults below the adapter, on the five real Redis masters of
+//! `scripts/services`: a majority down, nodes unreachable when a client
+//! connects, partial grants, nodes restarted without their data or from an
+//! old snapshot. Server control goes through `ServicesCommand` (the same
+//! interface the conformance suite uses).
 //!
 //! Runs in its own test binary (cargo runs binaries one after another), and
 //! its tests take a process-wide lock, so servers restart only while nothing
 //! else uses them.
 
+mod common;
+
 use std::time::Duration;
 
-use dlock_conformance::services;
-use dlock_core::{Backend, LostReason, SessionOptions};
+use common::{
+    StartAll, command, node_url, redlock_servers, redlock_url, skipped, unique, with_options,
+};
+use dlock_conformance::wire::{Fault, Link, ProxyLink, hosts_of, with_hosts};
+use dlock_core::{Backend, Error, LostReason, SessionOptions};
 use dlock_redis::RedisBackend;
-use tokio::time::Instant;
+use tokio::time::{Instant, sleep};
 
 /// One fault test at a time: they restart shared servers.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-fn redis_url() -> String {
-    std::env::var("DLOCK_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:16379".into())
-}
-
-fn redlock_url(max_ttl: &str) -> String {
-    let url = std::env::var("DLOCK_TEST_REDLOCK_URL")
-        .unwrap_or_else(|_| "redlock://127.0.0.1:16380,127.0.0.1:16381,127.0.0.1:16382".into());
-    format!("{url}?max_ttl={max_ttl}")
-}
-
-fn node_url(i: usize) -> String {
-    format!("redis://127.0.0.1:{}", 16379 + i)
-}
-
-fn unique(what: &str) -> String {
-    format!("faults/{what}-{:08x}", rand::random::<u32>())
-}
-
-/// S2 across restarts without persistence: the counter is gone, the TIME floor
-/// keeps tokens increasing; both a clean restart and a SIGKILL.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn tokens_survive_restart_without_persistence() {
-    let _serial = SERIAL.lock().await;
-    if services::skipped("redis", "fault test") {
-        return;
-    }
-    let name = unique("restart");
-    let mut last = 0;
-    for step in ["restart", "kill"] {
-        let backend = RedisBackend::connect(&redis_url()).await.expect("redis up");
-        let session = backend.session(SessionOptions::new()).await.unwrap();
-        let g = session.lock(&name).unwrap().acquire().await.unwrap();
-        assert!(g.token().get() > last, "token {} after {last}", g.token());
-        last = g.token().get();
-        g.release().await.unwrap();
-        session.close().await.unwrap();
-        if step == "restart" {
-            services::run(&["restart", "redis"]);
-        } else {
-            services::run(&["kill", "redis"]);
-            services::run(&["up", "redis"]);
-        }
-    }
-    let backend = RedisBackend::connect(&redis_url())
+async fn connect(url: &str) -> RedisBackend {
+    let backend = RedisBackend::connect(url)
         .await
-        .expect("redis back");
-    let session = backend.session(SessionOptions::new()).await.unwrap();
-    let g = session.lock(&name).unwrap().acquire().await.unwrap();
-    assert!(
-        g.token().get() > last,
-        "token {} after a restart, {last} before",
-        g.token()
-    );
-    g.release().await.unwrap();
+        .unwrap_or_else(|e| panic!("redlock up? (scripts/services up redis-r1 .. redis-r5): {e}"));
+    backend
+        .wait_ready(Duration::from_secs(10))
+        .await
+        .expect("a majority may grant");
+    backend
 }
 
-/// With two of three Redlock nodes down, acquiring fails with a retryable
-/// error (never a grant); when they return, grants resume with larger tokens.
+/// The lock's hash on node `i`: its `session` field, if the key exists.
+async fn holder_on(i: usize, name: &str) -> Option<String> {
+    command(
+        &node_url(i),
+        &["HGET", &format!("dlock:{{{name}}}"), "session"],
+    )
+    .await
+}
+
+/// With three of five nodes down, acquiring fails with a retryable error
+/// (never a grant) and quickly; when they return, grants resume with larger
+/// tokens.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn majority_down_fails_then_recovers() {
     let _serial = SERIAL.lock().await;
-    if services::skipped("redlock", "fault test") {
+    if skipped("redlock", "majority_down_fails_then_recovers") {
         return;
     }
+    let servers = redlock_servers();
+    let _restore = StartAll(servers.clone());
     let name = unique("majority");
-    let backend = RedisBackend::connect(&redlock_url("1s"))
-        .await
-        .expect("redlock up");
-    backend.wait_ready(Duration::from_secs(10)).await.unwrap();
+    let backend = connect(&with_options(&redlock_url(), "max_ttl=1s")).await;
     let session = backend
         .session(SessionOptions::new().ttl(Duration::from_millis(500)))
         .await
@@ -93,12 +64,13 @@ async fn majority_down_fails_then_recovers() {
     let before = g.token();
     g.release().await.unwrap();
 
-    services::run(&["kill", "redis-r1"]);
-    services::run(&["kill", "redis-r2"]);
+    for node in 0..3 {
+        servers.kill(node).await.unwrap();
+    }
     let r = session.lock(&name).unwrap().try_acquire().await;
     assert!(
         matches!(r, Err(ref e) if e.is_retryable()),
-        "with 2 of 3 nodes down: {r:?}"
+        "with 3 of 5 nodes down: {r:?}"
     );
     let start = Instant::now();
     let r = session
@@ -113,7 +85,7 @@ async fn majority_down_fails_then_recovers() {
         start.elapsed()
     );
 
-    services::run(&["up", "redis-r1", "redis-r2"]);
+    servers.start_all().await.unwrap();
     // Restarted without their data, they refuse grants for max_ttl.
     backend.wait_ready(Duration::from_secs(10)).await.unwrap();
     let g = session
@@ -126,84 +98,134 @@ async fn majority_down_fails_then_recovers() {
     g.release().await.unwrap();
 }
 
+/// Item 1 of "safety holes": the connect succeeds when a majority answers and
+/// fails with a retryable `Unavailable` when not; a node unreachable at
+/// connect stays part of the backend (the quorum is 3 of the 5 configured
+/// nodes, not of the 3 reachable) and takes part in grants once it is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_needs_a_majority_and_keeps_the_others() {
+    let _serial = SERIAL.lock().await;
+    if skipped("redlock", "connect_needs_a_majority_and_keeps_the_others") {
+        return;
+    }
+    let servers = redlock_servers();
+    let _restore = StartAll(servers.clone());
+    let url = with_options(&redlock_url(), "max_ttl=1s");
+    servers.kill(3).await.unwrap();
+    servers.kill(4).await.unwrap();
+    let backend = connect(&url).await;
+
+    servers.kill(2).await.unwrap();
+    let start = Instant::now();
+    match RedisBackend::connect(&url).await {
+        Err(e @ Error::Unavailable { .. }) => {
+            assert!(
+                e.to_string().contains("only 2 of 5"),
+                "the error should count the nodes: {e}"
+            );
+        }
+        other => panic!("connect with 2 of 5 nodes up gave {other:?}"),
+    }
+    assert!(
+        start.elapsed() < Duration::from_secs(6),
+        "a refused connect took {:?}",
+        start.elapsed()
+    );
+    // The backend connected with 3 of 5 cannot grant on 2 of them.
+    let session = backend
+        .session(SessionOptions::new().ttl(Duration::from_millis(500)))
+        .await
+        .unwrap();
+    let name = unique("reconnect");
+    let r = session.lock(&name).unwrap().try_acquire().await;
+    assert!(
+        matches!(r, Err(ref e) if e.is_retryable()),
+        "granted on 2 of 5 nodes: {r:?}"
+    );
+
+    servers.start_all().await.unwrap();
+    // The restarted nodes start their guard at first contact, then grant.
+    let _ = session.lock(&name).unwrap().try_acquire().await;
+    sleep(Duration::from_millis(1200)).await;
+    let g = session
+        .lock(&name)
+        .unwrap()
+        .acquire_timeout(Duration::from_secs(5))
+        .await
+        .expect("grants once the nodes are back");
+    for node in [2, 3, 4] {
+        assert_eq!(
+            holder_on(node, &name).await.as_deref(),
+            Some(session.id().as_str()),
+            "node {node}, down when the backend connected, holds no lock of ours"
+        );
+    }
+    g.release().await.unwrap();
+}
+
 /// A client that wins only a minority of nodes releases what it won at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn partial_acquire_is_cleaned_up() {
     let _serial = SERIAL.lock().await;
-    if services::skipped("redlock", "fault test") {
+    if skipped("redlock", "partial_acquire_is_cleaned_up") {
         return;
     }
     let name = unique("partial");
     let key = format!("dlock:{{{name}}}");
-    let backend = RedisBackend::connect(&redlock_url("1s"))
-        .await
-        .expect("redlock up");
-    backend.wait_ready(Duration::from_secs(10)).await.unwrap();
-    // Someone else holds the lock on nodes 1 and 2 (a foreign client).
-    for i in [1, 2] {
-        let client = redis::Client::open(node_url(i)).unwrap();
-        let mut conn = client.get_multiplexed_async_connection().await.unwrap();
-        let _: () = redis::pipe()
-            .cmd("HSET")
-            .arg(&key)
-            .arg("owner")
-            .arg("someone-else#1")
-            .arg("session")
-            .arg("someone-else")
-            .arg("token")
-            .arg("1")
-            .ignore()
-            .cmd("PEXPIRE")
-            .arg(&key)
-            .arg(5000)
-            .ignore()
-            .query_async(&mut conn)
-            .await
-            .unwrap();
+    let backend = connect(&with_options(&redlock_url(), "max_ttl=1s")).await;
+    // Someone else holds the lock on nodes 0, 1 and 2 (a foreign client).
+    for i in 0..3 {
+        let _: () = command(
+            &node_url(i),
+            &[
+                "HSET",
+                &key,
+                "owner",
+                "someone-else#1",
+                "session",
+                "someone-else",
+                "token",
+                "1",
+            ],
+        )
+        .await;
+        let _: () = command(&node_url(i), &["PEXPIRE", &key, "5000"]).await;
     }
     let session = backend
         .session(SessionOptions::new().ttl(Duration::from_millis(500)))
         .await
         .unwrap();
     let r = session.lock(&name).unwrap().try_acquire().await.unwrap();
-    assert!(r.is_none(), "granted with only 1 of 3 nodes");
-    let client = redis::Client::open(node_url(3)).unwrap();
-    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
-    let exists: i64 = redis::cmd("EXISTS")
-        .arg(&key)
-        .query_async(&mut conn)
-        .await
-        .unwrap();
-    assert_eq!(exists, 0, "the minority grant on node 3 was left behind");
-    for i in [1, 2] {
-        let client = redis::Client::open(node_url(i)).unwrap();
-        let mut conn = client.get_multiplexed_async_connection().await.unwrap();
-        let _: () = redis::cmd("DEL")
-            .arg(&key)
-            .query_async(&mut conn)
-            .await
-            .unwrap();
+    assert!(r.is_none(), "granted with only 2 of 5 nodes");
+    for i in [3, 4] {
+        let exists: i64 = command(&node_url(i), &["EXISTS", &key]).await;
+        assert_eq!(exists, 0, "the minority grant on node {i} was left behind");
+    }
+    for i in 0..3 {
+        let _: () = command(&node_url(i), &["DEL", &key]).await;
     }
 }
 
-/// A holds on nodes 1 and 2 (node 3 was down). Node 1 restarts without its
-/// data and node 3 comes back empty: together they are a majority that knows
-/// nothing of A. They must not grant before A's lease could have expired, and
-/// A must learn it lost the lock before B gets it.
+/// A holds on nodes 0..2 (nodes 3 and 4 were down). Node 0 restarts without
+/// its data, and nodes 3 and 4 come back empty: together they are a majority
+/// that knows nothing of A. They must not grant before A's lease could have
+/// expired, and A must learn it lost the lock before B gets it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restarted_nodes_do_not_regrant_early() {
     let _serial = SERIAL.lock().await;
-    if services::skipped("redlock", "fault test") {
+    if skipped("redlock", "restarted_nodes_do_not_regrant_early") {
         return;
     }
+    let servers = redlock_servers();
+    let _restore = StartAll(servers.clone());
     let name = unique("regrant");
     // A renews every TTL/3 = 2 s, longer than the restarts below take, so
-    // without the boot guard B would win nodes 1 and 3 before A notices.
-    let url = redlock_url("6s");
+    // without the guard B would win nodes 0, 3 and 4 before A notices.
+    let url = with_options(&redlock_url(), "max_ttl=6s");
     let ttl = Duration::from_secs(6);
-    let a_backend = RedisBackend::connect(&url).await.expect("redlock up");
-    a_backend.wait_ready(Duration::from_secs(10)).await.unwrap();
-    services::run(&["kill", "redis-r3"]);
+    let a_backend = connect(&url).await;
+    servers.kill(3).await.unwrap();
+    servers.kill(4).await.unwrap();
     let a = a_backend
         .session(SessionOptions::new().ttl(ttl))
         .await
@@ -212,8 +234,8 @@ async fn restarted_nodes_do_not_regrant_early() {
     let lost = ga.lost();
     let watcher = tokio::spawn(async move { (lost.await, Instant::now()) });
 
-    services::run(&["restart", "redis-r1"]);
-    services::run(&["up", "redis-r3"]);
+    servers.kill(0).await.unwrap();
+    servers.start_all().await.unwrap();
     let b_backend = RedisBackend::connect(&url).await.expect("redlock back");
     let b = b_backend
         .session(SessionOptions::new().ttl(ttl))
@@ -244,4 +266,96 @@ async fn restarted_nodes_do_not_regrant_early() {
     );
     drop(ga);
     gb.release().await.unwrap();
+}
+
+/// Item 4 of "safety holes": nodes 0 and 1 come back from snapshots taken
+/// before A's grant. The snapshots hold dlock's own restart record, so a
+/// guard that trusts what the data says sees no restart; the server's
+/// `run_id` is new all the same. A holds on nodes 0..2 (it cannot reach 3
+/// and 4) and is cut off while the nodes restart, so it goes on believing
+/// in its hold until its local deadline: B must not get the lock from nodes
+/// 0, 1, 3 and 4 before then (S4), and its token is larger (S2).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nodes_restored_from_old_snapshots_do_not_regrant() {
+    let _serial = SERIAL.lock().await;
+    if skipped(
+        "redlock",
+        "nodes_restored_from_old_snapshots_do_not_regrant",
+    ) {
+        return;
+    }
+    let servers = redlock_servers();
+    let _restore = StartAll(servers.clone());
+    let url = with_options(&redlock_url(), "max_ttl=2s");
+    let ttl = Duration::from_secs(2);
+    let name = unique("snapshot");
+    // dlock's state (restart records included) on every node, then the
+    // snapshots.
+    let c = connect(&url).await;
+    let cs = c.session(SessionOptions::new().ttl(ttl)).await.unwrap();
+    cs.lock(&name)
+        .unwrap()
+        .acquire()
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    for node in [0, 1] {
+        servers
+            .snapshot(node)
+            .await
+            .expect("redis snapshots")
+            .unwrap();
+    }
+
+    let link = ProxyLink::start(&hosts_of(&url)).await.unwrap();
+    link.set(3, Fault::Cut);
+    link.set(4, Fault::Cut);
+    let a_backend = connect(&with_hosts(&url, &link.addrs().unwrap())).await;
+    let a = a_backend
+        .session(SessionOptions::new().ttl(ttl))
+        .await
+        .unwrap();
+    let ga = a.lock(&name).unwrap().acquire().await.unwrap();
+    let first = ga.token();
+    link.set_all(Fault::BLACKHOLE);
+
+    for node in [0, 1] {
+        servers.kill(node).await.unwrap();
+        servers.start(node).await.unwrap();
+    }
+    let b_backend = RedisBackend::connect(&url).await.expect("redlock back");
+    let b = b_backend
+        .session(SessionOptions::new().ttl(ttl))
+        .await
+        .unwrap();
+    let gb = loop {
+        if let Some(gb) = b.lock(&name).unwrap().try_acquire().await.unwrap() {
+            break gb;
+        }
+        assert!(
+            Instant::now() < ga.deadline() + ttl * 3,
+            "B never got the lock"
+        );
+        sleep(Duration::from_millis(20)).await;
+    };
+    let b_got = Instant::now();
+    assert!(
+        ga.deadline() <= b_got,
+        "B got the lock {:?} before the local deadline of A, which holds it, after nodes 0 \
+         and 1 came back from old snapshots (token {} vs {first})",
+        ga.deadline() - b_got,
+        gb.token()
+    );
+    assert!(gb.token() > first, "token {} after {first}", gb.token());
+    link.heal();
+    gb.release().await.unwrap();
+    drop(ga);
+    // Later restarts must not load these old snapshots.
+    for node in [0, 1] {
+        servers.kill(node).await.unwrap();
+        servers.wipe(node).await.expect("redis wipes").unwrap();
+        servers.start(node).await.unwrap();
+    }
 }

@@ -217,7 +217,10 @@ fn other_commands_take_one_url() {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("only `dlock bench` and `dlock torture` take several"));
+    assert!(
+        String::from_utf8_lossy(&out.stderr)
+            .contains("only `dlock bench` and `dlock torture` take several")
+    );
 }
 
 #[cfg(feature = "postgres")]

@@ -603,7 +603,10 @@ pub async fn acquire_timeout_under_partition(h: &dyn Harness) -> Outcome {
 
 /// L5, S5: a waiting acquire whose session is lost (its renewals could not
 /// reach the store for longer than the TTL) ends with `SessionLost` as soon
-/// as the session is known lost, not at its next fallback poll.
+/// as the session is known lost, not at its next fallback poll. Where the
+/// store keeps no session of its own (Redis: a session is its held keys), the
+/// session survives the partition, and the waiter must then get the lock
+/// once it is free.
 pub async fn waiter_learns_session_lost(h: &dyn Harness) -> Outcome {
     let ctx = Ctx::new(h, "waiter_learns_session_lost");
     let Some(link) = ctx.link().await? else {
@@ -611,8 +614,8 @@ pub async fn waiter_learns_session_lost(h: &dyn Harness) -> Outcome {
     };
     let t = ctx.caps.ttl;
     let backend = h.connect_over(&*link).await?;
-    // A fallback poll far longer than the test: only the session's end can
-    // end the wait.
+    // A fallback poll far longer than the test: only the session's end (or a
+    // release) can end the wait.
     let a = backend
         .session(ctx.options().poll_fallback(Duration::from_secs(120)))
         .await?;
@@ -628,21 +631,54 @@ pub async fn waiter_learns_session_lost(h: &dyn Harness) -> Outcome {
     link.set_all(Fault::BLACKHOLE);
     sleep(t * 2 + ctx.caps.recovery_bound).await;
     link.heal();
-    let healed = Instant::now();
-    let (r, ended) = within(t * 4, "the waiter of a lost session", waiting)
+    // One renewal round (and its retries) tells the session its fate.
+    let settled = a.renew_every() * 2 + a.renew_every() / 2;
+    let ended = within(settled, "", async {
+        loop {
+            if !a.is_alive() || waiting.is_finished() {
+                return;
+            }
+            sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    if ended.is_ok() && !a.is_alive() {
+        // The store dropped the session: the waiter ends at once.
+        let lost_at = Instant::now();
+        let (r, at) = within(
+            ctx.caps.wakeup_bound + t / 4,
+            "the waiter of a lost session",
+            waiting,
+        )
         .await?
         .map_err(|e| Failure(e.to_string()))?;
-    match r {
-        Err(dlock_core::Error::SessionLost { .. }) => {}
-        Ok(g) => {
-            // Acceptable only if the store kept the session alive after all.
-            ensure!(a.is_alive(), "a dead session's waiter got the lock");
-            drop(g);
-        }
-        Err(e) => return Err(Failure(format!("the waiter of a lost session gave {e}"))),
+        ensure!(
+            matches!(r, Err(dlock_core::Error::SessionLost { .. })),
+            "the waiter of a lost session gave {r:?}"
+        );
+        ensure!(
+            at.saturating_duration_since(lost_at) <= ctx.caps.wakeup_bound + t / 4,
+            "the waiter ended {:?} after its session was lost",
+            at.saturating_duration_since(lost_at)
+        );
+        g0.release().await?;
+    } else {
+        // The session lived through the partition: the waiter still waits,
+        // and gets the lock once it is free.
+        ensure!(
+            !waiting.is_finished(),
+            "the waiter of a live session gave up"
+        );
+        g0.release().await?;
+        let (r, _) = within(
+            t * 2 + ctx.caps.wakeup_bound,
+            "the waiter after the release",
+            waiting,
+        )
+        .await?
+        .map_err(|e| Failure(e.to_string()))?;
+        let g = r.map_err(|e| Failure(format!("the waiter of a live session failed: {e}")))?;
+        g.release().await?;
     }
-    let _ = healed;
-    let _ = ended;
-    g0.release().await?;
     passed()
 }

@@ -192,6 +192,8 @@ macro_rules! conformance_tests {
             abandon_retried_after_cut,
             acquire_timeout_under_partition,
             waiter_learns_session_lost,
+            replies_late_but_in_time,
+            lost_hold_release_retried,
             renewal_task_panics;
             exclusive:
             tokens_after_restart,

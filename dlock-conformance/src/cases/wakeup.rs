@@ -238,8 +238,10 @@ pub async fn fifo_with_cancelled_waiter(h: &dyn Harness) -> Outcome {
             let g = lock.acquire_timeout(t * 30).await?;
             let granted = Instant::now();
             order.lock().unwrap().push(w);
-            g.release().await?;
+            // The store frees the lock before the release's reply: compare
+            // the next grant with the release's start.
             let released = Instant::now();
+            g.release().await?;
             drop(session);
             Ok::<_, Failure>((granted, released))
         }));

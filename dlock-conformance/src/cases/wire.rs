@@ -5,6 +5,7 @@
 
 use std::time::Duration;
 
+use dlock_core::backend::ExpiryModel;
 use dlock_core::{LockGuard, LostReason, Session};
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep};
@@ -530,6 +531,9 @@ pub async fn abandon_retried_after_cut(h: &dyn Harness) -> Outcome {
         Ok(pair) => pair,
         Err(verdict) => return verdict,
     };
+    if a.raw_session().expiry() == ExpiryModel::PerHold {
+        return skipped("what an attempt leaves expires on its own (per-hold expiry)");
+    }
     let (holder, b, admin) = (ctx.client().await?, ctx.client().await?, ctx.admin().await?);
     let t = ctx.caps.ttl;
     let name = ctx.name("x");
@@ -619,7 +623,13 @@ pub async fn waiter_learns_session_lost(h: &dyn Harness) -> Outcome {
     let a = backend
         .session(ctx.options().poll_fallback(Duration::from_secs(120)))
         .await?;
-    let holder = ctx.client().await?;
+    // A holder with a long TTL: the store's expiry hint cannot wake the
+    // waiter either.
+    let holder = h
+        .connect()
+        .await?
+        .session(ctx.options().ttl(Duration::from_secs(30).max(t)))
+        .await?;
     let name = ctx.name("x");
     let g0 = holder.lock(&name)?.acquire().await?;
     let lock = a.lock(&name)?;
@@ -680,5 +690,96 @@ pub async fn waiter_learns_session_lost(h: &dyn Harness) -> Outcome {
         let g = r.map_err(|e| Failure(format!("the waiter of a live session failed: {e}")))?;
         g.release().await?;
     }
+    passed()
+}
+
+/// S4, "counted from when it was *sent*": A's replies arrive late, though
+/// within its request timeout, so they are accepted; then A is cut off. A
+/// client that counted a grant's or a renewal's validity from the reply
+/// would keep believing in the lock after the store freed it.
+pub async fn replies_late_but_in_time(h: &dyn Harness) -> Outcome {
+    let ctx = Ctx::new(h, "replies_late_but_in_time");
+    let options = ctx.options();
+    let drift = options.drift_or_default();
+    let request_timeout = options.request_timeout_or_default();
+    // Later than the drift margin covers, earlier than the request timeout.
+    let late = Fault::Flows {
+        to_server: Flow::Pass,
+        to_client: Flow::Delay((drift + request_timeout) / 2),
+    };
+    let b = ctx.client().await?;
+    for renewals in [false, true] {
+        let (a, link) = match linked(&ctx).await? {
+            Ok(pair) => pair,
+            Err(verdict) => return verdict,
+        };
+        let t = a.ttl();
+        let name = ctx.name(if renewals { "renewed" } else { "granted" });
+        if !renewals {
+            link.set_all(late);
+        }
+        let ga = a.lock(&name)?.acquire().await?;
+        if renewals {
+            link.set_all(late);
+            sleep(a.renew_every() * 3).await;
+            ensure!(ga.is_held(), "late but accepted renewals lost the lock");
+        }
+        link.set_all(Fault::BLACKHOLE);
+        let gb = b
+            .lock(&name)?
+            .acquire_timeout(t * 4 + ctx.caps.recovery_bound)
+            .await?;
+        let what = if renewals {
+            "renewals confirmed late"
+        } else {
+            "a grant confirmed late"
+        };
+        lost_before_free(&ga, Instant::now(), what)?;
+        drop(ga);
+        gb.release().await?;
+        link.heal();
+    }
+    passed()
+}
+
+/// S5, L1 on stores whose holds live with the session (item 13): a hold lost
+/// locally while the store still has it (A's renewals took effect, their
+/// replies were lost) is released in the background; when that release
+/// fails (A's connections are refused for a moment), it is retried, so the
+/// lock does not stay taken for as long as A's session lives.
+pub async fn lost_hold_release_retried(h: &dyn Harness) -> Outcome {
+    let ctx = Ctx::new(h, "lost_hold_release_retried");
+    let (a, link) = match linked(&ctx).await? {
+        Ok(pair) => pair,
+        Err(verdict) => return verdict,
+    };
+    if a.raw_session().expiry() == ExpiryModel::PerHold {
+        return skipped("a lost hold expires on its own (per-hold expiry)");
+    }
+    let b = ctx.client().await?;
+    let t = a.ttl();
+    let name = ctx.name("x");
+    let ga = a.lock(&name)?.acquire().await?;
+    link.set_all(Fault::LOSE_REPLIES);
+    // Just before A's local deadline, its connections are refused: the
+    // release of the lost hold fails.
+    let cut_at = ga.deadline() - t / 10;
+    tokio::time::sleep_until(cut_at).await;
+    link.set_all(Fault::Cut);
+    within(t, "A's lost()", ga.lost()).await?;
+    sleep(t / 6).await;
+    link.heal();
+    let gb = b
+        .lock(&name)?
+        .acquire_timeout(t * 2 + ctx.caps.recovery_bound)
+        .await
+        .map_err(|e| {
+            Failure(format!(
+                "the lost hold's release was not retried: B still waits ({e}); A's session alive: {}",
+                a.is_alive()
+            ))
+        })?;
+    drop(ga);
+    gb.release().await?;
     passed()
 }

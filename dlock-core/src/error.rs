@@ -63,13 +63,18 @@ pub enum Error {
         feature: &'static str,
     },
 
-    /// `acquire_timeout` gave up: someone else held the lock the whole time.
-    #[error("timed out after {waited:?} waiting for lock {name:?}")]
+    /// `acquire_timeout` gave up: the lock stayed busy, or (with `cause`)
+    /// the store did not answer in time.
+    #[error("timed out after {waited:?} waiting for lock {name:?}{}", cause.as_ref().map(|c| format!(" (the store was not answering: {c})")).unwrap_or_default())]
     Timeout {
         /// The lock that was not acquired.
         name: String,
         /// How long the caller waited.
         waited: Duration,
+        /// The transient error the wait ended on, if the store was failing
+        /// rather than the lock busy (a CLI says "unreachable", not "busy").
+        #[source]
+        cause: Option<Box<Error>>,
     },
 
     /// The store says this session does not hold the lock with this token

@@ -144,8 +144,12 @@ impl Lock {
     /// # Cancel safety
     /// As [`acquire`](Self::acquire).
     pub async fn acquire_timeout(&self, wait: Duration) -> Result<LockGuard, Error> {
-        let start = Instant::now();
-        self.acquire_with(Wait::Until(start + wait, wait))
+        // A wait too long to count is a wait without end.
+        let until = match Instant::now().checked_add(wait) {
+            Some(deadline) => Wait::Until(deadline, wait),
+            None => Wait::Forever,
+        };
+        self.acquire_with(until)
             .await
             .and_then(|g| g.ok_or_else(|| unreachable_busy(&self.name)))
     }
@@ -183,11 +187,21 @@ impl Lock {
         }
         let shared = self.shared().clone();
         shared.check_alive()?;
-        let attempt = self
-            .request(wait, shared.raw.attempt(&self.name, self.why.as_deref()))
-            .await?;
-        let mut attempt = AttemptGuard::new(attempt, shared.clone());
         let mut backoff = Backoff::default();
+        let attempt = loop {
+            match self
+                .request(wait, shared.raw.attempt(&self.name, self.why.as_deref()))
+                .await
+            {
+                Ok(attempt) => break attempt,
+                Err(e) if e.is_retryable() && !matches!(wait, Wait::No) => {
+                    tracing::debug!(error = %e, "starting an attempt failed; retrying");
+                    self.pause(wait, &mut backoff, e).await?;
+                }
+                Err(e) => return Err(e),
+            }
+        };
+        let mut attempt = AttemptGuard::new(attempt, shared.clone());
         loop {
             let sent = crate::clock::now();
             Stats::bump(&shared.stats.take_attempts);
@@ -203,7 +217,9 @@ impl Lock {
                     // attempt: that re-extends the grant (adapter rule 4)
                     // and keeps the queue place.
                     tracing::warn!(took = ?sent.elapsed(), "grant arrived after its validity; taking again");
-                    self.pause(wait, &mut backoff).await?;
+                    let late =
+                        Error::unavailable(shared.scheme, "grants arrive after their validity");
+                    self.pause(wait, &mut backoff, late).await?;
                 }
                 Ok(Take::Busy(busy)) => {
                     backoff = Backoff::default();
@@ -216,7 +232,7 @@ impl Lock {
                             return Ok(None);
                         }
                         Wait::Until(deadline, asked) if Instant::now() >= deadline => {
-                            return Err(self.timeout_error(asked));
+                            return Err(self.timeout_error(asked, None));
                         }
                         _ => {}
                     }
@@ -224,7 +240,7 @@ impl Lock {
                 }
                 Err(e) if e.is_retryable() && !matches!(wait, Wait::No) => {
                     tracing::debug!(error = %e, "take failed; retrying");
-                    self.pause(wait, &mut backoff).await?;
+                    self.pause(wait, &mut backoff, e).await?;
                 }
                 Err(e) => return Err(e),
             }
@@ -246,7 +262,7 @@ impl Lock {
             Wait::Forever => self.state.gate.lock().await,
             Wait::Until(deadline, asked) => timeout_at(deadline, self.state.gate.lock())
                 .await
-                .map_err(|_| self.timeout_error(asked))?,
+                .map_err(|_| self.timeout_error(asked, None))?,
         }))
     }
 
@@ -286,8 +302,10 @@ impl Lock {
         let timing = shared.timing;
         let now = Instant::now();
         let mut until = now + jitter(timing.poll_fallback);
-        if let Some(after) = busy.retry_after {
-            until = until.min(now + after + Duration::from_millis(1));
+        if let Some(after) = busy.retry_after
+            && let Some(hint) = now.checked_add(after + Duration::from_millis(1))
+        {
+            until = until.min(hint);
         }
         if let Some(deadline) = wait.deadline() {
             until = until.min(deadline);
@@ -309,14 +327,15 @@ impl Lock {
         }
     }
 
-    /// Sleeps before retrying; [`Error::Timeout`] if the caller's deadline
-    /// comes first, [`Error::SessionLost`] if the session ends.
-    async fn pause(&self, wait: Wait, backoff: &mut Backoff) -> Result<(), Error> {
+    /// Sleeps before retrying after `failed`; [`Error::Timeout`] (with
+    /// `failed` as its cause) if the caller's deadline comes first,
+    /// [`Error::SessionLost`] if the session ends.
+    async fn pause(&self, wait: Wait, backoff: &mut Backoff, failed: Error) -> Result<(), Error> {
         let shared = self.shared();
         let mut until = Instant::now() + backoff.next();
         if let Wait::Until(deadline, asked) = wait {
             if Instant::now() >= deadline {
-                return Err(self.timeout_error(asked));
+                return Err(self.timeout_error(asked, Some(failed)));
             }
             until = until.min(deadline);
         }
@@ -347,7 +366,10 @@ impl Lock {
             r = timeout_at(limit, fut) => match r {
                 Ok(r) => r,
                 Err(_) => Err(match cut_by_caller {
-                    Some(asked) => self.timeout_error(asked),
+                    Some(asked) => self.timeout_error(
+                        asked,
+                        Some(Error::unavailable(shared.scheme, "no answer before the deadline")),
+                    ),
                     None => Error::unavailable(shared.scheme, "request timed out"),
                 }),
             },
@@ -355,10 +377,11 @@ impl Lock {
         }
     }
 
-    fn timeout_error(&self, asked: Duration) -> Error {
+    fn timeout_error(&self, asked: Duration, cause: Option<Error>) -> Error {
         Error::Timeout {
             name: self.name.to_string(),
             waited: asked,
+            cause: cause.map(Box::new),
         }
     }
 }

@@ -166,10 +166,11 @@ impl SessionOptions {
                 (self.ttl - drift) / 2
             )));
         }
-        if self.poll_fallback_or_default().is_zero() {
-            return Err(Error::Config(
-                "fallback poll period must be positive".into(),
-            ));
+        let poll = self.poll_fallback_or_default();
+        if poll.is_zero() || poll > MAX_TTL {
+            return Err(Error::Config(format!(
+                "fallback poll period {poll:?} must be positive and at most {MAX_TTL:?}"
+            )));
         }
         let request_timeout = self.request_timeout_or_default();
         if request_timeout.is_zero() || request_timeout >= renew {

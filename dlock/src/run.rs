@@ -116,15 +116,23 @@ async fn wait_for_lock(
     name: &LockName,
     args: &RunArgs,
 ) -> Result<Option<(Session, LockGuard)>, Failure> {
-    let deadline = (!args.no_wait).then(|| args.wait.map(|w| Instant::now() + w));
+    // None: try once; Some(None): no end; Some(Some(d)): until d (a wait
+    // too long to count has no end).
+    let deadline = (!args.no_wait).then(|| args.wait.and_then(|w| Instant::now().checked_add(w)));
     let mut backoff = Duration::from_millis(100);
     let mut backend = None;
     loop {
+        let left = deadline.map(|d| d.map(|d| d.saturating_duration_since(Instant::now())));
+        // Connecting and opening a session spend the same budget.
+        let budget = match left {
+            Some(Some(left)) => left,
+            _ => Duration::MAX,
+        };
         let attempt = async {
             let b = match &backend {
                 Some(b) => Arc::clone(b),
                 None => {
-                    let b = timeout(crate::CONNECT_TIMEOUT, dlock::connect(url))
+                    let b = timeout(crate::CONNECT_TIMEOUT.min(budget), dlock::connect(url))
                         .await
                         .map_err(|_| Error::unavailable("dlock", "no answer while connecting"))??;
                     backend = Some(Arc::clone(&b));
@@ -132,16 +140,14 @@ async fn wait_for_lock(
                 }
             };
             let options = SessionOptions::new().ttl(args.ttl).label("dlock");
-            let session = b.session(options).await?;
+            let session = timeout(budget, b.session(options))
+                .await
+                .map_err(|_| Error::unavailable("dlock", "no answer while opening a session"))??;
             let mut lock = session.lock(name)?;
             if let Some(why) = &args.why {
                 lock = lock.why(why.as_str());
             }
-            let left = match deadline {
-                None => None,
-                Some(None) => Some(None),
-                Some(Some(d)) => Some(Some(d.saturating_duration_since(Instant::now()))),
-            };
+            let left = deadline.map(|d| d.map(|d| d.saturating_duration_since(Instant::now())));
             let result = acquire(&lock, left).await;
             Ok::<_, Error>((session, result))
         };
@@ -158,21 +164,19 @@ async fn wait_for_lock(
             Err(e) => e,
         };
         let transient = matches!(error, Error::Unavailable { .. } | Error::SessionLost { .. });
-        let time_left = match deadline {
-            None => None,
-            Some(None) => Some(Duration::MAX),
-            Some(Some(d)) => Some(d.saturating_duration_since(Instant::now())),
+        let left = match deadline {
+            None => Duration::ZERO,
+            Some(None) => Duration::MAX,
+            Some(Some(d)) => d.saturating_duration_since(Instant::now()),
         };
-        match time_left {
-            Some(left) if transient && left > Duration::ZERO => {
-                // The backend stays: drivers reconnect on their own.
-                eprintln!("dlock: {error}; still waiting for lock {name}");
-                sleep(backoff.min(left)).await;
-                backoff = (backoff * 2).min(Duration::from_secs(2));
-            }
-            Some(left) if transient && left.is_zero() => return Ok(None),
-            _ => return Err(error.into()),
+        if !transient || left.is_zero() {
+            // The budget went on an unreachable store: say so (69), not "busy".
+            return Err(error.into());
         }
+        // The backend stays: drivers reconnect on their own.
+        eprintln!("dlock: {error}; still waiting for lock {name}");
+        sleep(backoff.min(left)).await;
+        backoff = (backoff * 2).min(Duration::from_secs(2));
     }
 }
 
@@ -185,6 +189,10 @@ async fn acquire(lock: &Lock, left: Option<Option<Duration>>) -> Result<Option<L
         Some(None) => lock.acquire().await.map(Some),
     };
     match result {
+        // The store failing is not the lock being busy.
+        Err(Error::Timeout {
+            cause: Some(cause), ..
+        }) => Err(*cause),
         Err(Error::Timeout { .. }) => Ok(None),
         other => other,
     }

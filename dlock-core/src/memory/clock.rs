@@ -23,7 +23,7 @@ struct Anchor {
     rate: f64,
 }
 
-/// The memory server's clock (see the [module docs](self)); all changes take
+/// The memory server's clock (see the [module docs](crate::memory)); all changes take
 /// effect at once for every client of the server.
 ///
 /// ```

@@ -99,7 +99,7 @@ pub struct LinkState {
     pub epoch: u64,
 }
 
-/// One memory client's link to its server (see the [module docs](self)).
+/// One memory client's link to its server (see the [module docs](crate::memory)).
 ///
 /// ```
 /// # async fn demo() -> Result<(), dlock_core::Error> {
@@ -175,11 +175,13 @@ impl Link {
 
     /// Runs `apply` on the server as a request crossing this link (once
     /// `admitted` lets it in: a paused or stopped server), and brings its
-    /// reply back across it.
-    pub(crate) async fn call<T>(
+    /// reply back across it. The request travels on its own, as bytes on a
+    /// wire do: if the caller gives up, a delayed or held request still
+    /// arrives (and takes effect) later.
+    pub(crate) async fn call<T: Send + 'static>(
         &self,
-        admitted: impl Future<Output = Result<(), Error>>,
-        apply: impl FnOnce() -> T,
+        admitted: impl Future<Output = Result<(), Error>> + Send + 'static,
+        apply: impl FnOnce() -> T + Send + 'static,
     ) -> Result<T, Error> {
         let mut rx = self.state.subscribe();
         let conn = self.opened.load(Ordering::Acquire);
@@ -187,10 +189,21 @@ impl Link {
             link: self,
             armed: true,
         };
-        cross(&mut rx, conn, |flows| flows.0).await?;
-        admitted.await?;
-        let out = apply();
-        self.calls.fetch_add(1, Ordering::Relaxed);
+        let (sent, arrived) = tokio::sync::oneshot::channel();
+        let link = self.clone();
+        tokio::spawn(async move {
+            let mut rx = link.state.subscribe();
+            let result = async {
+                cross(&mut rx, conn, |flows| flows.0).await?;
+                admitted.await?;
+                let out = apply();
+                link.calls.fetch_add(1, Ordering::Relaxed);
+                Ok(out)
+            }
+            .await;
+            let _ = sent.send(result);
+        });
+        let out = arrived.await.map_err(|_| reset())??;
         cross(&mut rx, conn, |flows| flows.1).await?;
         reconnect.armed = false;
         Ok(out)
@@ -201,8 +214,9 @@ impl Link {
     /// if the connection was reset.
     pub(crate) async fn notification(&self) -> Result<bool, Error> {
         let mut rx = self.state.subscribe();
-        let epoch = rx.borrow().epoch;
-        match crossing(&mut rx, epoch, |flows| flows.1).await? {
+        // Notifications travel on the client's current connection.
+        let conn = self.opened.load(Ordering::Acquire);
+        match crossing(&mut rx, conn, |flows| flows.1).await? {
             Crossing::At(at) => {
                 arrive(at).await;
                 Ok(true)

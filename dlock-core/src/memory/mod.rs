@@ -190,18 +190,23 @@ impl MemoryBackend {
     }
 
     /// One request over this client's link to a running server.
-    async fn request<T>(&self, apply: impl FnOnce(&Server) -> T) -> Result<T, Error> {
+    async fn request<T: Send + 'static>(
+        &self,
+        apply: impl FnOnce(&Server) -> T + Send + 'static,
+    ) -> Result<T, Error> {
         request(&self.link, &self.server, apply).await
     }
 }
 
 /// Sends `apply` across `link` to `server`, waiting out a server pause.
-async fn request<T>(
+async fn request<T: Send + 'static>(
     link: &Link,
     server: &Arc<Server>,
-    apply: impl FnOnce(&Server) -> T,
+    apply: impl FnOnce(&Server) -> T + Send + 'static,
 ) -> Result<T, Error> {
-    link.call(server.admit(), move || apply(server)).await
+    let (gate, server) = (server.clone(), server.clone());
+    link.call(async move { gate.admit().await }, move || apply(&server))
+        .await
 }
 
 impl fmt::Debug for MemoryBackend {
@@ -230,7 +235,9 @@ impl Backend for MemoryBackend {
         options: &SessionOptions,
     ) -> Result<Arc<dyn RawSession>, Error> {
         let ttl = options.ttl_value();
-        let id = self.request(|s| s.open_session(id.as_str(), ttl)).await?;
+        let id = self
+            .request(move |s| s.open_session(id.as_str(), ttl))
+            .await?;
         Ok(Arc::new(MemorySession {
             server: self.server.clone(),
             link: self.link.clone(),
@@ -242,20 +249,24 @@ impl Backend for MemoryBackend {
     }
 
     async fn inspect(&self, name: &LockName) -> Result<Option<LockInfo>, Error> {
-        self.request(|s| s.inspect(name)).await
+        let name = name.clone();
+        self.request(move |s| s.inspect(&name)).await
     }
 
     async fn list(&self, prefix: &str) -> Result<Vec<LockInfo>, Error> {
         name::check_prefix(prefix)?;
-        self.request(|s| s.list(prefix)).await
+        let prefix = prefix.to_owned();
+        self.request(move |s| s.list(&prefix)).await
     }
 
     async fn validate(&self, name: &LockName, token: FencingToken) -> Result<bool, Error> {
-        self.request(|s| s.validate(name, token)).await
+        let name = name.clone();
+        self.request(move |s| s.validate(&name, token)).await
     }
 
     async fn force_release(&self, name: &LockName) -> Result<bool, Error> {
-        self.request(|s| s.force_release(name)).await
+        let name = name.clone();
+        self.request(move |s| s.force_release(&name)).await
     }
 }
 
@@ -306,21 +317,24 @@ impl RawSession for MemorySession {
             .iter()
             .map(|h| (h.clone(), ticket_of(h).unwrap_or(0)))
             .collect();
-        request(&self.link, &self.server, |s| s.renew(&self.id, &keyed)).await?
+        let id = self.id.clone();
+        request(&self.link, &self.server, move |s| s.renew(&id, &keyed)).await?
     }
 
     async fn release(&self, hold: &Hold) -> Result<(), Error> {
         let ticket = ticket_of(hold).ok_or_else(|| Error::NotHeld {
             name: hold.name.to_string(),
         })?;
-        request(&self.link, &self.server, |s| {
-            s.release(&self.id, hold, ticket)
+        let (id, hold) = (self.id.clone(), hold.clone());
+        request(&self.link, &self.server, move |s| {
+            s.release(&id, &hold, ticket)
         })
         .await?
     }
 
     async fn close(&self, _holds: &[Hold]) -> Result<(), Error> {
-        request(&self.link, &self.server, |s| s.close_session(&self.id)).await
+        let id = self.id.clone();
+        request(&self.link, &self.server, move |s| s.close_session(&id)).await
     }
 }
 
@@ -340,16 +354,25 @@ struct MemoryAttempt {
 #[async_trait]
 impl Attempt for MemoryAttempt {
     async fn try_take(&mut self) -> Result<Take, Error> {
-        let args = TakeArgs {
-            name: &self.name,
-            session: &self.session,
-            ticket: self.ticket,
-            why: self.why.as_deref(),
-            notify: &self.notify,
-            fair: self.fair,
-            leases: self.leases,
-        };
-        request(&self.link, &self.server, |s| s.try_take(args)).await?
+        let (name, session, why, notify) = (
+            self.name.clone(),
+            self.session.clone(),
+            self.why.clone(),
+            self.notify.clone(),
+        );
+        let (ticket, fair, leases) = (self.ticket, self.fair, self.leases);
+        request(&self.link, &self.server, move |s| {
+            s.try_take(TakeArgs {
+                name: &name,
+                session: &session,
+                ticket,
+                why: why.as_deref(),
+                notify: &notify,
+                fair,
+                leases,
+            })
+        })
+        .await?
     }
 
     async fn wait(&mut self, until: Instant) -> Result<(), Error> {
@@ -371,7 +394,7 @@ impl Attempt for MemoryAttempt {
     }
 
     async fn abandon(&mut self) -> Result<(), Error> {
-        let (name, ticket) = (&self.name, self.ticket);
-        request(&self.link, &self.server, |s| s.abandon(name, ticket)).await
+        let (name, ticket) = (self.name.clone(), self.ticket);
+        request(&self.link, &self.server, move |s| s.abandon(&name, ticket)).await
     }
 }

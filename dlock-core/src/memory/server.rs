@@ -141,11 +141,9 @@ impl Server {
 
     pub(crate) fn open_session(&self, id: &str, ttl: Duration) -> Arc<str> {
         let id: Arc<str> = id.into();
+        let mut st = self.state.lock().unwrap();
         let expires_at = self.now() + ttl;
-        self.state
-            .lock()
-            .unwrap()
-            .sessions
+        st.sessions
             .insert(id.clone(), SessionRec { ttl, expires_at });
         id
     }
@@ -169,8 +167,8 @@ impl Server {
             fair,
             leases,
         } = args;
-        let now = self.now();
         let mut guard = self.state.lock().unwrap();
+        let now = self.now();
         let st = &mut *guard;
         let rec = live_session_mut(&mut st.sessions, session, now)?;
         let ttl = rec.ttl;
@@ -266,8 +264,8 @@ impl Server {
         hold: &Hold,
         ticket: u64,
     ) -> Result<(), Error> {
-        let now = self.now();
         let mut guard = self.state.lock().unwrap();
+        let now = self.now();
         let st = &mut *guard;
         let Some(entry) = st.locks.get_mut(&hold.name) else {
             return Err(not_held(&hold.name));
@@ -294,12 +292,13 @@ impl Server {
         session: &Arc<str>,
         holds: &[(Hold, u64)],
     ) -> Result<Vec<bool>, Error> {
-        let now = self.now();
         let mut guard = self.state.lock().unwrap();
+        let now = self.now();
         let st = &mut *guard;
         let rec = live_session_mut(&mut st.sessions, session, now)?;
-        rec.expires_at = now + rec.ttl;
-        let until = rec.expires_at;
+        // Never shorten what a concurrent take set.
+        rec.expires_at = rec.expires_at.max(now + rec.ttl);
+        let until = now + rec.ttl;
         let mut out = Vec::with_capacity(holds.len());
         for (hold, ticket) in holds {
             let ok = match st.locks.get_mut(&hold.name).and_then(|e| e.holder.as_mut()) {
@@ -309,8 +308,8 @@ impl Server {
                         && h.token == hold.token.get()
                         && h.expires_at.is_none_or(|e| e > now) =>
                 {
-                    if h.expires_at.is_some() {
-                        h.expires_at = Some(until);
+                    if let Some(e) = &mut h.expires_at {
+                        *e = (*e).max(until);
                     }
                     true
                 }
@@ -337,8 +336,8 @@ impl Server {
     }
 
     pub(crate) fn inspect(&self, name: &LockName) -> Option<LockInfo> {
-        let now = self.now();
         let mut guard = self.state.lock().unwrap();
+        let now = self.now();
         let st = &mut *guard;
         let entry = st.locks.get_mut(name)?;
         purge(entry, &st.sessions, now, name);
@@ -364,8 +363,8 @@ impl Server {
     }
 
     pub(crate) fn list(&self, prefix: &str) -> Vec<LockInfo> {
-        let now = self.now();
         let mut guard = self.state.lock().unwrap();
+        let now = self.now();
         let st = &mut *guard;
         sweep(st, now);
         st.locks
@@ -376,8 +375,8 @@ impl Server {
     }
 
     pub(crate) fn validate(&self, name: &LockName, token: FencingToken) -> bool {
-        let now = self.now();
         let st = self.state.lock().unwrap();
+        let now = self.now();
         st.locks
             .get(name)
             .and_then(|e| e.holder.as_ref())
@@ -392,8 +391,8 @@ impl Server {
     }
 
     pub(crate) fn force_release(&self, name: &LockName) -> bool {
-        let now = self.now();
         let mut guard = self.state.lock().unwrap();
+        let now = self.now();
         let st = &mut *guard;
         let Some(entry) = st.locks.get_mut(name) else {
             return false;
@@ -413,8 +412,8 @@ impl Server {
     /// Store objects (lock entries and queue entries) under `prefix`, after
     /// expiring what is due: the conformance suite's leak check.
     pub(crate) fn objects(&self, prefix: &str) -> usize {
-        let now = self.now();
         let mut guard = self.state.lock().unwrap();
+        let now = self.now();
         let st = &mut *guard;
         sweep(st, now);
         st.locks

@@ -134,6 +134,10 @@ impl Backend for FaultyBackend {
         self.inner.min_ttl()
     }
 
+    fn max_ttl(&self) -> Duration {
+        self.inner.max_ttl()
+    }
+
     async fn open(
         &self,
         id: SessionId,

@@ -117,6 +117,13 @@ pub trait Backend: Send + Sync + Debug {
     /// The smallest TTL this deployment can honour.
     fn min_ttl(&self) -> Duration;
 
+    /// The largest TTL this deployment can honour: [`MAX_TTL`](crate::MAX_TTL)
+    /// unless the store bounds it (a Redis restart guard refuses grants for
+    /// its `max_ttl` after a restart, so no session may outlive that).
+    fn max_ttl(&self) -> Duration {
+        crate::MAX_TTL
+    }
+
     /// Primitive: creates the store side of a session with id `id`.
     ///
     /// Users call [`Backend::session`] instead, which validates the options and

@@ -432,6 +432,14 @@ impl Session {
     ) -> Result<Session, Error> {
         let scheme = backend.scheme();
         options.validate(backend.min_ttl())?;
+        let max_ttl = backend.max_ttl();
+        if options.ttl_value() > max_ttl {
+            return Err(Error::InvalidTtl {
+                ttl: options.ttl_value(),
+                min: backend.min_ttl(),
+                max: max_ttl,
+            });
+        }
         let id = SessionId::generate(options.label_value());
         let request_timeout = options.open_timeout();
         let sent = crate::clock::now();

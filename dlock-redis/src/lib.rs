@@ -436,19 +436,22 @@ impl Backend for RedisBackend {
         MIN_TTL
     }
 
+    /// With the restart guard, a session may not outlive `max_ttl`: a
+    /// restarted node refuses grants for that long (see the crate docs).
+    fn max_ttl(&self) -> Duration {
+        if self.inner.options.restart_guard {
+            self.inner.options.max_ttl
+        } else {
+            dlock_core::MAX_TTL
+        }
+    }
+
     async fn open(
         &self,
         id: SessionId,
         options: &SessionOptions,
     ) -> Result<Arc<dyn RawSession>, Error> {
         let ttl = options.ttl_value();
-        if self.inner.options.restart_guard && ttl > self.inner.options.max_ttl {
-            return Err(Error::InvalidTtl {
-                ttl,
-                min: MIN_TTL,
-                max: self.inner.options.max_ttl,
-            });
-        }
         let limit = self.inner.node_limit(options.request_timeout_or_default());
         Ok(Arc::new(session::RedisSession::new(
             self.inner.clone(),

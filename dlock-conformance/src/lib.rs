@@ -194,7 +194,8 @@ macro_rules! conformance_tests {
             waiter_learns_session_lost,
             replies_late_but_in_time,
             lost_hold_release_retried,
-            renewal_task_panics;
+            renewal_task_panics,
+            renewal_keeps_only_known_holds;
             exclusive:
             tokens_after_restart,
             server_paused_past_ttl,

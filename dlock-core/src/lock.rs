@@ -139,7 +139,14 @@ impl Lock {
 
     /// Waits at most `wait` for the lock; [`Error::Timeout`] after that,
     /// within `wait` plus one round trip (invariant L5), also when the store
-    /// does not answer: the deadline cuts requests in flight.
+    /// does not answer: the deadline cuts requests in flight. So a `wait`
+    /// shorter than a round trip can time out on a free lock; for exactly
+    /// one try use [`try_acquire`](Self::try_acquire).
+    ///
+    /// The timeout's `cause` is `None` when the lock stayed busy, and the
+    /// store's last error (or "no answer before the deadline") when the
+    /// store was failing or silent: a caller can tell "busy" from
+    /// "unreachable".
     ///
     /// # Cancel safety
     /// As [`acquire`](Self::acquire).
@@ -188,15 +195,17 @@ impl Lock {
         let shared = self.shared().clone();
         shared.check_alive()?;
         let mut backoff = Backoff::default();
+        let mut last = Last::Nothing;
         let attempt = loop {
             match self
                 .request(wait, shared.raw.attempt(&self.name, self.why.as_deref()))
                 .await
             {
                 Ok(attempt) => break attempt,
+                Err(e @ Error::Timeout { .. }) => return Err(last.explain(e, shared.scheme)),
                 Err(e) if e.is_retryable() && !matches!(wait, Wait::No) => {
                     tracing::debug!(error = %e, "starting an attempt failed; retrying");
-                    self.pause(wait, &mut backoff, e).await?;
+                    self.pause(wait, &mut backoff, &mut last, e).await?;
                 }
                 Err(e) => return Err(e),
             }
@@ -219,10 +228,11 @@ impl Lock {
                     tracing::warn!(took = ?sent.elapsed(), "grant arrived after its validity; taking again");
                     let late =
                         Error::unavailable(shared.scheme, "grants arrive after their validity");
-                    self.pause(wait, &mut backoff, late).await?;
+                    self.pause(wait, &mut backoff, &mut last, late).await?;
                 }
                 Ok(Take::Busy(busy)) => {
                     backoff = Backoff::default();
+                    last = Last::Busy;
                     match wait {
                         Wait::No => {
                             // Finish the clean-up before answering, so a
@@ -238,9 +248,10 @@ impl Lock {
                     }
                     self.wait_for_change(&mut attempt, busy, wait).await?;
                 }
+                Err(e @ Error::Timeout { .. }) => return Err(last.explain(e, shared.scheme)),
                 Err(e) if e.is_retryable() && !matches!(wait, Wait::No) => {
                     tracing::debug!(error = %e, "take failed; retrying");
-                    self.pause(wait, &mut backoff, e).await?;
+                    self.pause(wait, &mut backoff, &mut last, e).await?;
                 }
                 Err(e) => return Err(e),
             }
@@ -327,15 +338,22 @@ impl Lock {
         }
     }
 
-    /// Sleeps before retrying after `failed`; [`Error::Timeout`] (with
-    /// `failed` as its cause) if the caller's deadline comes first,
-    /// [`Error::SessionLost`] if the session ends.
-    async fn pause(&self, wait: Wait, backoff: &mut Backoff, failed: Error) -> Result<(), Error> {
+    /// Sleeps before retrying after `failed` (remembered in `last`);
+    /// [`Error::Timeout`] (with `failed` as its cause) if the caller's
+    /// deadline comes first, [`Error::SessionLost`] if the session ends.
+    async fn pause(
+        &self,
+        wait: Wait,
+        backoff: &mut Backoff,
+        last: &mut Last,
+        failed: Error,
+    ) -> Result<(), Error> {
         let shared = self.shared();
         let mut until = Instant::now() + backoff.next();
+        *last = Last::Failed(failed);
         if let Wait::Until(deadline, asked) = wait {
             if Instant::now() >= deadline {
-                return Err(self.timeout_error(asked, Some(failed)));
+                return Err(last.explain(self.timeout_error(asked, None), shared.scheme));
             }
             until = until.min(deadline);
         }
@@ -346,8 +364,8 @@ impl Lock {
     }
 
     /// Bounds one store request by the session's request timeout and the
-    /// caller's deadline (which wins: [`Error::Timeout`]), and by the
-    /// session's life.
+    /// caller's deadline (which wins: [`Error::Timeout`] without a cause,
+    /// which [`Last::explain`] supplies), and by the session's life.
     async fn request<T>(
         &self,
         wait: Wait,
@@ -366,10 +384,7 @@ impl Lock {
             r = timeout_at(limit, fut) => match r {
                 Ok(r) => r,
                 Err(_) => Err(match cut_by_caller {
-                    Some(asked) => self.timeout_error(
-                        asked,
-                        Some(Error::unavailable(shared.scheme, "no answer before the deadline")),
-                    ),
+                    Some(asked) => self.timeout_error(asked, None),
                     None => Error::unavailable(shared.scheme, "request timed out"),
                 }),
             },
@@ -382,6 +397,46 @@ impl Lock {
             name: self.name.to_string(),
             waited: asked,
             cause: cause.map(Box::new),
+        }
+    }
+}
+
+/// What the store last said during one acquire: tells a [`Error::Timeout`]
+/// for a busy lock (no cause) from one for a store that was failing or
+/// silent (the cause), which e.g. `dlock run` reports differently.
+enum Last {
+    /// No request has been answered yet.
+    Nothing,
+    /// The last answer was "busy".
+    Busy,
+    /// The last request failed with this transient error.
+    Failed(Error),
+}
+
+impl Last {
+    /// `timeout` with the cause this acquire ended on, if the store was not
+    /// answering "busy".
+    fn explain(&mut self, timeout: Error, scheme: &'static str) -> Error {
+        let Error::Timeout {
+            name,
+            waited,
+            cause,
+        } = timeout
+        else {
+            return timeout;
+        };
+        let cause = cause.or(match std::mem::replace(self, Last::Nothing) {
+            Last::Busy => None,
+            Last::Failed(e) => Some(Box::new(e)),
+            Last::Nothing => Some(Box::new(Error::unavailable(
+                scheme,
+                "no answer before the deadline",
+            ))),
+        });
+        Error::Timeout {
+            name,
+            waited,
+            cause,
         }
     }
 }

@@ -280,3 +280,65 @@ pub async fn renewal_task_panics(h: &dyn Harness) -> Outcome {
     gb.release().await?;
     passed()
 }
+
+/// S5, L1 on stores where each hold has its own expiry: a grant the client
+/// no longer tracks (a take that landed after its acquire gave up, a release
+/// whose clean-up never got through) must not be kept alive by the
+/// session's renewals of its *other* holds. It expires one TTL after the
+/// take, and another client gets the lock; the renewed hold stays.
+///
+/// Stores whose holds live with the session (etcd leases, ZooKeeper
+/// sessions) cannot expire one hold alone: there the core's retried
+/// clean-ups free it (`abandon_retried_after_cut`,
+/// `lost_hold_release_retried`).
+pub async fn renewal_keeps_only_known_holds(h: &dyn Harness) -> Outcome {
+    use dlock_core::backend::{ExpiryModel, Take};
+    let ctx = Ctx::new(h, "renewal_keeps_only_known_holds");
+    let (a, b) = (ctx.client().await?, ctx.client().await?);
+    if a.raw_session().expiry() != ExpiryModel::PerHold {
+        return super::skipped(
+            "holds live with the session: retried clean-ups free untracked ones",
+        );
+    }
+    let (t, bound) = (ctx.caps.ttl, ctx.caps.recovery_bound);
+    let (untracked, renewed) = (ctx.name("untracked"), ctx.name("renewed"));
+    // The core keeps one hold of A's session alive...
+    let kept = a.lock(&renewed)?.acquire().await?;
+    // ...while another grant of the same session is one it never learns of.
+    let mut attempt = a.raw_session().attempt(&untracked, None).await?;
+    let taken = Instant::now();
+    let hold = match attempt.try_take().await? {
+        Take::Granted(hold) => hold,
+        Take::Busy(_) => return Err(Failure("a free lock was busy".into())),
+    };
+    let gb = b
+        .lock(&untracked)?
+        .acquire_timeout(t * 4 + bound)
+        .await
+        .map_err(|e| {
+            Failure(format!(
+                "the untracked grant (token {}) outlived its TTL: the session's renewals kept it ({e})",
+                hold.token
+            ))
+        })?;
+    let took = taken.elapsed();
+    ensure!(
+        took <= t + bound,
+        "the untracked grant kept the lock for {took:?} (TTL {t:?}, bound {bound:?})"
+    );
+    ensure!(
+        kept.is_held(),
+        "the renewed hold was lost ({:?})",
+        kept.lost_reason()
+    );
+    ensure!(
+        gb.token() > hold.token,
+        "token {} after {}",
+        gb.token(),
+        hold.token
+    );
+    gb.release().await?;
+    kept.release().await?;
+    let _ = attempt.abandon().await;
+    passed()
+}

@@ -23,7 +23,8 @@ pub use cancel::{
 };
 pub use expiry::{
     force_release, holder_crash_recovery, lost_signal_by_local_deadline,
-    no_early_grant_while_renewing, pause_scenario, renewal_task_panics, tokens_after_expiry,
+    no_early_grant_while_renewing, pause_scenario, renewal_keeps_only_known_holds,
+    renewal_task_panics, tokens_after_expiry,
 };
 pub use hygiene::{bad_input, inspect_and_validate, ten_thousand_names};
 pub use mutex::{contention, reentrancy, timeouts, try_acquire};

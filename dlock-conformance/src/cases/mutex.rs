@@ -110,6 +110,14 @@ pub async fn timeouts(h: &dyn Harness) -> Outcome {
             matches!(result, Err(Error::Timeout { .. })),
             "acquire_timeout({wait:?}) on a held lock gave {result:?}"
         );
+        // A lock that stayed busy is no store failure (a zero wait may end
+        // before any answer, which says nothing about the lock).
+        if !wait.is_zero() {
+            ensure!(
+                matches!(result, Err(Error::Timeout { cause: None, .. })),
+                "acquire_timeout({wait:?}) on a held lock blamed the store: {result:?}"
+            );
+        }
         ensure!(
             took >= wait,
             "acquire_timeout({wait:?}) gave up early, after {took:?}"

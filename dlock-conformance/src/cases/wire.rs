@@ -593,8 +593,8 @@ pub async fn acquire_timeout_under_partition(h: &dyn Harness) -> Outcome {
         let r = a.lock(ctx.name("x"))?.acquire_timeout(wait).await;
         let took = start.elapsed();
         ensure!(
-            matches!(r, Err(dlock_core::Error::Timeout { .. })),
-            "acquire_timeout({wait:?}) through a partition gave {r:?}, expected Timeout"
+            matches!(r, Err(dlock_core::Error::Timeout { cause: Some(_), .. })),
+            "acquire_timeout({wait:?}) through a partition gave {r:?}, expected Timeout naming the silent store"
         );
         ensure!(
             took <= wait + ctx.caps.wakeup_bound,

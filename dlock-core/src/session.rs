@@ -286,8 +286,16 @@ impl Shared {
 
     /// Releases `hold` in the store, retrying transient errors until the store
     /// would have expired it anyway. A `NotHeld` after an attempt whose reply
-    /// was lost means that attempt succeeded.
-    async fn release_in_store(&self, hold: &Hold, give_up_at: Instant) -> Result<(), Error> {
+    /// was lost means that attempt succeeded, but only if it comes back
+    /// before the hold's local `deadline`: until then the store cannot have
+    /// expired the hold (S4), later it may have, and the release is not
+    /// known to have ended a valid hold.
+    async fn release_in_store(
+        &self,
+        hold: &Hold,
+        deadline: Instant,
+        give_up_at: Instant,
+    ) -> Result<(), Error> {
         let mut outcome_unknown = false;
         let mut backoff = Duration::from_millis(10);
         loop {
@@ -297,7 +305,9 @@ impl Shared {
             };
             match result {
                 Ok(()) => return Ok(()),
-                Err(Error::NotHeld { .. }) if outcome_unknown => return Ok(()),
+                Err(Error::NotHeld { .. }) if outcome_unknown && crate::clock::now() < deadline => {
+                    return Ok(());
+                }
                 Err(e) if e.is_retryable() && crate::clock::now() + backoff < give_up_at => {
                     tracing::debug!(lock = %hold.name, error = %e, "release failed; retrying");
                     outcome_unknown = true;
@@ -371,7 +381,9 @@ pub(crate) async fn release_hold(shared: Arc<Shared>, held: Arc<HeldState>) -> R
     let lost_before = held.lost_error();
     held.lose(LostReason::Released);
     let give_up_at = held.deadline() + shared.timing.drift;
-    let result = shared.release_in_store(&held.hold, give_up_at).await;
+    let result = shared
+        .release_in_store(&held.hold, held.deadline(), give_up_at)
+        .await;
     tracing::debug!(lock = %held.hold.name, token = %held.hold.token, session = %shared.id, ok = result.is_ok(), "released");
     match lost_before {
         Some(lost) => Err(lost),

@@ -15,7 +15,8 @@
 //! declared [`Capabilities`] passes with a loud `SKIPPED` line on stderr
 //! saying why. If the server is down, every case fails with the command that
 //! starts it, unless `DLOCK_TEST_SKIP` names the store (comma-separated), in
-//! which case each case says it was skipped.
+//! which case each case says it was skipped. With `DLOCK_TEST_TIMES` set,
+//! every case prints `TIME <store>::<case> <seconds>` (CI's time budget).
 //!
 //! # Cases and the invariants they guard
 //!
@@ -117,7 +118,15 @@ where
             harness.start_hint()
         );
     }
-    match tokio::time::timeout(CASE_TIME_LIMIT, body(harness)).await {
+    let started = std::time::Instant::now();
+    let outcome = tokio::time::timeout(CASE_TIME_LIMIT, body(harness)).await;
+    if std::env::var_os("DLOCK_TEST_TIMES").is_some() {
+        loud(&format!(
+            "TIME {store}::{case} {:.1}s",
+            started.elapsed().as_secs_f64()
+        ));
+    }
+    match outcome {
         Ok(Ok(Verdict::Passed)) => {}
         Ok(Ok(Verdict::Skipped(why))) => loud(&format!("SKIPPED {store}::{case}: {why}")),
         Ok(Err(failure)) => panic!("{store}::{case} FAILED: {failure}"),

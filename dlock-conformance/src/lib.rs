@@ -20,37 +20,64 @@
 //!
 //! # Cases and the invariants they guard
 //!
-//! | case | invariants |
-//! |---|---|
-//! | `contention` (16 clients, fenced register, history check) | S1, S2 |
-//! | `try_acquire` | S1, L5 |
-//! | `timeouts` | L5, L4 (a timed-out waiter blocks no one) |
-//! | `release_by_non_owner` | S3 |
-//! | `stale_release_after_expiry` | S3, S4 |
-//! | `stale_release_retried_after_lost_reply` | S3 |
-//! | `holder_crash_recovery` | L1, S2 |
-//! | `no_early_grant_while_renewing` | S1, L3 |
-//! | `lost_signal_by_local_deadline` | S4 |
-//! | `pause_scenario` | S4, S2 (fenced write refused) |
-//! | `tokens_after_expiry` | S2, S6 |
-//! | `tokens_after_restart` | S2 (durable tokens) |
-//! | `force_release` | S2, S3, S4 |
-//! | `inspect_and_validate` | S2, S3 |
-//! | `wakeup_latency` | L2 |
-//! | `wakeup_release_before_subscribe` | L2 |
-//! | `wakeup_dead_notification_channel` | L2, L1 |
-//! | `many_waiters_one_handoff_each` (200 waiters) | L6, S1 |
-//! | `fifo_with_cancelled_waiter` | L4, S5 |
-//! | `reentrancy` | S1 (handles exclude each other) |
-//! | `cancellation_sweep` | S5 |
-//! | `acquire_retried_after_lost_reply` | S5, idempotent take |
-//! | `idempotent_take_extends_expiry` | S4 (a retried take re-extends the store's expiry) |
-//! | `ten_thousand_names` | S5 (no leaked state) |
-//! | `bad_input` | typed errors; names `a`, `a/b`, `A` distinct |
-//! | `session_close` | S5 (no task outlives its session), L3 |
+//! Each case is a `pub async fn` in [`cases`]; its doc comment says what it
+//! checks. Cases that need what a harness cannot give (links, process
+//! control, a leader, a stepped clock, a capability) say `SKIPPED` and why.
 //!
-//! Fault cases that need tools below the adapter (a TCP proxy, server
-//! restarts, leader failover) join as the adapters that need them arrive.
+//! | case | invariants | faults |
+//! |---|---|---|
+//! | `contention` (16 clients, fenced register, history check) | S1, S2 | – |
+//! | `try_acquire` | S1, L5 | – |
+//! | `timeouts` | L5, L4 | – |
+//! | `reentrancy` | S1 (handles exclude each other) | – |
+//! | `release_by_non_owner` | S3 | – |
+//! | `stale_release_after_expiry` | S3, S4 | in-process stall |
+//! | `stale_release_retried_after_lost_reply` | S3 | in-process lost reply |
+//! | `holder_crash_recovery` | L1, S2 | in-process crash |
+//! | `no_early_grant_while_renewing` | S1, L3 | – |
+//! | `lost_signal_by_local_deadline` | S4 | in-process stall |
+//! | `pause_scenario` | S4, fencing | client process paused |
+//! | `tokens_after_expiry` | S2, S6 | in-process crash |
+//! | `force_release` | S2, S3, S4 | – |
+//! | `renewal_task_panics` | S4 (no zombie session) | panicking renewal |
+//! | `renewal_keeps_only_known_holds` | S5, L1 (untracked grants expire) | – |
+//! | `inspect_and_validate` | S2, S3 | – |
+//! | `wakeup_latency` | L2 | – |
+//! | `wakeup_release_before_subscribe` | L2 | – |
+//! | `wakeup_dead_notification_channel` | L2, L1 | deaf notifications |
+//! | `many_waiters_one_handoff_each` (200 waiters) | L6, S1 | – |
+//! | `fifo_with_cancelled_waiter` | L4, S5 | – |
+//! | `cancellation_sweep` | S5 | dropped futures |
+//! | `acquire_retried_after_lost_reply` | S5, idempotent take | in-process lost reply |
+//! | `idempotent_take_extends_expiry` | S4 | in-process slow lost reply |
+//! | `ten_thousand_names` | S5 (no leaked state, before and after close) | – |
+//! | `bad_input` | typed errors | – |
+//! | `session_close` | S5, L3 | – |
+//! | `renewal_replies_lost` | S4, L3 | wire: replies lost |
+//! | `renewal_replies_late` | S4 | wire: replies later than the request timeout |
+//! | `replies_late_but_in_time` | S4 (validity from the send) | wire: replies late, in time |
+//! | `renewal_on_dead_connection` | L3, S4 | wire: connections silently dead |
+//! | `acquire_reply_lost` | S1, S5 | wire: take's reply lost, then dark |
+//! | `release_reply_lost` | S3 | wire: release's reply lost |
+//! | `holder_partitioned_past_ttl` | S4, L1, fencing | wire: holder blackholed |
+//! | `waiters_cut_while_waiting` | L1, L2 | wire: waiters reset |
+//! | `connection_blip` | L3 (`survives_reconnect`) | wire: holder reset |
+//! | `split_views_at_connect` | S1 (quorum of configured nodes) | wire: different minorities cut |
+//! | `abandon_retried_after_cut` | S5, L4 | wire: connections refused |
+//! | `acquire_timeout_under_partition` | L5 | wire: blackhole |
+//! | `waiter_learns_session_lost` | L5, S5 | wire: waiter blackholed past TTL |
+//! | `lost_hold_release_retried` | S5, L1 | wire: replies lost, then refused |
+//! | `tokens_after_restart` (exclusive) | S2 (durable tokens) | servers killed, restarted |
+//! | `server_paused_past_ttl` (exclusive) | S4, S2, fencing, L5 | servers SIGSTOPped |
+//! | `server_restart_while_held` (exclusive) | S1, S2, S4 | servers killed, restarted |
+//! | `node_restarted_from_old_snapshot` (exclusive) | S1, S4, S2 | majority restored from old snapshots |
+//! | `leader_killed_while_held` (exclusive) | S1, S2, L4 | leader killed |
+//! | `node_isolated_from_peers` (exclusive) | S4 | follower cut off from its peers |
+//! | `server_clock_jumps` (exclusive) | fencing under clock faults | store clock stepped |
+//!
+//! The wire faults come from [`wire`] (a TCP proxy per store node, or the
+//! memory backend's in-process link), the server faults from the harness's
+//! [`servers::Servers`], the in-process ones from [`faults`].
 
 pub mod cases;
 pub mod checker;

@@ -1,7 +1,8 @@
 //! dlock on MongoDB: the seeds' `config.locks` / `config.lockpings` design
 //! (MongoDB 2.4's `distlock.cpp`), made atomic, fenced and judged by the
 //! server's clock. Official `mongodb` driver; replica sets, sharded clusters
-//! (through `mongos`) and standalone servers, MongoDB 4.4 or newer.
+//! (through `mongos`, opt-in: see "Deployments") and standalone servers,
+//! MongoDB 4.4 or newer.
 //!
 //! # How it works
 //!
@@ -59,10 +60,19 @@
 //!   `token` and still live by `$$NOW` (S3). Release sets `state: 0`,
 //!   `expiresAt` to the epoch and removes `session`, `who` and `why`.
 //! * **Renewal**: every period, one `updateMany` extends all the session's live
-//!   holds the core names (`expiresAt = max(expiresAt, $$NOW + ttl)`), sent
-//!   together with the session's ping; a third request (a `find`) only follows
-//!   when some hold was not extended, to tell which. At most three requests,
-//!   two round trips of latency, per period whatever the number of locks.
+//!   holds the core names (`expiresAt = max(expiresAt, $$NOW + ttl)`); a
+//!   second request (a `find`) only follows when some hold was not extended,
+//!   to tell which. The session's ping goes out after it in the background
+//!   (at most one at a time): it keeps the session's document fresh for
+//!   operators, but no hold depends on it, so a ping stuck on a dead
+//!   connection cannot make a renewal late. A session without holds pings
+//!   instead (that is its heartbeat).
+//! * **Wedged driver clients** are replaced: a request that fails with a
+//!   network error, or hangs until dlock-core gives up on it, marks the
+//!   driver client it used, and the next request gets a new one (at most
+//!   two a second). The driver's own recovery takes 0.5–1 s after a reset
+//!   and can hang for good on connections opened during a partition; see
+//!   the `client` module.
 //! * **Wake-up**: where the deployment supports change streams (a replica set
 //!   or a sharded cluster, detected at connect with `hello`), each backend
 //!   keeps one change stream on the lock collection, filtered to events that
@@ -85,8 +95,8 @@
 //! `mongodb://[user:pass@]host1[:port1][,host2...]/[authdb][?options]` and
 //! `mongodb+srv://user:pass@cluster.example.net/` — credentials, `authSource`,
 //! `tls`, `replicaSet`, timeouts and the rest as the driver parses them. dlock's
-//! own options (`dlock_db`, `dlock_locks`, `dlock_sessions`) are taken out
-//! first; see [`MongoOptions`]. Unless the URL sets `serverSelectionTimeoutMS`,
+//! own options (`dlock_db`, `dlock_locks`, `dlock_sessions`, `dlock_mongos`)
+//! are taken out first; see [`MongoOptions`]. Unless the URL sets `serverSelectionTimeoutMS`,
 //! dlock uses 5 s (the driver's default is 30 s). Passwords never appear in
 //! `Debug`, errors or logs.
 //!
@@ -100,42 +110,56 @@
 //! # Ok(()) }
 //! ```
 //!
+//! # Deployments
+//!
+//! | deployment | wake-ups | clock that judges expiry | connect |
+//! |---|---|---|---|
+//! | replica set | change streams | the primary's | yes |
+//! | standalone `mongod` | polling (5→100 ms) | the server's | yes |
+//! | sharded cluster, through `mongos` | change streams | **the router's that handled each request** | refused unless `dlock_mongos=allow` ([`MongosPolicy`]) |
+//! | Mongo-compatible services that present as `mongos` (DocumentDB's gateway, FerretDB 2, ...) | polling (no change streams) | the gateway's | refused unless `dlock_mongos=allow` |
+//!
+//! `$$NOW` through `mongos`: the router computes it and sends it to the shard
+//! with the request, so `expiresAt` is written by one router's clock and
+//! compared, at the next take, with whatever router that client used. A
+//! router whose clock is **ahead** of the writer's by more than the drift
+//! margin frees a hold before its holder's local deadline: two holders
+//! (S1). Through one router (or one gateway process, as with DocumentDB) there
+//! is one clock and `dlock_mongos=allow` is safe; with several routers it is
+//! safe only while their clocks agree within the drift margin (default
+//! TTL/100 + 2 ms), which dlock cannot check.
+//!
 //! # Guarantees and their limits
 //!
-//! * Mutual exclusion (S1) holds as long as the primary's clock runs at a sane
-//!   rate and a new primary's clock is not behind the old one's by more than
-//!   the session's drift margin: `expiresAt` is an absolute time written by one
-//!   primary and compared with `$$NOW` by the next.
+//! * Mutual exclusion (S1) holds as long as the clock that judges expiry
+//!   (above) runs at a sane rate, and a clock that takes over judging (a new
+//!   primary after an election, another router) is not **ahead** of the one
+//!   that wrote `expiresAt` by more than the session's drift margin: a clock
+//!   ahead frees holds early (unsafe); a clock behind only keeps them longer
+//!   (a delay, not a double grant).
 //! * Tokens (S2) are durable: they live in majority-committed, journaled
 //!   documents that are never deleted.
 //! * Recovery (L1): a crashed holder's lock is free `ttl` after its last
 //!   renewal reached the server; waiters notice at once (they wait for the
 //!   server-reported expiry), so the bound is one round trip.
+//! * Errors: a refused password is [`Error::Auth`]; an untrusted server
+//!   certificate or a server that does not speak TLS is [`Error::Config`],
+//!   reported at connect without waiting out server selection. Neither
+//!   message carries the password.
 //!
-//! # What could not be verified here
+//! # What was verified, and on what
 //!
-//! No MongoDB server is installable on the machine this adapter was written
-//! on, so it was written against the driver's source and MongoDB's manual, and
-//! only what needs no server is tested (`cargo test`: every filter, update,
-//! pipeline, projection and index as exact BSON; URL parsing, validation and
-//! redaction; reply interpretation; error mapping). The conformance suite is
-//! wired up (`tests/conformance.rs`, `DLOCK_TEST_MONGO_URL`) but was **skipped**
-//! here. Unverified against a real server, in particular:
-//!
-//! * that the take's `$replaceWith`/`$cond`/`$mergeObjects` pipeline is accepted
-//!   in a `findAndModify` upsert and is a true no-op (no write, no change
-//!   event) when the lock is busy;
-//! * that `$$NOW` in a `findAndModify` projection (`remaining`) is accepted
-//!   (documented for `find` projections since 4.4) and is the same instant as
-//!   in the update;
-//! * the change-stream `$match` on `updateDescription.updatedFields.state`, and
-//!   wake-up latency through it;
-//! * the idempotent index creation against existing, differently named
-//!   indexes;
-//! * error codes and labels seen during elections and shutdowns (mapped from
-//!   the driver's and server's documented codes);
-//! * behaviour through `mongos` and with `mongodb+srv` DNS records.
+//! The conformance suite (wire faults through its proxy, server kill,
+//! restart and pause included) and `tests/auth.rs` run against the
+//! mongo-wire server of `scripts/services` (Microsoft DocumentDB on
+//! PostgreSQL behind its gateway; it presents as `mongos`, has no change
+//! streams, and reports duplicate keys from `findAndModify` with code 11000).
+//! No genuine `mongod` is installable there, so these remain unverified on a
+//! real server: change streams and wake-up through them, error codes and
+//! labels during elections and shutdowns, behaviour through several real
+//! `mongos` routers, and `mongodb+srv` DNS records.
 
+mod client;
 mod notify;
 mod options;
 mod query;
@@ -160,7 +184,7 @@ use mongodb::options::{
 use mongodb::{Client, Collection, IndexModel};
 
 use dlock_core::wake::WakeHub;
-pub use options::{DEFAULT_DATABASE, DEFAULT_LOCKS, DEFAULT_SESSIONS, MongoOptions};
+pub use options::{DEFAULT_DATABASE, DEFAULT_LOCKS, DEFAULT_SESSIONS, MongoOptions, MongosPolicy};
 pub use query::SESSION_SWEEP;
 use store::{Class, classify, error_code, map_err, token_of};
 
@@ -221,9 +245,8 @@ pub struct MongoBackend {
 }
 
 pub(crate) struct Inner {
-    pub(crate) client: Client,
-    pub(crate) locks: Collection<Document>,
-    pub(crate) sessions: Collection<Document>,
+    /// The driver client requests go through, replaced when it wedges.
+    pub(crate) clients: client::Clients,
     pub(crate) hub: Arc<WakeHub>,
     /// Whether the change stream is up (waiters rely on it rather than poll).
     pub(crate) stream_live: Arc<AtomicBool>,
@@ -248,8 +271,10 @@ impl MongoBackend {
     ///
     /// Errors: a malformed URL or an unknown scheme is [`Error::InvalidUrl`];
     /// an unreachable server (after the server-selection timeout) is
-    /// [`Error::Unavailable`]; failed authentication or a server older than
-    /// 4.4 is [`Error::Backend`].
+    /// [`Error::Unavailable`]; failed authentication is [`Error::Auth`]; an
+    /// untrusted server certificate, a TLS failure, or a `mongos` without
+    /// `dlock_mongos=allow` is [`Error::Config`]; a server older than 4.4 is
+    /// [`Error::Backend`].
     ///
     /// # Cancel safety
     /// Cancel safe: nothing is left behind but idempotently created indexes.
@@ -277,9 +302,16 @@ impl MongoBackend {
         if client_options.app_name.is_none() {
             client_options.app_name = Some("dlock".to_owned());
         }
-        let client = Client::with_options(client_options)
-            .map_err(|e| Error::invalid_url(url, options::scrub(&e.kind.to_string(), url)))?;
-        let hello = hello(&client).await?;
+        let clients = client::Clients::new(client::Spec {
+            options: client_options,
+            database: options.database().to_owned(),
+            locks: options.locks().to_owned(),
+            sessions: options.sessions().to_owned(),
+            collection_options: collection_options(),
+        })
+        .map_err(|e| Error::invalid_url(url, options::scrub(&e.kind.to_string(), url)))?;
+        let conn = clients.current();
+        let hello = hello_or_fatal(&conn).await?;
         let wire = hello
             .get("maxWireVersion")
             .and_then(|v| store::int_of(Some(v)))
@@ -294,20 +326,36 @@ impl MongoBackend {
             ));
         }
         let deployment = Deployment::from_hello(&hello);
-        let db = client.database(options.database());
-        let locks = db.collection_with_options::<Document>(options.locks(), collection_options());
-        let sessions =
-            db.collection_with_options::<Document>(options.sessions(), collection_options());
-        ensure_index(&locks, query::session_index()).await?;
-        ensure_index(&sessions, query::ping_index()).await?;
+        if deployment == Deployment::Sharded {
+            match options.mongos() {
+                MongosPolicy::Refuse => {
+                    return Err(Error::Config(format!(
+                        "{SCHEME}: the server is a mongos router (a sharded cluster, or a \
+                         Mongo-compatible service that presents as one): lock expiry would be \
+                         judged by the clock of whichever router handles each request; add \
+                         dlock_mongos=allow to the URL if every client uses one router, or all \
+                         routers' clocks are kept within the session's drift margin of each \
+                         other"
+                    )));
+                }
+                MongosPolicy::Allow => tracing::warn!(
+                    url = %options,
+                    "connected through mongos (dlock_mongos=allow): lock expiry is judged by \
+                     each request's router's clock; safe only while the routers' clocks agree \
+                     within the session's drift margin"
+                ),
+            }
+        }
+        ensure_index(&conn.locks, query::session_index()).await?;
+        ensure_index(&conn.sessions, query::ping_index()).await?;
         let hub = Arc::new(WakeHub::default());
         let stream_live = Arc::new(AtomicBool::new(false));
         let watcher = if deployment.has_change_streams() {
-            match notify::open(&locks, None).await {
+            match notify::open(&conn.locks, None).await {
                 Ok(stream) => {
                     stream_live.store(true, Ordering::Release);
                     Some(AbortOnDrop(tokio::spawn(notify::pump(
-                        locks.clone(),
+                        conn.locks.clone(),
                         stream,
                         Arc::downgrade(&hub),
                         stream_live.clone(),
@@ -327,9 +375,7 @@ impl MongoBackend {
         tracing::debug!(url = %options, ?deployment, "connected");
         Ok(Self {
             inner: Arc::new(Inner {
-                client,
-                locks,
-                sessions,
+                clients,
                 hub,
                 stream_live,
                 options,
@@ -362,12 +408,13 @@ impl MongoBackend {
     /// Cancel safe (read-only).
     pub async fn held_docs(&self, prefix: &str) -> Result<usize, Error> {
         name::check_prefix(prefix)?;
-        let n = self
-            .inner
+        let op = self.inner.clients.op(None);
+        let r = op
+            .conn
             .locks
             .count_documents(query::list_filter(prefix))
-            .await
-            .map_err(map_err)?;
+            .await;
+        let n = op.done(r).map_err(map_err)?;
         Ok(usize::try_from(n).unwrap_or(usize::MAX))
     }
 
@@ -396,6 +443,19 @@ fn collection_options() -> CollectionOptions {
         .read_concern(ReadConcern::majority())
         .selection_criteria(SelectionCriteria::ReadPreference(ReadPreference::Primary))
         .build()
+}
+
+/// [`hello`] on a new client, or the first heartbeat failure that retrying
+/// cannot cure (an untrusted TLS certificate), whichever comes first: the
+/// driver would retry the latter until the server-selection timeout.
+async fn hello_or_fatal(conn: &client::Conn) -> Result<Document, Error> {
+    let mut fatal = conn.fatal.clone();
+    tokio::select! {
+        reply = hello(&conn.client) => reply,
+        Ok(e) = async {
+            fatal.wait_for(Option::is_some).await.map(|f| f.clone())
+        } => Err(e.map_or_else(|| Error::Config(format!("{SCHEME}: TLS failed")), map_err)),
+    }
 }
 
 /// `hello`, or `isMaster` on servers that do not know it.
@@ -512,45 +572,50 @@ impl Backend for MongoBackend {
         options: &SessionOptions,
     ) -> Result<Arc<dyn RawSession>, Error> {
         Ok(Arc::new(
-            store::MongoSession::open(self.inner.clone(), id, options.ttl_value()).await?,
+            store::MongoSession::open(self.inner.clone(), id, options).await?,
         ))
     }
 
     /// `ping` on the `admin` database: one plain round trip.
     async fn ping(&self) -> Result<(), Error> {
-        self.inner
+        let op = self.inner.clients.op(None);
+        let r = op
+            .conn
             .client
             .database("admin")
             .run_command(doc! { "ping": 1 })
-            .await
-            .map_err(map_err)?;
+            .await;
+        op.done(r).map_err(map_err)?;
         Ok(())
     }
 
     async fn inspect(&self, name: &LockName) -> Result<Option<LockInfo>, Error> {
-        let doc = self
-            .inner
+        let op = self.inner.clients.op(None);
+        let r = op
+            .conn
             .locks
             .find_one(query::held_filter(name))
             .projection(query::info_projection())
-            .await
-            .map_err(map_err)?;
+            .await;
+        let doc = op.done(r).map_err(map_err)?;
         doc.map(|d| self.info(name.clone(), &d)).transpose()
     }
 
     async fn list(&self, prefix: &str) -> Result<Vec<LockInfo>, Error> {
         name::check_prefix(prefix)?;
-        let docs: Vec<Document> = self
-            .inner
-            .locks
-            .find(query::list_filter(prefix))
-            .sort(doc! { "_id": 1 })
-            .projection(query::info_projection())
-            .await
-            .map_err(map_err)?
-            .try_collect()
-            .await
-            .map_err(map_err)?;
+        let op = self.inner.clients.op(None);
+        let r = async {
+            op.conn
+                .locks
+                .find(query::list_filter(prefix))
+                .sort(doc! { "_id": 1 })
+                .projection(query::info_projection())
+                .await?
+                .try_collect::<Vec<Document>>()
+                .await
+        }
+        .await;
+        let docs = op.done(r).map_err(map_err)?;
         docs.iter()
             .map(|d| {
                 let name = match d.get("_id") {
@@ -572,25 +637,27 @@ impl Backend for MongoBackend {
     }
 
     async fn validate(&self, name: &LockName, token: FencingToken) -> Result<bool, Error> {
-        let found = self
-            .inner
+        let op = self.inner.clients.op(None);
+        let r = op
+            .conn
             .locks
             .find_one(query::validate_filter(name, token.get()))
             .projection(doc! { "_id": 1 })
-            .await
-            .map_err(map_err)?;
+            .await;
+        let found = op.done(r).map_err(map_err)?;
         Ok(found.is_some())
     }
 
     async fn force_release(&self, name: &LockName) -> Result<bool, Error> {
-        let old = self
-            .inner
+        let op = self.inner.clients.op(None);
+        let r = op
+            .conn
             .locks
             .find_one_and_update(query::held_filter(name), query::free_update())
             .return_document(ReturnDocument::Before)
             .projection(query::info_projection())
-            .await
-            .map_err(map_err)?;
+            .await;
+        let old = op.done(r).map_err(map_err)?;
         let Some(old) = old else { return Ok(false) };
         tracing::info!(
             lock = %name,

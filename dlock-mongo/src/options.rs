@@ -23,6 +23,7 @@ pub const DEFAULT_SESSIONS: &str = "sessions";
 /// | `dlock_db` | `dlock` | the database |
 /// | `dlock_locks` | `locks` | the lock collection |
 /// | `dlock_sessions` | `sessions` | the session collection |
+/// | `dlock_mongos` | `refuse` | `allow` lets dlock work through `mongos` routers (see [`MongosPolicy`]) |
 ///
 /// Everything else (credentials, `authSource`, `tls`, `replicaSet`,
 /// `readPreference`, timeouts, ...) is the driver's and is checked by it.
@@ -44,6 +45,36 @@ pub struct MongoOptions {
     database: String,
     locks: String,
     sessions: String,
+    mongos: MongosPolicy,
+}
+
+/// What [`MongoBackend::connect`](crate::MongoBackend::connect) does when the
+/// server is a `mongos` router (a sharded cluster), set with the URL option
+/// `dlock_mongos`.
+///
+/// Through `mongos`, `$$NOW` — the only clock dlock's expiry is judged by —
+/// is the clock of **the router that handled the request**, not of the shard
+/// that stores the lock (the router computes it and sends it to the shards
+/// with the request). Clients that reach the cluster through different
+/// routers (or one client whose URL lists several, which the driver uses in
+/// turn) compare an `expiresAt` written by one router's clock with another
+/// router's `$$NOW`: a router whose clock is *ahead* of the writer's by more
+/// than the session's drift margin frees a hold early, while its holder
+/// still trusts it (S1). dlock cannot measure the routers' clocks, so it
+/// refuses by default.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum MongosPolicy {
+    /// `dlock_mongos=refuse` (the default): connecting to a `mongos` is an
+    /// [`Error::Config`].
+    #[default]
+    Refuse,
+    /// `dlock_mongos=allow`: the operator vouches that every router any
+    /// client of these locks uses keeps its clock within the drift margin of
+    /// the others (NTP-synchronised hosts; the default drift margin is
+    /// TTL/100 + 2 ms), or that all clients use one router. Each connect
+    /// through `mongos` then logs a `warn` event saying so.
+    Allow,
 }
 
 impl MongoOptions {
@@ -71,6 +102,7 @@ impl MongoOptions {
         let mut database = DEFAULT_DATABASE.to_owned();
         let mut locks = DEFAULT_LOCKS.to_owned();
         let mut sessions = DEFAULT_SESSIONS.to_owned();
+        let mut mongos = MongosPolicy::default();
         let mut kept = Vec::new();
         for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
             let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
@@ -78,9 +110,21 @@ impl MongoOptions {
                 "dlock_db" => database = v.to_owned(),
                 "dlock_locks" => locks = v.to_owned(),
                 "dlock_sessions" => sessions = v.to_owned(),
+                "dlock_mongos" => {
+                    mongos = match v {
+                        "refuse" => MongosPolicy::Refuse,
+                        "allow" => MongosPolicy::Allow,
+                        _ => {
+                            return Err(bad(&format!(
+                                "dlock_mongos={v:?}: expected refuse or allow"
+                            )));
+                        }
+                    }
+                }
                 _ if k.starts_with("dlock_") => {
                     return Err(bad(&format!(
-                        "unknown dlock option {k:?} (known: dlock_db, dlock_locks, dlock_sessions)"
+                        "unknown dlock option {k:?} (known: dlock_db, dlock_locks, \
+                         dlock_sessions, dlock_mongos)"
                     )));
                 }
                 _ => kept.push(pair),
@@ -105,6 +149,7 @@ impl MongoOptions {
             database,
             locks,
             sessions,
+            mongos,
         })
     }
 
@@ -121,6 +166,17 @@ impl MongoOptions {
     /// The session collection.
     pub fn sessions(&self) -> &str {
         &self.sessions
+    }
+
+    /// What to do when the server is a `mongos` router.
+    pub fn mongos(&self) -> MongosPolicy {
+        self.mongos
+    }
+
+    /// Sets what to do when the server is a `mongos` router.
+    pub fn with_mongos(mut self, policy: MongosPolicy) -> Self {
+        self.mongos = policy;
+        self
     }
 
     /// Sets the database (validated).
@@ -218,6 +274,7 @@ impl fmt::Debug for MongoOptions {
             .field("database", &self.database)
             .field("locks", &self.locks)
             .field("sessions", &self.sessions)
+            .field("mongos", &self.mongos)
             .finish()
     }
 }
@@ -243,6 +300,16 @@ mod tests {
         assert_eq!(
             o.driver_url(),
             "mongodb://u:p@h1:1,h2:2/admin?tls=true&authSource=admin"
+        );
+
+        let o = MongoOptions::from_url("mongodb://h/?dlock_mongos=allow&w=1").unwrap();
+        assert_eq!(o.mongos(), MongosPolicy::Allow);
+        assert_eq!(o.driver_url(), "mongodb://h/?w=1");
+        let o = MongoOptions::from_url("mongodb://h/?dlock_mongos=refuse").unwrap();
+        assert_eq!(o.mongos(), MongosPolicy::Refuse);
+        assert_eq!(
+            MongoOptions::from_url("mongodb://h/").unwrap().mongos(),
+            MongosPolicy::Refuse
         );
 
         // Only dlock options: the query string goes away entirely.
@@ -280,6 +347,8 @@ mod tests {
             "mongodb://u:hunter2@h/?dlock_locks=a$b",
             "mongodb://u:hunter2@h/?dlock_locks=same&dlock_sessions=same",
             "mongodb://u:hunter2@h/?dlock_table=x",
+            "mongodb://u:hunter2@h/?dlock_mongos=yes",
+            "mongodb://u:hunter2@h/?dlock_mongos=",
             "mongodb://u:hunter2@h:notaport/",
             "mongodb://u:hunter2@h/?serverSelectionTimeoutMS=soon",
             "mongodb+srv://u:hunter2@h:27017/",

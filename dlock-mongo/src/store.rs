@@ -2,14 +2,13 @@
 
 use std::collections::HashSet;
 use std::fmt;
-use std::future::IntoFuture;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use dlock_core::backend::{Attempt, Busy, ExpiryModel, Hold, RawSession, Take};
-use dlock_core::{Error, FencingToken, LockName, SessionId};
+use dlock_core::{Error, FencingToken, LockName, SessionId, SessionOptions};
 use futures::TryStreamExt;
 use mongodb::bson::oid::ObjectId;
 use mongodb::bson::{Bson, Document};
@@ -84,7 +83,10 @@ pub(crate) fn error_code(e: &mongodb::error::Error) -> Option<i32> {
 pub(crate) enum Class {
     /// Network, time-outs, elections, retryable labels: [`Error::Unavailable`].
     Transient,
-    /// Bad configuration (TLS files, option values): [`Error::Config`].
+    /// Credentials refused (a wrong user or password, a client certificate
+    /// the server does not accept): [`Error::Auth`], never retried.
+    Auth,
+    /// Bad configuration (TLS files and trust, option values): [`Error::Config`].
     Config,
     /// A reply dlock cannot decode: [`Error::Protocol`].
     Garbled,
@@ -92,14 +94,56 @@ pub(crate) enum Class {
     Refused,
 }
 
+/// The TLS failure behind an I/O error, if it is one (rustls reports
+/// certificate and protocol failures inside the I/O error).
+pub(crate) fn tls_failure(e: &mongodb::error::Error) -> Option<&rustls::Error> {
+    match e.kind.as_ref() {
+        ErrorKind::Io(io) => io.get_ref()?.downcast_ref::<rustls::Error>(),
+        _ => None,
+    }
+}
+
+/// Whether a TLS failure means the server refused our client certificate
+/// (rather than us refusing its certificate, or the TLS setup failing).
+fn client_cert_refused(e: &rustls::Error) -> bool {
+    use rustls::AlertDescription as A;
+    matches!(
+        e,
+        rustls::Error::AlertReceived(
+            A::BadCertificate
+                | A::CertificateRequired
+                | A::CertificateUnknown
+                | A::CertificateRevoked
+                | A::CertificateExpired
+                | A::UnsupportedCertificate
+                | A::UnknownCA
+                | A::AccessDenied
+        )
+    )
+}
+
+/// A failure to reach the server that retrying cannot cure: TLS failing
+/// (a certificate the client does not trust, a client certificate the
+/// server refuses, a server that does not speak TLS).
+pub(crate) fn is_fatal_transport(e: &mongodb::error::Error) -> bool {
+    tls_failure(e).is_some()
+}
+
 pub(crate) fn classify(e: &mongodb::error::Error) -> Class {
+    if let Some(tls) = tls_failure(e) {
+        return if client_cert_refused(tls) {
+            Class::Auth
+        } else {
+            Class::Config
+        };
+    }
     match e.kind.as_ref() {
         ErrorKind::Io(_)
         | ErrorKind::ConnectionPoolCleared { .. }
         | ErrorKind::ServerSelection { .. }
         | ErrorKind::DnsResolve { .. }
         | ErrorKind::Shutdown => return Class::Transient,
-        ErrorKind::Authentication { .. } => return Class::Refused,
+        ErrorKind::Authentication { .. } => return Class::Auth,
         ErrorKind::InvalidTlsConfig { .. } | ErrorKind::InvalidArgument { .. } => {
             return Class::Config;
         }
@@ -122,7 +166,24 @@ pub(crate) fn classify(e: &mongodb::error::Error) -> Class {
 pub(crate) fn map_err(e: mongodb::error::Error) -> Error {
     match classify(&e) {
         Class::Transient => Error::unavailable(SCHEME, e),
-        Class::Config => Error::Config(format!("{SCHEME}: {}", e.kind)),
+        Class::Auth => Error::Auth {
+            backend: SCHEME,
+            reason: match (e.kind.as_ref(), tls_failure(&e)) {
+                (ErrorKind::Authentication { message, .. }, _) => message.clone(),
+                (_, Some(tls)) => format!("the server refused the client certificate ({tls})"),
+                _ => e.kind.to_string(),
+            },
+        },
+        Class::Config => match tls_failure(&e) {
+            Some(rustls::Error::InvalidCertificate(why)) => Error::Config(format!(
+                "{SCHEME}: TLS: the server's certificate is not trusted ({why:?}); \
+                 check tlsCAFile (or the system's roots) and the host name"
+            )),
+            Some(tls) => Error::Config(format!(
+                "{SCHEME}: TLS failed ({tls}); does the server speak TLS on this port?"
+            )),
+            None => Error::Config(format!("{SCHEME}: {}", e.kind)),
+        },
         Class::Garbled => Error::protocol(SCHEME, e.to_string()),
         Class::Refused => Error::backend(SCHEME, e),
     }
@@ -199,6 +260,11 @@ pub(crate) struct MongoSession {
     inner: Arc<Inner>,
     id: SessionId,
     ttl: Duration,
+    /// A request dlock-core gives up on after this long in the driver
+    /// poisons the client (just under the session's request timeout).
+    stall: Duration,
+    /// Whether a background ping is in flight (at most one).
+    pinging: Arc<AtomicBool>,
 }
 
 impl MongoSession {
@@ -206,21 +272,61 @@ impl MongoSession {
     pub(crate) async fn open(
         inner: Arc<Inner>,
         id: SessionId,
-        ttl: Duration,
+        options: &SessionOptions,
     ) -> Result<Self, Error> {
-        let session = Self { inner, id, ttl };
-        session.ping().await?;
+        let session = Self {
+            inner,
+            id,
+            ttl: options.ttl_value(),
+            stall: options.request_timeout_or_default() * 9 / 10,
+            pinging: Arc::new(AtomicBool::new(false)),
+        };
+        session.ping(true).await?;
         Ok(session)
     }
 
-    async fn ping(&self) -> Result<(), Error> {
-        self.inner
+    /// `ping = $$NOW` on the session's document (`upsert`: create it).
+    async fn ping(&self, upsert: bool) -> Result<(), Error> {
+        let op = self.inner.clients.op(Some(self.stall));
+        let r = op
+            .conn
             .sessions
             .update_one(query::ping_filter(self.id.as_str()), query::ping_update())
-            .upsert(true)
-            .await
-            .map_err(map_err)?;
+            .upsert(upsert)
+            .await;
+        op.done(r).map_err(map_err)?;
         Ok(())
+    }
+
+    /// The heartbeat of a session that holds locks, off the renewal's
+    /// path: the holds' own `expiresAt` is what protects them; the ping only
+    /// keeps the session's document fresh (for operators and the sweep). At
+    /// most one at a time, given up (and its client poisoned) after the
+    /// stall time like any request; never creates the document, so a ping
+    /// that lands after `close` cannot bring it back.
+    fn ping_in_background(&self) {
+        if self.pinging.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let (inner, id, pinging) = (self.inner.clone(), self.id.clone(), self.pinging.clone());
+        let stall = self.stall;
+        tokio::spawn(async move {
+            let ping = async {
+                let op = inner.clients.op(Some(stall));
+                let r = op
+                    .conn
+                    .sessions
+                    .update_one(query::ping_filter(id.as_str()), query::ping_update())
+                    .await;
+                op.done(r)
+            };
+            match tokio::time::timeout(stall, ping).await {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => tracing::debug!(session = %id, error = %e, "session ping failed"),
+                Err(_) => tracing::debug!(session = %id, "session ping timed out"),
+            }
+            pinging.store(false, Ordering::Release);
+        });
     }
 
     fn refs<'a>(&self, holds: &'a [Hold]) -> Vec<HoldRef<'a>> {
@@ -263,6 +369,7 @@ impl RawSession for MongoSession {
             owner: format!("{}#{:016x}", self.id, rand::random::<u64>()),
             why: why.map(str::to_owned),
             ttl: self.ttl,
+            stall: self.stall,
             sent: false,
             backoff: PollBackoff::default(),
         }))
@@ -270,25 +377,21 @@ impl RawSession for MongoSession {
 
     async fn renew(&self, holds: &[Hold]) -> Result<Vec<bool>, Error> {
         if holds.is_empty() {
-            self.ping().await?;
+            // A waiter-only session: the ping is the heartbeat.
+            self.ping(true).await?;
             return Ok(Vec::new());
         }
         let refs = self.refs(holds);
         let filter = query::renew_filter(self.id.as_str(), &refs);
-        let extend = self
-            .inner
+        // One request on the renewal's path, whatever the number of holds.
+        let op = self.inner.clients.op(Some(self.stall));
+        let r = op
+            .conn
             .locks
             .update_many(filter.clone(), query::renew_update(self.ttl))
-            .into_future();
-        // The heartbeat and the extension go out together: one round trip of
-        // latency, two requests, whatever the number of holds.
-        let (ping, extended) = futures::join!(self.ping(), extend);
-        let extended = extended.map_err(map_err)?;
-        if let Err(e) = ping {
-            // The holds' own `expiresAt` is what protects them; the ping only
-            // keeps the session's document (for operators and the sweep).
-            tracing::warn!(session = %self.id, error = %e, "session ping failed");
-        }
+            .await;
+        let extended = op.done(r).map_err(map_err)?;
+        self.ping_in_background();
         let distinct: HashSet<&str> = refs.iter().map(|r| r.name).collect();
         if extended.matched_count == holds.len() as u64 && distinct.len() == holds.len() {
             // Each `$or` branch matches at most one document (`_id`), so
@@ -297,15 +400,19 @@ impl RawSession for MongoSession {
         }
         // Some were lost: find out which are still ours (those that matched
         // were just extended, so they are still live now).
-        let live: HashSet<(String, String, u64)> = self
-            .inner
-            .locks
-            .find(filter)
-            .projection(query::hold_projection())
-            .await
-            .map_err(map_err)?
-            .try_collect::<Vec<Document>>()
-            .await
+        let op = self.inner.clients.op(Some(self.stall));
+        let r = async {
+            op.conn
+                .locks
+                .find(filter)
+                .projection(query::hold_projection())
+                .await?
+                .try_collect::<Vec<Document>>()
+                .await
+        }
+        .await;
+        let live: HashSet<(String, String, u64)> = op
+            .done(r)
             .map_err(map_err)?
             .iter()
             .filter_map(|d| {
@@ -322,15 +429,16 @@ impl RawSession for MongoSession {
     }
 
     async fn release(&self, hold: &Hold) -> Result<(), Error> {
-        let done = self
-            .inner
+        let op = self.inner.clients.op(Some(self.stall));
+        let r = op
+            .conn
             .locks
             .update_one(
                 query::release_filter(&hold.name, self.id.as_str(), &hold.key, hold.token.get()),
                 query::free_update(),
             )
-            .await
-            .map_err(map_err)?;
+            .await;
+        let done = op.done(r).map_err(map_err)?;
         if done.matched_count == 0 {
             return Err(Error::NotHeld {
                 name: hold.name.to_string(),
@@ -341,22 +449,26 @@ impl RawSession for MongoSession {
     }
 
     async fn close(&self, holds: &[Hold]) -> Result<(), Error> {
-        self.inner
+        let op = self.inner.clients.op(Some(self.stall));
+        let r = op
+            .conn
             .locks
             .update_many(
                 query::session_filter(self.id.as_str()),
                 query::free_update(),
             )
-            .await
-            .map_err(map_err)?;
+            .await;
+        op.done(r).map_err(map_err)?;
         for hold in holds {
             self.inner.hub.wake_all(hold.name.as_str());
         }
-        self.inner
+        let op = self.inner.clients.op(Some(self.stall));
+        let r = op
+            .conn
             .sessions
             .delete_one(query::ping_filter(self.id.as_str()))
-            .await
-            .map_err(map_err)?;
+            .await;
+        op.done(r).map_err(map_err)?;
         Ok(())
     }
 }
@@ -371,6 +483,8 @@ struct MongoAttempt {
     owner: String,
     why: Option<String>,
     ttl: Duration,
+    /// See [`MongoSession`]'s `stall`.
+    stall: Duration,
     subscription: Waiter,
     /// Whether a take was sent (so a grant may exist that abandon must free).
     sent: bool,
@@ -398,14 +512,16 @@ impl Attempt for MongoAttempt {
             ts,
             ttl: self.ttl,
         };
-        let reply = self
-            .inner
+        let op = self.inner.clients.op(Some(self.stall));
+        let reply = op
+            .conn
             .locks
             .find_one_and_update(query::take_filter(&self.name), query::take_update(&spec))
             .upsert(true)
             .return_document(ReturnDocument::After)
             .projection(query::take_projection())
             .await;
+        let reply = op.done(reply);
         let doc = match reply {
             Ok(Some(doc)) => doc,
             // The server retries an `_id`-only upsert that loses an insert
@@ -465,15 +581,16 @@ impl Attempt for MongoAttempt {
         if !self.sent {
             return Ok(());
         }
-        let done = self
-            .inner
+        let op = self.inner.clients.op(Some(self.stall));
+        let r = op
+            .conn
             .locks
             .update_one(
                 query::abandon_filter(&self.name, &self.owner),
                 query::free_update(),
             )
-            .await
-            .map_err(map_err)?;
+            .await;
+        let done = op.done(r).map_err(map_err)?;
         if done.matched_count > 0 {
             self.inner.hub.wake_all(self.name.as_str());
         }

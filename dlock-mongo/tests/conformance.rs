@@ -1,85 +1,94 @@
-//! The conformance suite on a real MongoDB: `DLOCK_TEST_MONGO_URL`, default
-//! the single-node replica set `scripts/services up mongo` starts where a
-//! `mongod` is installed.
+//! The conformance suite on a real MongoDB-wire server: `DLOCK_TEST_MONGO_URL`,
+//! default the server `scripts/services up mongo` runs (the mongo-wire server
+//! of `../shared/mongo-wire`, or a single-node replica set where a `mongod`
+//! is installed).
 //!
-//! No MongoDB server may be reachable (none is installable from this
-//! project's package registries). The first case to run probes the server
-//! once (2 s server-selection timeout); if it cannot be reached, **every case
-//! prints `SKIPPED mongo::<case>: ...` on stderr** (past the test harness's
-//! output capture) and returns: the suite is loudly skipped, not silently
-//! passed, and does not fail CI. `DLOCK_TEST_SKIP=mongo` skips without
-//! probing.
+//! A server that is down fails every case with the command that starts it
+//! (`dlock_conformance::run`), like every other store's; `DLOCK_TEST_SKIP=mongo`
+//! skips them, loudly.
+//!
+//! Wire faults: every linked client reaches the server through a fault proxy
+//! with `directConnection=true` to the proxy's address, so the driver's
+//! topology is `Single` and never opens a connection to an address the server
+//! advertises (`hello`'s `hosts`, `me`, `primary`). Server faults: kill, start,
+//! pause and resume of `scripts/services`' `mongo` (the gateway and its
+//! PostgreSQL together), only when the URL is the one `scripts/services`
+//! serves.
 
-use std::io::Write;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use dlock_conformance::servers::{Servers, ServicesCommand};
+use dlock_conformance::wire::{hosts_of, with_hosts};
 use dlock_conformance::{Capabilities, Harness, conformance_tests};
 use dlock_core::{Backend, Error};
 use dlock_mongo::MongoBackend;
 use tokio::sync::OnceCell;
 
-const DEFAULT_URL: &str = "mongodb://127.0.0.1:17017/?replicaSet=rs0";
+/// What `scripts/services env` prints for mongo-wire.
+const DEFAULT_URL: &str =
+    "mongodb://dlock:dlock@127.0.0.1:17017/?directConnection=true&authMechanism=SCRAM-SHA-256";
+
+const SERVICES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/services");
 
 fn base_url() -> String {
     std::env::var("DLOCK_TEST_MONGO_URL").unwrap_or_else(|_| DEFAULT_URL.to_owned())
 }
 
-/// `url` plus `option`, unless the URL already sets that option.
+/// `url` with `key=value` set: an existing `key=...` is replaced.
 fn with_option(url: &str, key: &str, value: &str) -> String {
-    if url.contains(&format!("{key}=")) {
-        return url.to_owned();
-    }
-    let sep = match url.split_once('?') {
-        Some((_, q)) if !q.is_empty() => "&",
-        Some(_) => "",
-        // A path (`/` or `/authdb`) is there: the query follows it.
+    let (base, query) = match url.split_once('?') {
+        Some((base, query)) => (base.to_owned(), query),
         None if url
             .split_once("://")
             .is_some_and(|(_, rest)| rest.contains('/')) =>
         {
-            "?"
+            (url.to_owned(), "")
         }
-        None => "/?",
+        None => (format!("{url}/"), ""),
     };
-    format!("{url}{sep}{key}={value}")
+    let mut pairs: Vec<String> = query
+        .split('&')
+        .filter(|p| !p.is_empty() && p.split('=').next() != Some(key))
+        .map(str::to_owned)
+        .collect();
+    pairs.push(format!("{key}={value}"));
+    format!("{base}?{}", pairs.join("&"))
 }
 
-/// What the one probe found: whether wake-ups use change streams, or why the
-/// server is out of reach.
-static PROBE: OnceCell<Result<bool, String>> = OnceCell::const_new();
-
-async fn probe(url: &str) -> Result<bool, String> {
-    let quick = with_option(url, "serverSelectionTimeoutMS", "2000");
-    match tokio::time::timeout(Duration::from_secs(10), MongoBackend::connect(&quick)).await {
-        Ok(Ok(backend)) => Ok(backend.change_streams()),
-        Ok(Err(e)) => Err(short(&e.to_string())),
-        Err(_) => Err("connect timed out after 10 s".into()),
+/// The URL of a client that reaches the one server at `via` (a proxy) and
+/// nothing else: `directConnection=true` makes the driver's topology
+/// `Single`, which never adds the hosts a server advertises.
+fn direct_url(url: &str, via: &[SocketAddr]) -> Result<String, Error> {
+    if url.starts_with("mongodb+srv://") || via.len() != 1 {
+        return Err(Error::Config(format!(
+            "the mongo harness routes one server through one proxy ({} given; \
+             a multi-node deployment would need one direct client per node)",
+            via.len()
+        )));
     }
+    Ok(with_option(
+        &with_hosts(url, via),
+        "directConnection",
+        "true",
+    ))
 }
 
-/// The driver's errors describe the whole topology; one line is enough here.
-fn short(reason: &str) -> String {
-    let reason = reason.split(" Topology:").next().unwrap_or(reason);
-    match reason.char_indices().nth(160) {
-        Some((cut, _)) => format!("{}…", &reason[..cut]),
-        None => reason.to_owned(),
-    }
+/// The `scripts/services` port of `mongo` (with its port offset).
+fn services_endpoint() -> String {
+    let offset: u16 = std::env::var("DLOCK_SERVICES_PORT_OFFSET")
+        .ok()
+        .and_then(|o| o.parse().ok())
+        .unwrap_or(0);
+    format!("127.0.0.1:{}", 17017 + offset)
 }
 
-fn skip_requested() -> bool {
-    std::env::var("DLOCK_TEST_SKIP")
-        .map(|v| v.split(',').any(|s| s.trim() == "mongo"))
-        .unwrap_or(false)
-}
-
-/// This test's case name: libtest names each test's thread after the test.
-fn case_name() -> String {
-    let thread = std::thread::current();
-    let name = thread.name().unwrap_or("?");
-    name.rsplit("::").next().unwrap_or(name).to_owned()
-}
+/// Whether wake-ups use change streams, found once per test binary (`false`
+/// if the server cannot be reached: the case then fails in
+/// `dlock_conformance::run` with the command that starts it).
+static CHANGE_STREAMS: OnceCell<bool> = OnceCell::const_new();
 
 struct MongoHarness {
     url: String,
@@ -87,32 +96,25 @@ struct MongoHarness {
 }
 
 impl MongoHarness {
-    /// The harness if the server answers; otherwise says loudly that this
-    /// case is skipped and returns `None`.
-    async fn reachable() -> Option<Self> {
-        let url = with_option(&base_url(), "dlock_db", "dlock_test");
-        if skip_requested() {
-            // `dlock_conformance::run` prints the skip.
-            return Some(Self {
-                url,
-                change_streams: false,
-            });
-        }
-        match PROBE.get_or_init(|| probe(&url)).await {
-            Ok(change_streams) => Some(Self {
-                change_streams: *change_streams,
-                url,
-            }),
-            Err(why) => {
-                let line = format!(
-                    "SKIPPED mongo::{}: no MongoDB server reachable at {} ({why}); \
-                     set DLOCK_TEST_MONGO_URL, or start one with `scripts/services up mongo`\n",
-                    case_name(),
-                    dlock_core::url::redact(&base_url()),
-                );
-                let _ = std::io::stderr().write_all(line.as_bytes());
-                None
-            }
+    async fn from_env() -> Self {
+        // The mongo-wire server presents as a `mongos`; it is one process,
+        // one clock, so dlock may trust it (see `MongosPolicy`).
+        let url = with_option(
+            &with_option(&base_url(), "dlock_db", "dlock_test"),
+            "dlock_mongos",
+            "allow",
+        );
+        let change_streams = *CHANGE_STREAMS
+            .get_or_init(|| async {
+                match MongoBackend::connect(&url).await {
+                    Ok(backend) => backend.change_streams(),
+                    Err(_) => false,
+                }
+            })
+            .await;
+        Self {
+            url,
+            change_streams,
         }
     }
 }
@@ -134,6 +136,9 @@ impl Harness for MongoHarness {
         };
         // Waiters re-check at the holder's server-reported expiry.
         caps.recovery_bound = Duration::from_secs(1);
+        // A session is its lock documents' `expiresAt`: nothing in the store
+        // dies with a connection.
+        caps.survives_reconnect = true;
         caps
     }
 
@@ -141,6 +146,25 @@ impl Harness for MongoHarness {
         let backend = MongoBackend::connect(&self.url).await?;
         backend.ping().await?;
         Ok(Arc::new(backend))
+    }
+
+    fn endpoints(&self) -> Vec<String> {
+        if self.url.starts_with("mongodb+srv://") {
+            return Vec::new();
+        }
+        hosts_of(&self.url)
+    }
+
+    async fn connect_via(&self, via: &[SocketAddr]) -> Result<Arc<dyn Backend>, Error> {
+        Ok(Arc::new(
+            MongoBackend::connect(&direct_url(&self.url, via)?).await?,
+        ))
+    }
+
+    fn servers(&self) -> Option<Arc<dyn Servers>> {
+        // Only the server `scripts/services` runs: never kill someone's own.
+        (self.endpoints() == [services_endpoint()])
+            .then(|| Arc::new(ServicesCommand::new(SERVICES, ["mongo"])) as Arc<dyn Servers>)
     }
 
     async fn connect_url(&self, url: &str) -> Option<Result<Arc<dyn Backend>, Error>> {
@@ -160,6 +184,8 @@ impl Harness for MongoHarness {
             "mongodb://127.0.0.1:notaport/",
             "mongodb+srv://127.0.0.1:17017/",
             "mongo://127.0.0.1:17017",
+            "mongodb://127.0.0.1:17017/?dlock_mongos=sometimes",
+            "mongodb://127.0.0.1:17017/?tls=true&tlsCAFile=/nonexistent/ca.pem",
         ]
         .map(String::from)
         .to_vec()
@@ -175,14 +201,11 @@ impl Harness for MongoHarness {
 
 mod mongo {
     use super::*;
-    conformance_tests!(match MongoHarness::reachable().await {
-        Some(harness) => harness,
-        None => return,
-    });
+    conformance_tests!(MongoHarness::from_env().await);
 }
 
 #[test]
-fn test_urls_get_options_appended() {
+fn test_urls_get_options_set() {
     assert_eq!(
         with_option("mongodb://h:1/?replicaSet=rs0", "a", "1"),
         "mongodb://h:1/?replicaSet=rs0&a=1"
@@ -201,7 +224,17 @@ fn test_urls_get_options_appended() {
         "mongodb://h:1/admin?a=1"
     );
     assert_eq!(
-        with_option("mongodb://h:1/?a=2", "a", "1"),
-        "mongodb://h:1/?a=2"
+        with_option("mongodb://h:1/?a=2&b=3", "a", "1"),
+        "mongodb://h:1/?b=3&a=1"
     );
+    let via = ["127.0.0.1:9".parse().unwrap()];
+    assert_eq!(
+        direct_url(
+            "mongodb://u:p@h:1/?replicaSet=rs0&directConnection=false",
+            &via
+        )
+        .unwrap(),
+        "mongodb://u:p@127.0.0.1:9/?replicaSet=rs0&directConnection=true"
+    );
+    assert!(direct_url("mongodb+srv://u:p@c.example.net/", &via).is_err());
 }

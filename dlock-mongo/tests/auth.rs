@@ -1,7 +1,9 @@
-//! Issue 12 item 20 on the real server: a wrong password is [`Error::Auth`]
-//! (never `Unavailable`, retried forever), a TLS certificate the client does
-//! not trust is [`Error::Config`] at once (not after the server-selection
-//! timeout), the right CA works, and no message carries the password.
+//! Connect-time refusals on the real server. Issue 12 item 20: a wrong
+//! password is [`Error::Auth`] (never `Unavailable`, retried forever), a TLS
+//! certificate the client does not trust is [`Error::Config`] at once (not
+//! after the server-selection timeout), the right CA works, and no message
+//! carries the password. Item 10: a `mongos` is refused unless the URL says
+//! `dlock_mongos=allow`.
 //!
 //! The mongo-wire server of `scripts/services` serves plain TCP (its own
 //! certificate is a CA certificate, which rustls rightly refuses as a
@@ -206,4 +208,31 @@ async fn tls_untrusted_certificate_is_config_and_trusted_one_works() {
         "TLS, wrong password: {e:?}"
     );
     assert_no_secret("TLS, wrong password", &e);
+}
+
+/// Item 10: the mongo-wire server presents as `mongos`, whose `$$NOW` is the
+/// router's clock; connect refuses it unless the URL opts in.
+#[tokio::test]
+async fn mongos_is_refused_without_opt_in() {
+    let url = base_url();
+    let backend = MongoBackend::connect(&url_with(Some("dlock"), host_of(&url), "")).await;
+    let Ok(backend) = backend else {
+        panic!("the test server: {:?}", backend.err());
+    };
+    if backend.deployment() != dlock_mongo::Deployment::Sharded {
+        eprintln!("SKIPPED mongos_is_refused_without_opt_in: the server is not a mongos");
+        return;
+    }
+    // The URL as `scripts/services env` prints it: no dlock_mongos.
+    let e = MongoBackend::connect(&url)
+        .await
+        .expect_err("a mongos without dlock_mongos=allow must be refused");
+    assert!(matches!(e, Error::Config(_)), "{e:?}");
+    assert!(e.to_string().contains("dlock_mongos=allow"), "{e}");
+}
+
+fn host_of(url: &str) -> &str {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    let rest = rest.rsplit_once('@').map_or(rest, |(_, r)| r);
+    rest.split(['/', '?']).next().unwrap_or(rest)
 }

@@ -30,8 +30,20 @@ const DEFAULT_URL: &str =
 /// A password with every character URL redaction tends to get wrong.
 const SECRET: &str = "s3cr/et@:?#%";
 
+/// The test server's URL without `dlock_mongos` (each test says whether it
+/// opts in).
 fn base_url() -> String {
-    std::env::var("DLOCK_TEST_MONGO_URL").unwrap_or_else(|_| DEFAULT_URL.to_owned())
+    let url = std::env::var("DLOCK_TEST_MONGO_URL").unwrap_or_else(|_| DEFAULT_URL.to_owned());
+    match url.split_once('?') {
+        Some((head, query)) => {
+            let kept: Vec<&str> = query
+                .split('&')
+                .filter(|p| !p.is_empty() && p.split('=').next() != Some("dlock_mongos"))
+                .collect();
+            format!("{head}?{}", kept.join("&"))
+        }
+        None => url,
+    }
 }
 
 fn services_port() -> u16 {
@@ -223,7 +235,7 @@ async fn mongos_is_refused_without_opt_in() {
         eprintln!("SKIPPED mongos_is_refused_without_opt_in: the server is not a mongos");
         return;
     }
-    // The URL as `scripts/services env` prints it: no dlock_mongos.
+    // The test server's URL without the opt-in.
     let e = MongoBackend::connect(&url)
         .await
         .expect_err("a mongos without dlock_mongos=allow must be refused");

@@ -112,25 +112,39 @@ impl Sql {
     }
 }
 
+/// How many holds one renewal statement carries at most: a session renews
+/// up to this many holds in one statement per period, more in chunks.
+pub(crate) const RENEW_CHUNK: usize = 256;
+
+/// Renewal statements exist for 1, 2, 4, ... [`RENEW_CHUNK`] holds (a batch
+/// is padded to the next size by repeating its last hold), so a connection
+/// prepares at most nine of them.
+fn renew_sizes() -> impl Iterator<Item = usize> {
+    (0..).map(|i| 1usize << i).take_while(|n| *n <= RENEW_CHUNK)
+}
+
 /// Every statement the adapter runs, prepared for one dialect and table.
 #[derive(Debug)]
 pub(crate) struct Statements {
     pub(crate) dialect: Dialect,
     pub(crate) create: Vec<Sql>,
-    /// Take if free or expired; returns the new token where the dialect has
-    /// `RETURNING` (otherwise follow with `state`).
+    /// Takes the lock if free or expired, or extends it if this attempt holds
+    /// it already (a retry after a lost reply, rule 4), in one statement.
+    /// PostgreSQL: one row (token if taken, the holder's remaining ms as seen
+    /// before). SQLite: `RETURNING token`, no row if busy. MySQL: the token
+    /// comes back as the statement's `LAST_INSERT_ID`, 0 if busy.
     pub(crate) take: Sql,
-    /// owner, token, expires_at - now.
+    /// The holder's remaining ms (SQLite and MySQL after a busy take).
     pub(crate) state: Sql,
     pub(crate) release: Sql,
-    /// Extends an attempt's own live hold (a retried take after a lost reply).
-    pub(crate) extend: Sql,
     pub(crate) abandon: Sql,
-    /// Extends all live holds of a session; returns (name, token) where the
-    /// dialect has `RETURNING`.
-    pub(crate) renew: Sql,
-    /// (name, token) of a session's live holds (MySQL, after `renew`).
-    pub(crate) held_by: Sql,
+    /// Extends the listed live holds `(name, owner, token)` of a session, one
+    /// statement per batch size (see [`renew_sizes`]); returns (name, token)
+    /// where the dialect has `RETURNING`.
+    renew: Vec<Sql>,
+    /// (name, token) of the listed holds that are live (MySQL, when its
+    /// renewal matched fewer rows than it listed).
+    held: Vec<Sql>,
     pub(crate) close: Sql,
     pub(crate) inspect: Sql,
     pub(crate) list: Sql,
@@ -173,51 +187,81 @@ impl Statements {
                 sql("CREATE INDEX IF NOT EXISTS {t}_holder ON {t} (holder)"),
             ],
         };
-        let insert = "INSERT INTO {t} (name, holder, owner, token, why, acquired_at, expires_at) \
-                      VALUES (?1, ?2, ?3, 1, ?4, {now}, {now} + ?5)";
+        let columns = "INSERT INTO {t} (name, holder, owner, token, why, acquired_at, expires_at)";
+        let values = "VALUES (?1, ?2, ?3, 1, ?4, {now}, {now} + ?5)";
+        // Taken when free or expired (a new grant: token + 1, S2), or when
+        // this attempt holds it already (same token, expiry extended: rule 4).
+        let upsert = "ON CONFLICT (name) DO UPDATE SET \
+             token = CASE WHEN {t}.expires_at <= {now} THEN {t}.token + 1 ELSE {t}.token END, \
+             acquired_at = CASE WHEN {t}.expires_at <= {now} THEN excluded.acquired_at \
+             ELSE {t}.acquired_at END, \
+             holder = excluded.holder, owner = excluded.owner, why = excluded.why, \
+             expires_at = excluded.expires_at \
+             WHERE {t}.expires_at <= {now} OR {t}.owner = excluded.owner RETURNING token";
         let take = match dialect {
-            Dialect::MySql => sql(&format!(
-                // Every condition reads the old expires_at, assigned last.
-                "{insert} ON DUPLICATE KEY UPDATE \
-                 token = IF(expires_at <= {{now}}, token + 1, token), \
-                 holder = IF(expires_at <= {{now}}, VALUES(holder), holder), \
-                 owner = IF(expires_at <= {{now}}, VALUES(owner), owner), \
-                 why = IF(expires_at <= {{now}}, VALUES(why), why), \
-                 acquired_at = IF(expires_at <= {{now}}, VALUES(acquired_at), acquired_at), \
-                 expires_at = IF(expires_at <= {{now}}, VALUES(expires_at), expires_at)"
+            // One round trip whatever happens: the CTE's snapshot shows the
+            // holder as it was before the take.
+            Dialect::Postgres => sql(&format!(
+                "WITH prior AS (SELECT expires_at - {{now}} AS remaining FROM {{t}} WHERE name = ?1), \
+                 taken AS ({columns} {values} {upsert}) \
+                 SELECT (SELECT token FROM taken), (SELECT remaining FROM prior)"
             )),
-            _ => sql(&format!(
-                "{insert} ON CONFLICT (name) DO UPDATE SET holder = excluded.holder, \
-                 owner = excluded.owner, token = {{t}}.token + 1, why = excluded.why, \
-                 acquired_at = excluded.acquired_at, expires_at = excluded.expires_at \
-                 WHERE {{t}}.expires_at <= {{now}} RETURNING token"
-            )),
+            Dialect::Sqlite => sql(&format!("{columns} {values} {upsert}")),
+            // MySQL has no RETURNING: the granted token comes back as the
+            // statement's LAST_INSERT_ID (the OK packet carries the last
+            // LAST_INSERT_ID(expr) the statement evaluated: VALUES sets 1,
+            // the update branch then the token, or 0 if busy). Assignments
+            // see the columns assigned before them: expires_at, which every
+            // condition reads, is assigned last, and owner just before it,
+            // when the condition gives the same answer either way.
+            Dialect::MySql => {
+                let granted = "expires_at <= {now} OR owner = VALUES(owner)";
+                sql(&format!(
+                    "{columns} VALUES (?1, ?2, ?3, LAST_INSERT_ID(1), ?4, {{now}}, {{now}} + ?5) \
+                     ON DUPLICATE KEY UPDATE \
+                     token = IF(expires_at <= {{now}}, LAST_INSERT_ID(token + 1), \
+                     IF(owner = VALUES(owner), LAST_INSERT_ID(token), token + LAST_INSERT_ID(0))), \
+                     acquired_at = IF(expires_at <= {{now}}, VALUES(acquired_at), acquired_at), \
+                     why = IF({granted}, VALUES(why), why), \
+                     holder = IF({granted}, VALUES(holder), holder), \
+                     owner = IF({granted}, VALUES(owner), owner), \
+                     expires_at = IF({granted}, VALUES(expires_at), expires_at)"
+                ))
+            }
         };
         let returning_held = match dialect {
             Dialect::MySql => "",
             _ => " RETURNING name, token",
         };
+        let (renew, held) = renew_sizes()
+            .map(|n| {
+                let listed = listed_holds(n);
+                (
+                    sql(&format!(
+                        "UPDATE {{t}} SET expires_at = {{now}} + ?2 WHERE holder = ?1 \
+                         AND expires_at > {{now}} AND ({listed}){returning_held}"
+                    )),
+                    sql(&format!(
+                        "SELECT name, token FROM {{t}} WHERE holder = ?1 AND expires_at > {{now}} \
+                         AND ({listed})"
+                    )),
+                )
+            })
+            .unzip();
         Self {
             dialect,
             create,
             take,
-            state: sql("SELECT owner, token, expires_at - {now} FROM {t} WHERE name = ?1"),
+            state: sql("SELECT expires_at - {now} FROM {t} WHERE name = ?1"),
             release: sql(&format!(
                 "UPDATE {{t}} SET {free} WHERE name = ?1 AND owner = ?2 AND token = ?3 \
                  AND holder = ?4 AND expires_at > {{now}}{notify}"
             )),
-            extend: sql(
-                "UPDATE {t} SET expires_at = {now} + ?3 WHERE name = ?1 AND owner = ?2 \
-                 AND expires_at > {now}",
-            ),
             abandon: sql(&format!(
                 "UPDATE {{t}} SET {free} WHERE name = ?1 AND owner = ?2 AND expires_at > {{now}}{notify}"
             )),
-            renew: sql(&format!(
-                "UPDATE {{t}} SET expires_at = {{now}} + ?2 WHERE holder = ?1 \
-                 AND expires_at > {{now}}{returning_held}"
-            )),
-            held_by: sql("SELECT name, token FROM {t} WHERE holder = ?1 AND expires_at > {now}"),
+            renew,
+            held,
             close: sql(&format!(
                 "UPDATE {{t}} SET {free} WHERE holder = ?1 AND expires_at > {{now}}{notify}"
             )),
@@ -241,9 +285,54 @@ impl Statements {
         }
     }
 
+    /// The statements of a lock's life (take, release, clean-up, renewal of
+    /// one or two holds), to prepare on every new connection: with them
+    /// prepared, each operation is one round trip, and a request that
+    /// reaches the server takes effect even if its reply is lost (sqlx
+    /// prepares a statement on first use and sends it only after the
+    /// prepare's reply).
+    pub(crate) fn hot(&self) -> Vec<String> {
+        let mut hot = vec![&self.take, &self.state, &self.release, &self.abandon];
+        hot.extend(self.renew.iter().take(2));
+        if !self.has_returning() {
+            hot.extend(self.held.iter().take(2));
+        }
+        hot.into_iter().map(|s| s.text.clone()).collect()
+    }
+
     pub(crate) fn has_returning(&self) -> bool {
         self.dialect != Dialect::MySql
     }
+
+    /// The renewal statement for a batch of `n` holds (1 ..= [`RENEW_CHUNK`])
+    /// and how many holds it lists (`n` rounded up to a power of two).
+    pub(crate) fn renew(&self, n: usize) -> (&Sql, usize) {
+        let i = n.max(1).next_power_of_two().trailing_zeros() as usize;
+        (&self.renew[i], 1 << i)
+    }
+
+    /// The live-holds query that goes with [`Statements::renew`]`(n)`.
+    pub(crate) fn held(&self, n: usize) -> &Sql {
+        let i = n.max(1).next_power_of_two().trailing_zeros() as usize;
+        &self.held[i]
+    }
+}
+
+/// `(name = ?3 AND owner = ?4 AND token = ?5) OR ...` for `n` holds, after
+/// the two leading parameters (holder, TTL). An `OR` of primary-key tests
+/// rather than a row-value `IN`, which SQLite only takes with a subquery.
+fn listed_holds(n: usize) -> String {
+    (0..n)
+        .map(|i| {
+            let p = 3 + 3 * i;
+            format!(
+                "(name = ?{p} AND owner = ?{} AND token = ?{})",
+                p + 1,
+                p + 2
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(" OR ")
 }
 
 /// The exclusive upper bound of names starting with `prefix`: names use only

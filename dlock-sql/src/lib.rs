@@ -12,26 +12,73 @@
 //! | `why` | the reason given at acquisition |
 //! | `acquired_at`, `expires_at` | milliseconds since the epoch, **by the database clock** (S6) |
 //!
-//! * **Take** is one statement: `INSERT … ON CONFLICT … DO UPDATE … WHERE
-//!   expires_at <= now` (PostgreSQL, SQLite) or `INSERT … ON DUPLICATE KEY
-//!   UPDATE` with every column guarded by the same expiry test (MySQL).
+//! * **Take** is one statement and one round trip: `INSERT … ON CONFLICT …
+//!   DO UPDATE … WHERE expires_at <= now OR owner = this attempt` (PostgreSQL
+//!   in a CTE that also reports the holder's remaining time, SQLite with
+//!   `RETURNING`) or `INSERT … ON DUPLICATE KEY UPDATE` with every column
+//!   guarded by the same test and the granted token returned as the
+//!   statement's `LAST_INSERT_ID` (MySQL). A take that finds the lock busy
+//!   asks for the holder's expiry in a second statement on SQLite and MySQL.
+//!   The same statement is the idempotent retry after a lost reply (rule 4):
+//!   the attempt's own live grant keeps its token and is extended.
 //! * **Release / renewal** are owner-checked (`WHERE name AND owner AND
-//!   token`, S3). A session's renewal extends all its locks in one statement
-//!   per period (`WHERE holder = session`). There is no separate sessions
-//!   table: each lock's own `expires_at` is the lease, which meets S4 with one
-//!   statement less per period.
+//!   token`, S3). A renewal extends exactly the holds the core passes it,
+//!   listed by name, owner and token (one statement for up to 256 holds, more
+//!   in chunks; MySQL adds a read only when one of them is gone), never
+//!   another row of the session: a take the core never learned of (an
+//!   acquire that gave up while its take committed) or a hold whose release
+//!   failed expires one TTL later instead of living as long as the session
+//!   renews (S4's converse, L1). There is no separate sessions table: each
+//!   lock's own `expires_at` is the lease. Closing a session frees every row
+//!   it holds.
 //! * **Wake-ups**: PostgreSQL releases `pg_notify` in the same statement and
 //!   waiters `LISTEN` on one connection per backend; MySQL and SQLite waiters
 //!   poll with a bounded backoff (5 ms doubling to 100 ms) and wake at the
-//!   holder's `expires_at`. Waiters in the same process are woken directly.
+//!   holder's `expires_at`. A release (local, or a notification) wakes the
+//!   longest-waiting waiter of this process only (L6); if it loses the race,
+//!   the winner's release wakes the next, and a woken waiter that goes away
+//!   passes the wake-up on (L2). Each time the `LISTEN` connection is
+//!   (re)established every local waiter is woken, since notifications sent
+//!   while it was down are lost.
 //! * Not fair (no queue): whoever asks first after a release wins.
+//! * **Connections**: a pool of `dlock_pool` connections. The statements of
+//!   a lock's life are prepared when a connection opens, and connections are
+//!   not pinged before use (only after 30 s idle), so every operation is one
+//!   round trip and a request that reaches the server takes effect even if
+//!   its reply is lost (the core's retry then finds it: same grant, or
+//!   `NotHeld` after a release). A statement cut off by the core's request
+//!   timeout leaves its connection 2 s to answer a ping (a late reply is
+//!   drained and the connection reused), else it is closed: a connection
+//!   that died silently never keeps its pool slot.
+//! * **Errors**: [`SqlBackend::connect`] opens one connection first, so a
+//!   refused connection is an immediate [`Error::Unavailable`] saying so, a
+//!   wrong user or password an [`Error::Auth`] (PostgreSQL SQLSTATE class 28,
+//!   MySQL 1045 and friends; never retried), and a TLS failure an
+//!   [`Error::Config`]. Transient server errors are [`Error::Unavailable`]:
+//!   PostgreSQL by SQLSTATE (serialization, deadlock, shutdown, too many
+//!   connections, read-only transaction), MySQL by error number (1205 lock
+//!   wait timeout, 1213 deadlock, 1040/1203 too many connections, 1290/1792
+//!   read-only, SQLSTATE 25006), SQLite `BUSY`/`LOCKED`.
+//! * **Durability**: tokens survive restarts (S2) on all three. SQLite runs
+//!   in WAL mode with `synchronous = FULL`: a commit is on disk before it is
+//!   acknowledged, so an OS crash or power loss cannot take back a token
+//!   already handed out. The cost is an `fsync` of the WAL per take, release
+//!   and renewal (with `NORMAL`, WAL syncs only at checkpoints and the last
+//!   commits can be lost).
 //!
 //! URLs: `postgres://user:pass@host:port/db`, `mysql://…` (MariaDB too),
 //! `sqlite://path` (created if missing; WAL mode, 5 s busy timeout, usable by
 //! several processes). dlock's own options ride in the query string and are
 //! removed before the driver sees it: `dlock_table=NAME` (default
 //! `dlock_locks`, `[A-Za-z_][A-Za-z0-9_]{0,47}`) and `dlock_pool=N` (default 4
-//! connections). Passwords never appear in `Debug`, errors or logs.
+//! connections). The drivers' own options pass through, TLS among them
+//! (rustls with ring, the webpki roots):
+//! `postgres://…?sslmode=verify-full&sslrootcert=/path/ca.pem` (`disable`,
+//! `prefer` — the default —, `require`, `verify-ca`, `verify-full`;
+//! `sslcert`/`sslkey` for client certificates) and
+//! `mysql://…?ssl-mode=verify_identity&ssl-ca=/path/ca.pem` (`disabled`,
+//! `preferred`, `required`, `verify_ca`, `verify_identity`). Passwords never
+//! appear in `Debug`, errors or logs.
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), dlock_core::Error> {
@@ -44,11 +91,13 @@
 //! ```
 
 mod dialect;
+#[cfg(feature = "postgres")]
 mod notify;
 mod options;
 mod store;
 
 use std::fmt;
+use std::str::FromStr;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -57,8 +106,8 @@ use dlock_core::backend::RawSession;
 use dlock_core::{
     Backend, Error, FencingToken, LockInfo, LockName, SessionId, SessionOptions, name,
 };
-use sqlx::any::{AnyPoolOptions, AnyRow};
-use sqlx::{AnyPool, Row};
+use sqlx::any::{AnyConnectOptions, AnyPoolOptions, AnyRow};
+use sqlx::{AnyConnection, AnyPool, Connection, Row};
 
 use dialect::{Arg, Dialect, Statements, prefix_end};
 use dlock_core::wake::WakeHub;
@@ -67,6 +116,14 @@ pub use options::{DEFAULT_TABLE, SqlOptions};
 /// The smallest TTL: the database clock has millisecond resolution, and a
 /// statement plus a renewal round must fit comfortably.
 pub const MIN_TTL: Duration = Duration::from_millis(100);
+
+/// How long opening a connection may take (the first one, in
+/// [`SqlBackend::connect`], and the pool's) before it counts as failed.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Pooled connections idle for longer than this are pinged before use (a
+/// firewall or proxy may have dropped them); fresher ones are used at once.
+const IDLE_CHECK: Duration = Duration::from_secs(30);
 
 /// A lock service on one SQL database (see the [crate docs](crate)).
 #[derive(Clone)]
@@ -102,35 +159,23 @@ impl SqlBackend {
 
     /// Connects with explicit options.
     ///
+    /// One connection is opened first, so that a refused connection, a wrong
+    /// password ([`Error::Auth`]) or a TLS problem ([`Error::Config`]) is
+    /// reported at once and by its meaning; the pool then opens its
+    /// connections as they are needed.
+    ///
     /// # Cancel safety
     /// Cancel safe, as [`SqlBackend::connect`].
     pub async fn with_options(options: SqlOptions) -> Result<Self, Error> {
         sqlx::any::install_default_drivers();
         let dialect = options.dialect;
         let scheme = dialect.scheme();
-        let mut pool = AnyPoolOptions::new()
-            .max_connections(options.pool)
-            .acquire_timeout(Duration::from_secs(5));
-        if dialect == Dialect::Sqlite {
-            // WAL lets readers and one writer of several processes share the
-            // file; the busy timeout makes writers queue instead of failing.
-            pool = pool.after_connect(|conn, _| {
-                Box::pin(async move {
-                    use sqlx::Executor;
-                    conn.execute("PRAGMA busy_timeout = 5000").await?;
-                    conn.execute("PRAGMA journal_mode = WAL").await?;
-                    conn.execute("PRAGMA synchronous = NORMAL").await?;
-                    Ok(())
-                })
-            });
-        }
-        let pool = pool
-            .connect(options.driver_url())
-            .await
+        let connect_options = AnyConnectOptions::from_str(options.driver_url())
             .map_err(|e| store::map_err(scheme, e))?;
         let sql = Statements::new(dialect, &options.table);
+        let mut first = first_connection(&options, &connect_options).await?;
         for statement in &sql.create {
-            if let Err(e) = statement.bind(&[]).execute(&pool).await {
+            if let Err(e) = statement.bind(&[]).execute(&mut first).await {
                 // Concurrent CREATE … IF NOT EXISTS may race in PostgreSQL's
                 // catalog; the table exists either way.
                 let raced = matches!(&e, sqlx::Error::Database(d)
@@ -140,6 +185,45 @@ impl SqlBackend {
                 }
             }
         }
+        let _ = first.close().await;
+        let mut pool = AnyPoolOptions::new()
+            .max_connections(options.pool)
+            .acquire_timeout(CONNECT_TIMEOUT)
+            // No ping before each use: it costs a round trip per operation,
+            // and a ping whose reply is lost keeps the statement from ever
+            // being sent (the store then never sees a take or a release that
+            // the core retries). A connection that died while idle fails its
+            // statement, which the core retries on another one; only
+            // connections idle for long are checked first.
+            .test_before_acquire(false)
+            .before_acquire(|conn, meta| {
+                Box::pin(async move {
+                    if meta.idle_for < IDLE_CHECK {
+                        return Ok(true);
+                    }
+                    Ok(matches!(
+                        tokio::time::timeout(store::DRAIN_TIMEOUT, conn.ping()).await,
+                        Ok(Ok(()))
+                    ))
+                })
+            });
+        if dialect == Dialect::Sqlite {
+            pool = pool.after_connect(|conn, _| Box::pin(sqlite_pragmas(conn)));
+        } else {
+            let hot = Arc::new(sql.hot());
+            pool = pool.after_connect(move |conn, _| {
+                let hot = hot.clone();
+                Box::pin(async move { prepare(conn, &hot).await })
+            });
+        }
+        // One connection now (prepared while the network is known to work),
+        // more as needed; the pool reopens one in the background when it has
+        // none left.
+        let pool = pool
+            .min_connections(1)
+            .connect_with(connect_options)
+            .await
+            .map_err(|e| store::map_err(scheme, e))?;
         let hub = Arc::new(WakeHub::default());
         let listener = Self::start_listener(&options, &hub);
         tracing::debug!(backend = scheme, url = %options, "connected");
@@ -180,14 +264,21 @@ impl SqlBackend {
         name::check_prefix(prefix)?;
         let end = prefix_end(prefix);
         let row = self
-            .inner
-            .sql
-            .count_held
-            .bind(&[Arg::Text(prefix), Arg::Text(&end)])
-            .fetch_one(&self.inner.pool)
+            .conn()
+            .await?
+            .fetch_one(
+                self.inner
+                    .sql
+                    .count_held
+                    .bind(&[Arg::Text(prefix), Arg::Text(&end)]),
+            )
             .await
             .map_err(|e| self.err(e))?;
         Ok(row.try_get::<i64, _>(0).map_err(|e| self.err(e))? as usize)
+    }
+
+    async fn conn(&self) -> Result<store::Conn, Error> {
+        store::Conn::get(&self.inner).await
     }
 
     fn err(&self, e: sqlx::Error) -> Error {
@@ -220,6 +311,91 @@ pub(crate) fn token_of(value: i64) -> Result<FencingToken, Error> {
                 format!("token {value} in the lock table is not positive"),
             )
         })
+}
+
+/// The first connection of a backend, with its errors typed: a refused or
+/// silent server is [`Error::Unavailable`] naming the (redacted) URL, a wrong
+/// password [`Error::Auth`], a TLS failure [`Error::Config`].
+async fn first_connection(
+    options: &SqlOptions,
+    connect_options: &AnyConnectOptions,
+) -> Result<AnyConnection, Error> {
+    let scheme = options.dialect.scheme();
+    let connected = tokio::time::timeout(
+        CONNECT_TIMEOUT,
+        AnyConnection::connect_with(connect_options),
+    )
+    .await
+    .map_err(|_| {
+        Error::unavailable(
+            scheme,
+            format!("{options} did not answer within {CONNECT_TIMEOUT:?}"),
+        )
+    })?;
+    let mut conn = match connected {
+        Ok(conn) => conn,
+        // TLS refused (the server has none, a certificate that does not
+        // verify): a configuration to fix, not a server to wait for.
+        Err(sqlx::Error::Tls(e)) => {
+            return Err(Error::Config(format!("{scheme}: TLS with {options}: {e}")));
+        }
+        Err(sqlx::Error::Io(e)) if is_tls_failure(&e) => {
+            return Err(Error::Config(format!("{scheme}: TLS with {options}: {e}")));
+        }
+        Err(e) => {
+            return Err(match store::map_err(scheme, e) {
+                Error::Unavailable { source, .. } => {
+                    Error::unavailable(scheme, format!("cannot connect to {options}: {source}"))
+                }
+                other => other,
+            });
+        }
+    };
+    if options.dialect == Dialect::Sqlite {
+        sqlite_pragmas(&mut conn)
+            .await
+            .map_err(|e| store::map_err(scheme, e))?;
+    }
+    Ok(conn)
+}
+
+/// Prepares `statements` on a new connection (PostgreSQL, MySQL). A
+/// statement the driver cannot describe is left to be prepared on first use;
+/// a broken connection fails.
+async fn prepare(conn: &mut AnyConnection, statements: &[String]) -> Result<(), sqlx::Error> {
+    use sqlx::Executor;
+    for text in statements {
+        match conn.prepare(text.as_str()).await {
+            Ok(_) => {}
+            Err(e @ (sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::Protocol(_))) => {
+                return Err(e);
+            }
+            Err(e) => tracing::debug!(error = %e, "statement not prepared in advance"),
+        }
+    }
+    Ok(())
+}
+
+/// A TLS handshake failure, which sqlx reports as an I/O error carrying
+/// rustls' error (e.g. an unknown issuer).
+fn is_tls_failure(e: &std::io::Error) -> bool {
+    e.get_ref()
+        .is_some_and(|inner| inner.downcast_ref::<rustls::Error>().is_some())
+}
+
+/// Every SQLite connection: WAL lets readers and one writer of several
+/// processes share the file; the busy timeout makes writers queue instead of
+/// failing; `synchronous = FULL` makes a commit durable before it is
+/// acknowledged (WAL with `NORMAL` can lose the last commits on a power loss
+/// or OS crash, and with them tokens already handed out: S2 across restarts,
+/// which this backend claims). The cost is one `fsync` of the WAL per
+/// commit, i.e. per take, release and renewal.
+async fn sqlite_pragmas(conn: &mut AnyConnection) -> Result<(), sqlx::Error> {
+    use sqlx::Executor;
+    conn.execute("PRAGMA busy_timeout = 5000").await?;
+    conn.execute("PRAGMA journal_mode = WAL").await?;
+    conn.execute("PRAGMA synchronous = FULL").await?;
+    Ok(())
 }
 
 fn epoch_ms(ms: i64) -> SystemTime {
@@ -258,8 +434,9 @@ impl Backend for SqlBackend {
     }
 
     async fn ping(&self) -> Result<(), Error> {
-        sqlx::query("SELECT 1")
-            .execute(&self.inner.pool)
+        self.conn()
+            .await?
+            .execute(sqlx::query("SELECT 1"))
             .await
             .map_err(|e| self.err(e))?;
         Ok(())
@@ -267,11 +444,9 @@ impl Backend for SqlBackend {
 
     async fn inspect(&self, name: &LockName) -> Result<Option<LockInfo>, Error> {
         let row = self
-            .inner
-            .sql
-            .inspect
-            .bind(&[Arg::Text(name.as_str())])
-            .fetch_optional(&self.inner.pool)
+            .conn()
+            .await?
+            .fetch_optional(self.inner.sql.inspect.bind(&[Arg::Text(name.as_str())]))
             .await
             .map_err(|e| self.err(e))?;
         row.map(|r| self.info(name.clone(), &r, 0)).transpose()
@@ -281,11 +456,14 @@ impl Backend for SqlBackend {
         name::check_prefix(prefix)?;
         let end = prefix_end(prefix);
         let rows = self
-            .inner
-            .sql
-            .list
-            .bind(&[Arg::Text(prefix), Arg::Text(&end)])
-            .fetch_all(&self.inner.pool)
+            .conn()
+            .await?
+            .fetch_all(
+                self.inner
+                    .sql
+                    .list
+                    .bind(&[Arg::Text(prefix), Arg::Text(&end)]),
+            )
             .await
             .map_err(|e| self.err(e))?;
         rows.iter()
@@ -304,11 +482,14 @@ impl Backend for SqlBackend {
 
     async fn validate(&self, name: &LockName, token: FencingToken) -> Result<bool, Error> {
         let row = self
-            .inner
-            .sql
-            .validate
-            .bind(&[Arg::Text(name.as_str()), Arg::Int(token.get() as i64)])
-            .fetch_one(&self.inner.pool)
+            .conn()
+            .await?
+            .fetch_one(
+                self.inner
+                    .sql
+                    .validate
+                    .bind(&[Arg::Text(name.as_str()), Arg::Int(token.get() as i64)]),
+            )
             .await
             .map_err(|e| self.err(e))?;
         Ok(row.try_get::<i64, _>(0).map_err(|e| self.err(e))? > 0)
@@ -316,18 +497,130 @@ impl Backend for SqlBackend {
 
     async fn force_release(&self, name: &LockName) -> Result<bool, Error> {
         let done = self
-            .inner
-            .sql
-            .force
-            .bind(&[Arg::Text(name.as_str())])
-            .execute(&self.inner.pool)
+            .conn()
+            .await?
+            .execute(self.inner.sql.force.bind(&[Arg::Text(name.as_str())]))
             .await
             .map_err(|e| self.err(e))?;
         let freed = done.rows_affected() > 0;
         if freed {
             tracing::info!(lock = %name, "force-released");
-            self.inner.hub.wake_all(name.as_str());
+            self.inner.hub.wake_first(name.as_str());
         }
         Ok(freed)
+    }
+}
+
+/// Tests that need the adapter's own connections, against the real servers
+/// of `scripts/services` (SQLite on a temporary file).
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sqlx::Executor;
+
+    fn url(store: &str) -> Option<String> {
+        if dlock_conformance::services::skipped(store, "dlock-sql unit test") {
+            return None;
+        }
+        let default = match store {
+            "postgres" => "postgres://dlock:dlock@127.0.0.1:15432/dlock",
+            _ => "mysql://dlock:dlock@127.0.0.1:13306/dlock",
+        };
+        let url = std::env::var(format!("DLOCK_TEST_{}_URL", store.to_uppercase()))
+            .unwrap_or_else(|_| default.to_owned());
+        Some(format!(
+            "{url}{}dlock_table=dlock_unit_test",
+            if url.contains('?') { '&' } else { '?' }
+        ))
+    }
+
+    /// Issue 12 item 11 (S2 across a power loss): every SQLite connection
+    /// commits with `synchronous = FULL` (2), not `NORMAL` (1).
+    #[tokio::test]
+    async fn sqlite_commits_are_durable() {
+        let file = std::env::temp_dir().join(format!(
+            "dlock-unit-{}-{:08x}.db",
+            std::process::id(),
+            rand::random::<u32>()
+        ));
+        let backend = SqlBackend::connect(&format!("sqlite://{}", file.display()))
+            .await
+            .unwrap();
+        // More than one pooled connection: each has its own setting.
+        let mut conns = Vec::new();
+        for _ in 0..2 {
+            conns.push(backend.inner.pool.acquire().await.unwrap());
+        }
+        for conn in &mut conns {
+            let row = conn.fetch_one("PRAGMA synchronous").await.unwrap();
+            assert_eq!(
+                row.try_get::<i64, _>(0).unwrap(),
+                2,
+                "synchronous is not FULL"
+            );
+            let row = conn.fetch_one("PRAGMA journal_mode").await.unwrap();
+            assert_eq!(row.try_get::<String, _>(0).unwrap(), "wal");
+        }
+        drop(conns);
+        drop(backend);
+        for suffix in ["", "-wal", "-shm"] {
+            let _ = std::fs::remove_file(format!("{}{suffix}", file.display()));
+        }
+    }
+
+    /// Issue 12 item 18: MySQL errors are told apart by their error number
+    /// (their SQLSTATE is mostly HY000): a lock wait timeout (1205) and a
+    /// write in a read-only transaction (1792, SQLSTATE 25006) are
+    /// retryable, as a deadlock (1213) is.
+    #[tokio::test]
+    async fn mysql_transient_errors_are_retryable() {
+        let Some(url) = url("mysql") else { return };
+        let backend = SqlBackend::connect(&url).await.unwrap();
+        let pool = &backend.inner.pool;
+        let table = &backend.inner.options.table;
+        let name = format!("unit/{:08x}", rand::random::<u32>());
+        let mut a = pool.acquire().await.unwrap();
+        let mut b = pool.acquire().await.unwrap();
+        a.execute(
+            sqlx::query(&format!(
+                "INSERT INTO {table} (name, token, acquired_at, expires_at) VALUES (?, 1, 0, 0)"
+            ))
+            .bind(&name),
+        )
+        .await
+        .unwrap();
+        let update = format!("UPDATE {table} SET token = token + 1 WHERE name = ?");
+
+        // 1205: b waits for the row a has locked.
+        a.execute("BEGIN").await.unwrap();
+        a.execute(sqlx::query(&update).bind(&name)).await.unwrap();
+        b.execute("SET SESSION innodb_lock_wait_timeout = 1")
+            .await
+            .unwrap();
+        let e = b
+            .execute(sqlx::query(&update).bind(&name))
+            .await
+            .unwrap_err();
+        a.execute("ROLLBACK").await.unwrap();
+        let mapped = store::map_err("mysql", e);
+        assert!(mapped.is_retryable(), "lock wait timeout: {mapped:?}");
+
+        // 1792 / 25006: a write in a read-only transaction (what a replica
+        // being promoted, or a failover in progress, answers).
+        b.execute("START TRANSACTION READ ONLY").await.unwrap();
+        let e = b
+            .execute(sqlx::query(&update).bind(&name))
+            .await
+            .unwrap_err();
+        b.execute("ROLLBACK").await.unwrap();
+        let mapped = store::map_err("mysql", e);
+        assert!(mapped.is_retryable(), "read-only transaction: {mapped:?}");
+
+        // A wrong statement is not retryable.
+        let e = b
+            .execute("SELECT * FROM no_such_table_x")
+            .await
+            .unwrap_err();
+        assert!(!store::map_err("mysql", e).is_retryable());
     }
 }

@@ -8,36 +8,58 @@ use dlock_core::wake::WakeHub;
 
 /// Listens on the table's channel and wakes local waiters; ends when the
 /// backend is dropped.
+///
+/// A notification wakes the longest-waiting local waiter of its lock only
+/// (L6: one release, one take attempt per process; a woken waiter that loses
+/// the race or goes away passes the turn on). Notifications sent while the
+/// `LISTEN` connection is down are lost, so every time it is (re)established
+/// every local waiter is woken to look again.
 #[cfg(feature = "postgres")]
 pub(crate) async fn listen(url: String, channel: String, hub: Weak<WakeHub>) {
-    use sqlx::postgres::PgListener;
     use std::time::Duration;
+
+    use sqlx::postgres::PgListener;
+
+    const MIN_PAUSE: Duration = Duration::from_millis(50);
+    const MAX_PAUSE: Duration = Duration::from_secs(1);
+    let mut pause = MIN_PAUSE;
     loop {
-        let mut listener = match PgListener::connect(&url).await {
+        let listening = async {
+            let mut listener = PgListener::connect(&url).await?;
+            listener.listen(&channel).await?;
+            Ok::<_, sqlx::Error>(listener)
+        };
+        let mut listener = match listening.await {
             Ok(l) => l,
             Err(e) => {
-                tracing::warn!(error = %e, "LISTEN connection failed; retrying (waiters fall back to polling)");
-                tokio::time::sleep(Duration::from_secs(1)).await;
+                tracing::warn!(error = %e, "LISTEN connection failed; retrying (waiters fall back to their timers)");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(MAX_PAUSE);
                 if hub.strong_count() == 0 {
                     return;
                 }
                 continue;
             }
         };
-        if let Err(e) = listener.listen(&channel).await {
-            tracing::warn!(error = %e, "LISTEN failed; retrying");
-            tokio::time::sleep(Duration::from_secs(1)).await;
-            continue;
+        pause = MIN_PAUSE;
+        // Releases while no LISTEN was in place were not heard: everyone
+        // looks again (L2).
+        match hub.upgrade() {
+            Some(hub) => hub.wake_everyone(),
+            None => return,
         }
         loop {
             match listener.try_recv().await {
                 Ok(Some(n)) => match hub.upgrade() {
-                    Some(hub) => hub.wake_all(n.payload()),
+                    Some(hub) => hub.wake_first(n.payload()),
                     None => return,
                 },
-                // Connection lost: notifications in the gap are covered by
-                // the waiters' fallback timers.
-                Ok(None) => continue,
+                // The connection is gone (sqlx would reconnect on the next
+                // call, silently): reconnect here, so the gap is noticed.
+                Ok(None) => {
+                    tracing::debug!("LISTEN connection closed; reconnecting");
+                    break;
+                }
                 Err(e) => {
                     tracing::warn!(error = %e, "LISTEN connection broke; reconnecting");
                     break;

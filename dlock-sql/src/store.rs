@@ -1,4 +1,5 @@
-//! The store primitives on SQL: sessions, attempts, error mapping.
+//! The store primitives on SQL: sessions, attempts, connections, error
+//! mapping.
 
 use std::collections::HashSet;
 use std::fmt;
@@ -9,38 +10,192 @@ use async_trait::async_trait;
 use dlock_core::backend::{Attempt, Busy, ExpiryModel, Hold, RawSession, Take};
 use dlock_core::wake::{PollBackoff, Waiter};
 use dlock_core::{Error, LockName, SessionId};
-use sqlx::Row;
-use tokio::time::{Instant, sleep_until};
+use sqlx::any::{AnyArguments, AnyQueryResult, AnyRow};
+use sqlx::pool::PoolConnection;
+use sqlx::query::Query;
+use sqlx::{Any, Connection, Row};
+use tokio::time::{Instant, sleep_until, timeout};
 
-use crate::dialect::{Arg, Dialect};
+use crate::dialect::{Arg, Dialect, RENEW_CHUNK};
 use crate::{Inner, token_of};
+
+/// How long a connection whose statement was abandoned mid-way (the core's
+/// request timeout) may take to answer a ping before it is closed: a late
+/// reply is drained and the connection (with its prepared statements) goes
+/// back to the pool; a lost one costs the connection, not the pool slot.
+pub(crate) const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Maps a driver error to the meaning-based core error.
 pub(crate) fn map_err(scheme: &'static str, e: sqlx::Error) -> Error {
     use sqlx::Error as E;
     match e {
-        E::Io(_) | E::Tls(_) | E::PoolTimedOut | E::PoolClosed | E::WorkerCrashed => {
-            Error::unavailable(scheme, e)
-        }
+        E::Io(_) | E::Tls(_) | E::WorkerCrashed => Error::unavailable(scheme, e),
+        E::PoolTimedOut => Error::unavailable(
+            scheme,
+            "no connection to the database could be opened or freed in time",
+        ),
+        E::PoolClosed => Error::unavailable(scheme, "the connection pool is closed"),
         E::Configuration(_) => Error::Config(format!("{scheme}: {e}")),
-        E::Database(ref d) => {
-            let code = d.code().unwrap_or_default();
-            let transient = matches!(
-                code.as_ref(),
-                // Postgres: serialization, deadlock, shutdown, connection.
-                "40001" | "40P01" | "57P01" | "57P02" | "57P03" | "53300"
-                // MySQL: deadlock, lock wait timeout, too many connections.
-                | "1213" | "1205" | "1040"
-                // SQLite: BUSY, LOCKED (and their extended codes).
-                | "5" | "6" | "261" | "262" | "517"
-            ) || code.starts_with("08");
-            if transient {
-                Error::unavailable(scheme, e)
-            } else {
-                Error::backend(scheme, e)
-            }
-        }
+        E::Database(ref d) => match classify(d.as_ref()) {
+            Class::Auth => Error::Auth {
+                backend: scheme,
+                reason: d.message().to_owned(),
+            },
+            Class::Transient => Error::unavailable(scheme, e),
+            Class::Refused => Error::backend(scheme, e),
+        },
         other => Error::protocol(scheme, other.to_string()),
+    }
+}
+
+/// What a database error means for the caller.
+#[derive(Debug, PartialEq, Eq)]
+enum Class {
+    /// Wrong user or password: not retryable, and says so.
+    Auth,
+    /// Worth retrying: the server is busy, shutting down, read-only for a
+    /// failover, or the statement lost a lock race.
+    Transient,
+    /// Anything else: the request is wrong for this server.
+    Refused,
+}
+
+fn classify(d: &dyn sqlx::error::DatabaseError) -> Class {
+    #[cfg(feature = "mysql")]
+    if let Some(my) = d.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
+        // MySQL's SQLSTATE is coarse (HY000 for most): its error numbers say
+        // what happened.
+        return match my.number() {
+            // Access denied (password), denied without a password (auth
+            // plugin), password expired / must be reset.
+            1045 | 1698 | 1862 | 1820 => Class::Auth,
+            // Lock wait timeout, deadlock, too many connections (global and
+            // per user), server shutting down, connection killed, read-only
+            // (--read-only during a failover, a read-only transaction).
+            1205 | 1213 | 1040 | 1203 | 1053 | 1927 | 1290 | 1792 => Class::Transient,
+            _ if my.code() == Some("25006") => Class::Transient,
+            _ => Class::Refused,
+        };
+    }
+    let code = d.code().unwrap_or_default();
+    let code = code.as_ref();
+    if code.starts_with("28") {
+        // PostgreSQL: invalid authorization specification / password.
+        return Class::Auth;
+    }
+    let transient = matches!(
+        code,
+        // PostgreSQL: serialization, deadlock, admin/crash shutdown, cannot
+        // connect now, too many connections, lock not available, read-only
+        // transaction (a standby during a failover).
+        "40001" | "40P01" | "57P01" | "57P02" | "57P03" | "53300" | "55P03" | "25006"
+        // SQLite: BUSY, LOCKED (and their extended codes).
+        | "5" | "6" | "261" | "262" | "517"
+    ) || code.starts_with("08");
+    if transient {
+        Class::Transient
+    } else {
+        Class::Refused
+    }
+}
+
+/// A pooled connection for one operation.
+///
+/// The core cuts a request off at its request timeout by dropping it; if
+/// that happens while a statement is in flight, the connection still owes
+/// the reply. sqlx would then ping it on its way back to the pool with no
+/// time limit, so a connection whose replies are lost would hold a pool slot
+/// for as long as it stays open. Instead, an abandoned connection is given
+/// [`DRAIN_TIMEOUT`] to answer a ping (a late reply is drained and the
+/// connection reused) and is closed otherwise.
+pub(crate) struct Conn {
+    conn: Option<PoolConnection<Any>>,
+    /// A statement is in flight.
+    busy: bool,
+}
+
+impl Conn {
+    /// A connection from `inner`'s pool.
+    pub(crate) async fn get(inner: &Inner) -> Result<Self, Error> {
+        let scheme = inner.sql.dialect.scheme();
+        let conn = inner.pool.acquire().await.map_err(|e| match e {
+            // Garbage while opening a connection is the network's doing (a
+            // connection cut during the handshake), not the store's reply.
+            sqlx::Error::Protocol(_) => Error::unavailable(scheme, e),
+            e => map_err(scheme, e),
+        })?;
+        Ok(Self {
+            conn: Some(conn),
+            busy: false,
+        })
+    }
+
+    fn raw(&mut self) -> &mut sqlx::AnyConnection {
+        self.busy = true;
+        self.conn.as_mut().expect("connection present until drop")
+    }
+
+    pub(crate) async fn execute<'q>(
+        &mut self,
+        q: Query<'q, Any, AnyArguments<'q>>,
+    ) -> Result<AnyQueryResult, sqlx::Error> {
+        let r = q.execute(self.raw()).await;
+        self.busy = false;
+        r
+    }
+
+    pub(crate) async fn fetch_optional<'q>(
+        &mut self,
+        q: Query<'q, Any, AnyArguments<'q>>,
+    ) -> Result<Option<AnyRow>, sqlx::Error> {
+        let r = q.fetch_optional(self.raw()).await;
+        self.busy = false;
+        r
+    }
+
+    pub(crate) async fn fetch_one<'q>(
+        &mut self,
+        q: Query<'q, Any, AnyArguments<'q>>,
+    ) -> Result<AnyRow, sqlx::Error> {
+        let r = q.fetch_one(self.raw()).await;
+        self.busy = false;
+        r
+    }
+
+    pub(crate) async fn fetch_all<'q>(
+        &mut self,
+        q: Query<'q, Any, AnyArguments<'q>>,
+    ) -> Result<Vec<AnyRow>, sqlx::Error> {
+        let r = q.fetch_all(self.raw()).await;
+        self.busy = false;
+        r
+    }
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        if !self.busy {
+            return; // back to the pool as usual
+        }
+        let Some(mut conn) = self.conn.take() else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return; // no runtime: sqlx's own drop handles it
+        };
+        runtime.spawn(async move {
+            match timeout(DRAIN_TIMEOUT, conn.ping()).await {
+                // Answered: the late reply is drained; back to the pool.
+                Ok(Ok(())) => drop(conn),
+                // Broken or silent: close it and free its slot at once.
+                _ => {
+                    tracing::debug!(
+                        "closing a connection that did not answer after an abandoned statement"
+                    );
+                    drop(conn.detach());
+                }
+            }
+        });
     }
 }
 
@@ -61,6 +216,47 @@ impl SqlSession {
 
     fn ttl_ms(&self) -> i64 {
         self.ttl.as_millis() as i64
+    }
+
+    /// Extends the live holds among `batch` (at most [`RENEW_CHUNK`]) in one
+    /// statement (MySQL: two when one of them is gone); adds the live ones
+    /// to `live`.
+    async fn renew_batch(
+        &self,
+        conn: &mut Conn,
+        batch: &[Hold],
+        live: &mut HashSet<(String, i64)>,
+    ) -> Result<(), sqlx::Error> {
+        let sql = &self.inner.sql;
+        let (statement, listed) = sql.renew(batch.len());
+        let mut args = vec![Arg::Text(self.id.as_str()), Arg::Int(self.ttl_ms())];
+        for i in 0..listed {
+            // Padding repeats the last hold: the same row, listed twice.
+            let j = i.min(batch.len() - 1);
+            args.push(Arg::Text(batch[j].name.as_str()));
+            args.push(Arg::Text(&batch[j].key));
+            args.push(Arg::Int(batch[j].token.get() as i64));
+        }
+        let rows = if sql.has_returning() {
+            conn.fetch_all(statement.bind(&args)).await?
+        } else {
+            let done = conn.execute(statement.bind(&args)).await?;
+            // sqlx asks MySQL for found (matched) rows, so every listed live
+            // hold counts, changed or not.
+            if done.rows_affected() == batch.len() as u64 {
+                live.extend(
+                    batch
+                        .iter()
+                        .map(|h| (h.name.to_string(), h.token.get() as i64)),
+                );
+                return Ok(());
+            }
+            conn.fetch_all(sql.held(batch.len()).bind(&args)).await?
+        };
+        for row in rows {
+            live.insert((row.try_get(0)?, row.try_get(1)?));
+        }
+        Ok(())
     }
 }
 
@@ -97,27 +293,21 @@ impl RawSession for SqlSession {
         }))
     }
 
+    /// Extends exactly `holds` (each by name, owner and token: S3), never
+    /// another row of this session: a take the core never learned of (its
+    /// acquire gave up while the take committed) or a hold whose release
+    /// failed expires after one TTL instead of living as long as the session
+    /// (issue 12 item 5). One statement per [`RENEW_CHUNK`] holds.
     async fn renew(&self, holds: &[Hold]) -> Result<Vec<bool>, Error> {
         if holds.is_empty() {
             return Ok(Vec::new());
         }
-        let sql = &self.inner.sql;
-        let pool = &self.inner.pool;
-        let args = [Arg::Text(self.id.as_str()), Arg::Int(self.ttl_ms())];
-        let rows = if sql.has_returning() {
-            sql.renew.bind(&args).fetch_all(pool).await
-        } else {
-            match sql.renew.bind(&args).execute(pool).await {
-                Ok(_) => sql.held_by.bind(&args[..1]).fetch_all(pool).await,
-                Err(e) => Err(e),
-            }
-        }
-        .map_err(|e| map_err(self.scheme(), e))?;
+        let mut conn = Conn::get(&self.inner).await?;
         let mut live = HashSet::new();
-        for row in rows {
-            let name: String = row.try_get(0).map_err(|e| map_err(self.scheme(), e))?;
-            let token: i64 = row.try_get(1).map_err(|e| map_err(self.scheme(), e))?;
-            live.insert((name, token));
+        for batch in holds.chunks(RENEW_CHUNK) {
+            self.renew_batch(&mut conn, batch, &mut live)
+                .await
+                .map_err(|e| map_err(self.scheme(), e))?;
         }
         Ok(holds
             .iter()
@@ -126,17 +316,14 @@ impl RawSession for SqlSession {
     }
 
     async fn release(&self, hold: &Hold) -> Result<(), Error> {
-        let done = self
-            .inner
-            .sql
-            .release
-            .bind(&[
+        let mut conn = Conn::get(&self.inner).await?;
+        let done = conn
+            .execute(self.inner.sql.release.bind(&[
                 Arg::Text(hold.name.as_str()),
                 Arg::Text(&hold.key),
                 Arg::Int(hold.token.get() as i64),
                 Arg::Text(self.id.as_str()),
-            ])
-            .execute(&self.inner.pool)
+            ]))
             .await
             .map_err(|e| map_err(self.scheme(), e))?;
         if done.rows_affected() == 0 {
@@ -144,18 +331,20 @@ impl RawSession for SqlSession {
                 name: hold.name.to_string(),
             });
         }
-        self.inner.hub.wake_all(hold.name.as_str());
+        // One local waiter (L6); if it loses the race, the winner's release
+        // wakes the next; if it is gone, its registration passes it on.
+        self.inner.hub.wake_first(hold.name.as_str());
         Ok(())
     }
 
-    async fn close(&self, _holds: &[Hold]) -> Result<(), Error> {
-        self.inner
-            .sql
-            .close
-            .bind(&[Arg::Text(self.id.as_str())])
-            .execute(&self.inner.pool)
+    async fn close(&self, holds: &[Hold]) -> Result<(), Error> {
+        let mut conn = Conn::get(&self.inner).await?;
+        conn.execute(self.inner.sql.close.bind(&[Arg::Text(self.id.as_str())]))
             .await
             .map_err(|e| map_err(self.scheme(), e))?;
+        for hold in holds {
+            self.inner.hub.wake_first(hold.name.as_str());
+        }
         Ok(())
     }
 }
@@ -197,15 +386,16 @@ impl SqlAttempt {
             key: self.owner.clone(),
         }))
     }
-}
 
-#[async_trait]
-impl Attempt for SqlAttempt {
-    async fn try_take(&mut self) -> Result<Take, Error> {
+    /// Busy, with the holder's remaining time as the hint.
+    fn busy(remaining: Option<i64>) -> Take {
+        Take::Busy(Busy {
+            retry_after: remaining.map(|ms| Duration::from_millis(ms.max(0) as u64)),
+        })
+    }
+
+    async fn take(&self, conn: &mut Conn) -> Result<Take, sqlx::Error> {
         let sql = &self.inner.sql;
-        let pool = &self.inner.pool;
-        let scheme = self.scheme();
-        self.sent = true;
         let args = [
             Arg::Text(self.name.as_str()),
             Arg::Text(self.session.as_str()),
@@ -213,59 +403,54 @@ impl Attempt for SqlAttempt {
             Arg::OptText(self.why.as_deref()),
             Arg::Int(self.ttl_ms),
         ];
-        if sql.has_returning() {
-            let row = sql
-                .take
-                .bind(&args)
-                .fetch_optional(pool)
-                .await
-                .map_err(|e| map_err(scheme, e))?;
-            if let Some(row) = row {
-                let token: i64 = row.try_get(0).map_err(|e| map_err(scheme, e))?;
-                return self.granted(token);
+        let state = sql.state.bind(&args[..1]);
+        match sql.dialect {
+            Dialect::Postgres => {
+                let row = conn.fetch_one(sql.take.bind(&args)).await?;
+                let token: Option<i64> = row.try_get(0)?;
+                let remaining: Option<i64> = row.try_get(1)?;
+                Ok(match token {
+                    Some(token) => self.granted(token).map_err(protocol)?,
+                    None => Self::busy(remaining),
+                })
             }
-        } else {
-            sql.take
-                .bind(&args)
-                .execute(pool)
-                .await
-                .map_err(|e| map_err(scheme, e))?;
-        }
-        // Not taken by this statement: held by someone, or already ours (a
-        // take whose reply was lost, or MySQL, which cannot say which).
-        let row = sql
-            .state
-            .bind(&[Arg::Text(self.name.as_str())])
-            .fetch_optional(pool)
-            .await
-            .map_err(|e| map_err(scheme, e))?;
-        let Some(row) = row else {
-            return Ok(Take::Busy(Busy { retry_after: None }));
-        };
-        let owner: Option<String> = row.try_get(0).map_err(|e| map_err(scheme, e))?;
-        let token: i64 = row.try_get(1).map_err(|e| map_err(scheme, e))?;
-        let remaining: i64 = row.try_get(2).map_err(|e| map_err(scheme, e))?;
-        if remaining > 0 && owner.as_deref() == Some(self.owner.as_str()) {
-            // A retry after a lost reply: the core counts validity from this
-            // retry, so the store's expiry must be extended to match.
-            let extended = sql
-                .extend
-                .bind(&[
-                    Arg::Text(self.name.as_str()),
-                    Arg::Text(&self.owner),
-                    Arg::Int(self.ttl_ms),
-                ])
-                .execute(pool)
-                .await
-                .map_err(|e| map_err(scheme, e))?;
-            if extended.rows_affected() == 1 {
-                return self.granted(token);
+            Dialect::Sqlite => match conn.fetch_optional(sql.take.bind(&args)).await? {
+                Some(row) => self.granted(row.try_get(0)?).map_err(protocol),
+                None => {
+                    let row = conn.fetch_optional(state).await?;
+                    Ok(Self::busy(row.map(|r| r.try_get(0)).transpose()?))
+                }
+            },
+            Dialect::MySql => {
+                let done = conn.execute(sql.take.bind(&args)).await?;
+                match done.last_insert_id().unwrap_or(0) {
+                    0 => {
+                        let row = conn.fetch_optional(state).await?;
+                        Ok(Self::busy(row.map(|r| r.try_get(0)).transpose()?))
+                    }
+                    token => self.granted(token).map_err(protocol),
+                }
             }
-            return Ok(Take::Busy(Busy { retry_after: None }));
         }
-        Ok(Take::Busy(Busy {
-            retry_after: Some(Duration::from_millis(remaining.max(0) as u64)),
-        }))
+    }
+}
+
+/// Carries a core error through sqlx's error type (`map_err` turns it into
+/// a protocol error again).
+fn protocol(e: Error) -> sqlx::Error {
+    sqlx::Error::Protocol(e.to_string())
+}
+
+#[async_trait]
+impl Attempt for SqlAttempt {
+    /// One statement that takes a free or expired lock, or re-confirms and
+    /// extends this attempt's own grant after a lost reply (rule 4): the
+    /// retry of a take whose reply was lost returns the same token.
+    async fn try_take(&mut self) -> Result<Take, Error> {
+        let mut conn = Conn::get(&self.inner).await?;
+        self.sent = true;
+        let scheme = self.scheme();
+        self.take(&mut conn).await.map_err(|e| map_err(scheme, e))
     }
 
     async fn wait(&mut self, until: Instant) -> Result<(), Error> {
@@ -285,16 +470,19 @@ impl Attempt for SqlAttempt {
         if !self.sent {
             return Ok(());
         }
-        let inner = &self.inner;
-        let done = inner
-            .sql
-            .abandon
-            .bind(&[Arg::Text(self.name.as_str()), Arg::Text(&self.owner)])
-            .execute(&inner.pool)
+        let scheme = self.scheme();
+        let mut conn = Conn::get(&self.inner).await?;
+        let done = conn
+            .execute(
+                self.inner
+                    .sql
+                    .abandon
+                    .bind(&[Arg::Text(self.name.as_str()), Arg::Text(&self.owner)]),
+            )
             .await
-            .map_err(|e| map_err(inner.sql.dialect.scheme(), e))?;
+            .map_err(|e| map_err(scheme, e))?;
         if done.rows_affected() > 0 {
-            inner.hub.wake_all(self.name.as_str());
+            self.inner.hub.wake_first(self.name.as_str());
         }
         Ok(())
     }

@@ -161,7 +161,12 @@ impl Statements {
             Dialect::Postgres => format!(" RETURNING pg_notify('dlock_{table}', name)"),
             _ => String::new(),
         };
-        let free = "holder = NULL, owner = NULL, expires_at = 0";
+        // A freed row keeps the owner (attempt) that last had it, with no
+        // holder: that attempt's own take, should one still arrive late (a
+        // take whose request timed out, retried on another connection and
+        // released since), is refused instead of granting a hold no one
+        // tracks (S5).
+        let free = "holder = NULL, expires_at = 0";
         let create = match dialect {
             Dialect::Postgres => vec![
                 sql(
@@ -189,15 +194,22 @@ impl Statements {
         };
         let columns = "INSERT INTO {t} (name, holder, owner, token, why, acquired_at, expires_at)";
         let values = "VALUES (?1, ?2, ?3, 1, ?4, {now}, {now} + ?5)";
-        // Taken when free or expired (a new grant: token + 1, S2), or when
-        // this attempt holds it already (same token, expiry extended: rule 4).
-        let upsert = "ON CONFLICT (name) DO UPDATE SET \
-             token = CASE WHEN {t}.expires_at <= {now} THEN {t}.token + 1 ELSE {t}.token END, \
-             acquired_at = CASE WHEN {t}.expires_at <= {now} THEN excluded.acquired_at \
-             ELSE {t}.acquired_at END, \
+        // Taken when free or expired (a new grant: token + 1, S2) unless
+        // this very attempt released or abandoned it (a late copy of its
+        // take), or when this attempt holds it already (same token, expiry
+        // extended: rule 4).
+        let fresh = "{t}.expires_at <= {now} AND ({t}.holder IS NOT NULL OR {t}.owner IS NULL \
+             OR {t}.owner <> excluded.owner)";
+        let upsert = format!(
+            "ON CONFLICT (name) DO UPDATE SET \
+             token = CASE WHEN {fresh} THEN {{t}}.token + 1 ELSE {{t}}.token END, \
+             acquired_at = CASE WHEN {fresh} THEN excluded.acquired_at \
+             ELSE {{t}}.acquired_at END, \
              holder = excluded.holder, owner = excluded.owner, why = excluded.why, \
              expires_at = excluded.expires_at \
-             WHERE {t}.expires_at <= {now} OR {t}.owner = excluded.owner RETURNING token";
+             WHERE ({fresh}) OR ({{t}}.expires_at > {{now}} AND {{t}}.owner = excluded.owner) \
+             RETURNING token"
+        );
         let take = match dialect {
             // One round trip whatever happens: the CTE's snapshot shows the
             // holder as it was before the take.
@@ -212,16 +224,20 @@ impl Statements {
             // LAST_INSERT_ID(expr) the statement evaluated: VALUES sets 1,
             // the update branch then the token, or 0 if busy). Assignments
             // see the columns assigned before them: expires_at, which every
-            // condition reads, is assigned last, and owner just before it,
-            // when the condition gives the same answer either way.
+            // condition reads, is assigned last, and holder and owner just
+            // before it, when the conditions give the same answer either way
+            // (a granted row gets a holder and this owner).
             Dialect::MySql => {
-                let granted = "expires_at <= {now} OR owner = VALUES(owner)";
+                let fresh = "expires_at <= {now} AND (holder IS NOT NULL OR owner IS NULL \
+                             OR owner <> VALUES(owner))";
+                let mine = "expires_at > {now} AND owner = VALUES(owner)";
+                let granted = format!("({fresh}) OR ({mine})");
                 sql(&format!(
                     "{columns} VALUES (?1, ?2, ?3, LAST_INSERT_ID(1), ?4, {{now}}, {{now}} + ?5) \
                      ON DUPLICATE KEY UPDATE \
-                     token = IF(expires_at <= {{now}}, LAST_INSERT_ID(token + 1), \
-                     IF(owner = VALUES(owner), LAST_INSERT_ID(token), token + LAST_INSERT_ID(0))), \
-                     acquired_at = IF(expires_at <= {{now}}, VALUES(acquired_at), acquired_at), \
+                     token = IF({fresh}, LAST_INSERT_ID(token + 1), \
+                     IF({mine}, LAST_INSERT_ID(token), token + LAST_INSERT_ID(0))), \
+                     acquired_at = IF({fresh}, VALUES(acquired_at), acquired_at), \
                      why = IF({granted}, VALUES(why), why), \
                      holder = IF({granted}, VALUES(holder), holder), \
                      owner = IF({granted}, VALUES(owner), owner), \

@@ -30,7 +30,12 @@
 //!   failed expires one TTL later instead of living as long as the session
 //!   renews (S4's converse, L1). There is no separate sessions table: each
 //!   lock's own `expires_at` is the lease. Closing a session frees every row
-//!   it holds.
+//!   it holds. A freed row (release, abandon, close, force release) keeps
+//!   the attempt that last had it as its `owner`, without a holder: a late
+//!   copy of that attempt's take (its first request timed out in the core
+//!   and was retried on another connection, whose grant has been used and
+//!   released since) finds the lock busy instead of taking it again for no
+//!   one (S5).
 //! * **Wake-ups**: PostgreSQL releases `pg_notify` in the same statement and
 //!   waiters `LISTEN` on one connection per backend; MySQL and SQLite waiters
 //!   poll with a bounded backoff (5 ms doubling to 100 ms) and wake at the

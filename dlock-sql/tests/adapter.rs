@@ -117,6 +117,69 @@ async fn renewal_extends_only_tracked_holds_sqlite() {
     renewal_extends_only_tracked_holds("sqlite").await;
 }
 
+/// S5: a copy of an attempt's take that reaches the store after the
+/// attempt's grant was released or abandoned (its first request timed out in
+/// the core, was retried on another connection, and the retry's grant was
+/// used and released) must not grant again: no one would track that hold,
+/// and the lock would stay taken for a TTL. (Red before the fix: SQLite's
+/// `ten_thousand_names` listed such a row now and then, when a take timed
+/// out under load.)
+async fn late_take_after_release_is_refused(store: &str) {
+    let Some(url) = url(store, "late_take_after_release_is_refused") else {
+        return;
+    };
+    let backend = connect(&url).await;
+    let a = backend.session(SessionOptions::new()).await.unwrap();
+    let other = connect(&url).await;
+    let b = other.session(SessionOptions::new()).await.unwrap();
+    for end in ["release", "abandon"] {
+        let lock = name(end);
+        let mut attempt = a.raw_session().attempt(&lock, None).await.unwrap();
+        let Take::Granted(hold) = attempt.try_take().await.unwrap() else {
+            panic!("{store}: the raw take of a free lock was busy");
+        };
+        match end {
+            "release" => a.raw_session().release(&hold).await.unwrap(),
+            _ => attempt.abandon().await.unwrap(),
+        }
+        // The late copy of the take.
+        let late = attempt.try_take().await.unwrap();
+        assert!(
+            matches!(late, Take::Busy(_)),
+            "{store}: a late take after its grant's {end} granted again: {late:?}"
+        );
+        let info = backend.inspect(&lock).await.unwrap();
+        assert!(
+            info.is_none(),
+            "{store}: after {end}, inspect shows {info:?}"
+        );
+        let g = b
+            .lock(&lock)
+            .unwrap()
+            .try_acquire()
+            .await
+            .unwrap()
+            .unwrap_or_else(|| panic!("{store}: the lock was busy after {end} and a late take"));
+        assert!(g.token() > hold.token, "{store}: token did not grow (S2)");
+        g.release().await.unwrap();
+    }
+}
+
+#[tokio::test]
+async fn late_take_after_release_is_refused_postgres() {
+    late_take_after_release_is_refused("postgres").await;
+}
+
+#[tokio::test]
+async fn late_take_after_release_is_refused_mysql() {
+    late_take_after_release_is_refused("mysql").await;
+}
+
+#[tokio::test]
+async fn late_take_after_release_is_refused_sqlite() {
+    late_take_after_release_is_refused("sqlite").await;
+}
+
 /// A port on which nothing listens.
 fn closed_port() -> u16 {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();

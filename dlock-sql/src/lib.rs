@@ -54,7 +54,10 @@
 //!   `NotHeld` after a release). A statement cut off by the core's request
 //!   timeout leaves its connection 2 s to answer a ping (a late reply is
 //!   drained and the connection reused), else it is closed: a connection
-//!   that died silently never keeps its pool slot.
+//!   that died silently never keeps its pool slot. A take cut off that way
+//!   may still land (its bytes may leave only with the drain's ping): the
+//!   attempt's abandon frees its grant, waits for those drains, and frees
+//!   again.
 //! * **Errors**: [`SqlBackend::connect`] opens one connection first, so a
 //!   refused connection is an immediate [`Error::Unavailable`] saying so, a
 //!   wrong user or password an [`Error::Auth`] (PostgreSQL SQLSTATE class 28,

@@ -14,6 +14,8 @@ use sqlx::any::{AnyArguments, AnyQueryResult, AnyRow};
 use sqlx::pool::PoolConnection;
 use sqlx::query::Query;
 use sqlx::{Any, Connection, Row};
+use tokio::sync::oneshot;
+use tokio::sync::oneshot::error::TryRecvError;
 use tokio::time::{Instant, sleep_until, timeout};
 
 use crate::dialect::{Arg, Dialect, RENEW_CHUNK};
@@ -112,6 +114,9 @@ pub(crate) struct Conn {
     conn: Option<PoolConnection<Any>>,
     /// A statement is in flight.
     busy: bool,
+    /// Told (by being dropped) once the connection is drained or closed
+    /// after an abandoned statement, or at once if none was abandoned.
+    drained: Option<oneshot::Sender<()>>,
 }
 
 impl Conn {
@@ -127,7 +132,18 @@ impl Conn {
         Ok(Self {
             conn: Some(conn),
             busy: false,
+            drained: None,
         })
+    }
+
+    /// `drained` is dropped once no statement of this connection can reach
+    /// the server any more: when the connection goes back to the pool
+    /// normally, or after the drain (or close) that follows an abandoned
+    /// statement. A statement cut off before its bytes left sqlx's buffer
+    /// is sent by that drain: late, which is what the receiver waits for.
+    pub(crate) fn drained(mut self, drained: oneshot::Sender<()>) -> Self {
+        self.drained = Some(drained);
+        self
     }
 
     fn raw(&mut self) -> &mut sqlx::AnyConnection {
@@ -183,7 +199,9 @@ impl Drop for Conn {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return; // no runtime: sqlx's own drop handles it
         };
+        let drained = self.drained.take();
         runtime.spawn(async move {
+            let _drained = drained;
             match timeout(DRAIN_TIMEOUT, conn.ping()).await {
                 // Answered: the late reply is drained; back to the pool.
                 Ok(Ok(())) => drop(conn),
@@ -289,6 +307,7 @@ impl RawSession for SqlSession {
             why: why.map(str::to_owned),
             ttl_ms: self.ttl_ms(),
             sent: false,
+            in_flight: Vec::new(),
             backoff: PollBackoff::default(),
         }))
     }
@@ -362,6 +381,11 @@ struct SqlAttempt {
     waiter: Waiter,
     /// Whether a take was sent (so a grant may exist that abandon must free).
     sent: bool,
+    /// Takes cut off in flight (the core's request timeout, the caller's
+    /// deadline, a dropped acquire) whose connections are still draining:
+    /// such a take may still land, after an abandon sent on another
+    /// connection, so abandon waits for them and cleans up again.
+    in_flight: Vec<oneshot::Receiver<()>>,
     backoff: PollBackoff,
 }
 
@@ -447,10 +471,17 @@ impl Attempt for SqlAttempt {
     /// extends this attempt's own grant after a lost reply (rule 4): the
     /// retry of a take whose reply was lost returns the same token.
     async fn try_take(&mut self) -> Result<Take, Error> {
-        let mut conn = Conn::get(&self.inner).await?;
+        self.in_flight
+            .retain_mut(|rx| matches!(rx.try_recv(), Err(TryRecvError::Empty)));
+        let (drained, rx) = oneshot::channel();
+        self.in_flight.push(rx);
+        let mut conn = Conn::get(&self.inner).await?.drained(drained);
         self.sent = true;
         let scheme = self.scheme();
-        self.take(&mut conn).await.map_err(|e| map_err(scheme, e))
+        let taken = self.take(&mut conn).await.map_err(|e| map_err(scheme, e));
+        drop(conn);
+        self.in_flight.pop(); // answered: nothing of this take is left to land
+        taken
     }
 
     async fn wait(&mut self, until: Instant) -> Result<(), Error> {
@@ -466,10 +497,30 @@ impl Attempt for SqlAttempt {
         Ok(())
     }
 
+    /// Frees this attempt's grant, if it has one; then, if takes of it were
+    /// cut off in flight, waits until their connections are drained or
+    /// closed (one may land only now, e.g. after the holder's release) and
+    /// frees again. A connection that never drains keeps the clean-up
+    /// retrying until the core gives up at one TTL, when whatever such a
+    /// take could have granted has expired.
     async fn abandon(&mut self) -> Result<(), Error> {
         if !self.sent {
             return Ok(());
         }
+        self.abandon_once().await?;
+        if self.in_flight.is_empty() {
+            return Ok(());
+        }
+        while let Some(rx) = self.in_flight.last_mut() {
+            let _ = rx.await;
+            self.in_flight.pop();
+        }
+        self.abandon_once().await
+    }
+}
+
+impl SqlAttempt {
+    async fn abandon_once(&mut self) -> Result<(), Error> {
         let scheme = self.scheme();
         let mut conn = Conn::get(&self.inner).await?;
         let done = conn

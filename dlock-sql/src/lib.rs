@@ -42,8 +42,9 @@
 //!   holder's `expires_at`. A release (local, or a notification) wakes the
 //!   longest-waiting waiter of this process only (L6); if it loses the race,
 //!   the winner's release wakes the next, and a woken waiter that goes away
-//!   passes the wake-up on (L2). Each time the `LISTEN` connection is
-//!   (re)established every local waiter is woken, since notifications sent
+//!   passes the wake-up on (L2). The first `LISTEN` is in place before
+//!   [`SqlBackend::connect`] returns; each time its connection is
+//!   re-established every local waiter is woken, since notifications sent
 //!   while it was down are lost.
 //! * Not fair (no queue): whoever asks first after a release wins.
 //! * **Connections**: a pool of `dlock_pool` connections. The statements of
@@ -233,7 +234,7 @@ impl SqlBackend {
             .await
             .map_err(|e| store::map_err(scheme, e))?;
         let hub = Arc::new(WakeHub::default());
-        let listener = Self::start_listener(&options, &hub);
+        let listener = Self::start_listener(&options, &hub).await;
         tracing::debug!(backend = scheme, url = %options, "connected");
         Ok(Self {
             inner: Arc::new(Inner {
@@ -246,20 +247,22 @@ impl SqlBackend {
         })
     }
 
+    /// PostgreSQL: the first `LISTEN` is in place before this returns (so
+    /// its start need not wake anyone), then a task keeps it up.
     #[cfg(feature = "postgres")]
-    fn start_listener(options: &SqlOptions, hub: &Arc<WakeHub>) -> Option<AbortOnDrop> {
-        (options.dialect == Dialect::Postgres).then(|| {
-            let task = tokio::spawn(notify::listen(
-                options.driver_url().to_owned(),
-                format!("dlock_{}", options.table),
-                Arc::downgrade(hub),
-            ));
-            AbortOnDrop(task)
-        })
+    async fn start_listener(options: &SqlOptions, hub: &Arc<WakeHub>) -> Option<AbortOnDrop> {
+        if options.dialect != Dialect::Postgres {
+            return None;
+        }
+        let url = options.driver_url().to_owned();
+        let channel = format!("dlock_{}", options.table);
+        let first = notify::first_listener(&url, &channel, CONNECT_TIMEOUT).await;
+        let task = tokio::spawn(notify::listen(url, channel, Arc::downgrade(hub), first));
+        Some(AbortOnDrop(task))
     }
 
     #[cfg(not(feature = "postgres"))]
-    fn start_listener(_: &SqlOptions, _: &Arc<WakeHub>) -> Option<AbortOnDrop> {
+    async fn start_listener(_: &SqlOptions, _: &Arc<WakeHub>) -> Option<AbortOnDrop> {
         None
     }
 

@@ -67,6 +67,7 @@
 //! | `acquire_timeout_under_partition` | L5 | wire: blackhole |
 //! | `waiter_learns_session_lost` | L5, S5 | wire: waiter blackholed past TTL |
 //! | `lost_hold_release_retried` | S5, L1 | wire: replies lost, then refused |
+//! | `release_retried_after_cut` | S5, L1 | wire: connections refused while releasing |
 //! | `tokens_after_restart` (exclusive) | S2 (durable tokens) | servers killed, restarted |
 //! | `server_paused_past_ttl` (exclusive) | S4, S2, fencing, L5 | servers SIGSTOPped |
 //! | `server_restart_while_held` (exclusive) | S1, S2, S4 | servers killed, restarted |
@@ -230,6 +231,7 @@ macro_rules! conformance_tests {
             waiter_learns_session_lost,
             replies_late_but_in_time,
             lost_hold_release_retried,
+            release_retried_after_cut,
             renewal_task_panics,
             renewal_keeps_only_known_holds;
             exclusive:

@@ -54,10 +54,10 @@ fn boot_minus_monotonic() -> Duration {
             t.tv_nsec.clamp(0, 999_999_999) as u32,
         )
     };
-    // Read monotonic between two boottime readings, so a suspend in between
-    // cannot make the difference look smaller than it is.
-    let boot = at(ClockId::Boottime);
+    // Monotonic first: a suspend between the two readings then makes the
+    // difference larger (deadlines pass sooner: safe), never smaller.
     let mono = at(ClockId::Monotonic);
+    let boot = at(ClockId::Boottime);
     boot.saturating_sub(mono)
 }
 

@@ -256,7 +256,10 @@ impl LockGuard {
     /// frees the lock. Returns [`Error::Lost`] if the hold had ended before the
     /// release (work done under it may not have been exclusive), and
     /// [`Error::NotHeld`] if the store no longer had it. Transient errors are
-    /// retried until the store would have expired the lock anyway.
+    /// retried until the hold's local deadline; if the store still did not
+    /// confirm by then, this returns the error and the session keeps
+    /// retrying in the background (while it lives), so a hold its lease
+    /// keeps does not block the lock until the session closes.
     ///
     /// # Cancel safety
     /// If the future is dropped, the release continues in the background.

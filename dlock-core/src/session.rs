@@ -232,17 +232,22 @@ impl Shared {
         Stats::bump(&self.stats.losses);
         tracing::warn!(lock = %held.hold.name, token = %held.hold.token, session = %self.id, %reason, "lock lost");
         if matches!(reason, LostReason::Expired | LostReason::Closed) {
-            let shared = self.clone();
-            let hold = held.hold.clone();
-            let mut cleanup = self.cleanup("releasing a lost hold");
-            self.spawn(async move {
-                while !cleanup.try_once(shared.raw.release(&hold)).await {
-                    if !cleanup.wait_to_retry().await {
-                        return;
-                    }
-                }
-            });
+            self.release_in_background(held.hold.clone(), "releasing a lost hold");
         }
+    }
+
+    /// Releases `hold` in the store as a [`Cleanup`]: retried with backoff
+    /// until done, the session ends, or the hold would have expired anyway.
+    fn release_in_background(self: &Arc<Self>, hold: Hold, what: &'static str) {
+        let shared = self.clone();
+        let mut cleanup = self.cleanup(what);
+        self.spawn(async move {
+            while !cleanup.try_once(shared.raw.release(&hold)).await {
+                if !cleanup.wait_to_retry().await {
+                    return;
+                }
+            }
+        });
     }
 
     /// Fires `lost()` for every hold past its local deadline.
@@ -384,6 +389,12 @@ pub(crate) async fn release_hold(shared: Arc<Shared>, held: Arc<HeldState>) -> R
     let result = shared
         .release_in_store(&held.hold, held.deadline(), give_up_at)
         .await;
+    if result.as_ref().is_err_and(Error::is_retryable) {
+        // Not confirmed, and the session no longer renews the hold by name;
+        // where the session's lease keeps it, it would stay taken for as long
+        // as the session lives: keep trying in the background (item 13).
+        shared.release_in_background(held.hold.clone(), "releasing after a failed release");
+    }
     tracing::debug!(lock = %held.hold.name, token = %held.hold.token, session = %shared.id, ok = result.is_ok(), "released");
     match lost_before {
         Some(lost) => Err(lost),

@@ -752,6 +752,47 @@ pub async fn replies_late_but_in_time(h: &dyn Harness) -> Outcome {
     passed()
 }
 
+/// S5, L1 on stores whose holds live with the session (item 13, found by the
+/// adversarial review): a `release()` that fails because A's connections are
+/// refused until it gives up (at the hold's local deadline) must go on in
+/// the background once they are back. Otherwise the hold, no longer renewed
+/// by name but kept by A's live session lease, blocks the lock for as long
+/// as A's session lives.
+pub async fn release_retried_after_cut(h: &dyn Harness) -> Outcome {
+    let ctx = Ctx::new(h, "release_retried_after_cut");
+    let (a, link) = match linked(&ctx).await? {
+        Ok(pair) => pair,
+        Err(verdict) => return verdict,
+    };
+    if a.raw_session().expiry() == ExpiryModel::PerHold {
+        return skipped("an unreleased hold expires on its own (per-hold expiry)");
+    }
+    let b = ctx.client().await?;
+    let t = a.ttl();
+    let name = ctx.name("x");
+    let ga = a.lock(&name)?.acquire().await?;
+    link.set_all(Fault::Cut);
+    let released = within(t * 2, "A's release under a cut", ga.release()).await?;
+    link.heal();
+    if released.is_ok() {
+        return skipped("the release got through the cut (nothing to retry)");
+    }
+    let gb = b
+        .lock(&name)?
+        .acquire_timeout(t * 2 + ctx.caps.recovery_bound)
+        .await
+        .map_err(|e| {
+            Failure(format!(
+                "the failed release was not retried: B still waits ({e}); A's session alive: {}, \
+                 holds: {}",
+                a.is_alive(),
+                a.held_count()
+            ))
+        })?;
+    gb.release().await?;
+    passed()
+}
+
 /// S5, L1 on stores whose holds live with the session (item 13): a hold lost
 /// locally while the store still has it (A's renewals took effect, their
 /// replies were lost) is released in the background; when that release

@@ -156,13 +156,16 @@
 //! the client takes the quorum's largest and writes it back to the lock and
 //! last-token key on every node of its quorum (the grant fails unless a
 //! majority accepts it). Any later grant needs a majority, which overlaps
-//! ours in at least one node, whose `last` is ours: so tokens strictly
-//! increase **as long as the nodes' clocks never step back and a node that
-//! lost or rolled back its data stays out of quorums until its old locks have
-//! expired** — which the restart guard above enforces, without relying on
-//! operators to delay restarts. Tokens are *not* monotonic if those
-//! assumptions break; when correctness matters more than availability,
-//! prefer a consensus store (etcd, ZooKeeper).
+//! ours in at least one node, whose `last` is ours — Redlock nodes keep the
+//! last-token key for good (one small key per lock name), so this holds
+//! whatever the skew between the nodes' clocks. A node that lost or rolled
+//! back its data has only its clock as a floor: tokens strictly increase **as
+//! long as the nodes' clocks never step back and such a node stays out of
+//! quorums for `max_ttl` (the restart guard above enforces that) with a
+//! clock no more than `max_ttl` behind the node that issued the last token**.
+//! Tokens are *not* monotonic if those assumptions break; when correctness
+//! matters more than availability, prefer a consensus store (etcd,
+//! ZooKeeper).
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), dlock_core::Error> {
@@ -288,6 +291,11 @@ impl RedisBackend {
                 options.prefix.clone(),
                 node.shown.clone(),
                 options.allow_eviction,
+                if options.redlock {
+                    node::KEEP_LAST_FOREVER
+                } else {
+                    node::KEEP_LAST_MS
+                },
             ));
         }
         let inner = Arc::new(Inner { nodes, options });

@@ -28,9 +28,17 @@ use tokio::time::{Instant, sleep, timeout, timeout_at};
 
 use crate::script;
 
-/// How long the last-token key outlives a release (after that the server
-/// clock in µs is the floor; see [`script`]).
+/// How long a single Redis keeps the last-token key after a release (after
+/// that its own clock in µs is the floor; see [`script`]). Redlock nodes
+/// keep it for good ([`KEEP_LAST_FOREVER`]).
 pub(crate) const KEEP_LAST_MS: u64 = 10_000;
+
+/// `keep_last_ms` meaning "no expiry". Redlock needs it: its nodes' clocks
+/// differ, so a floor from one node's clock says nothing about a token
+/// another node issued; only a `last` kept on the node two quorums share
+/// orders their tokens (found by the adversarial review: with the key gone
+/// and a node 20 s ahead, a later grant got a smaller token).
+pub(crate) const KEEP_LAST_FOREVER: u64 = 0;
 
 /// The longest a new connection (TCP, TLS, AUTH and the server checks) may
 /// take.
@@ -406,6 +414,9 @@ pub(crate) struct Node {
     commands: Arc<Commands>,
     pub(crate) prefix: String,
     pub(crate) shown: String,
+    /// How long the last-token key outlives a grant or release, in ms
+    /// ([`KEEP_LAST_MS`], or [`KEEP_LAST_FOREVER`] for Redlock).
+    keep_last_ms: u64,
     wakeups: Wakeups,
 }
 
@@ -457,7 +468,13 @@ impl Drop for InFlight<'_> {
 impl Node {
     /// A node that connects at its first request (or [`Node::connect`]).
     /// Must be called inside a Tokio runtime (it starts the wake-up task).
-    pub(crate) fn new(client: Client, prefix: String, shown: String, allow_eviction: bool) -> Self {
+    pub(crate) fn new(
+        client: Client,
+        prefix: String,
+        shown: String,
+        allow_eviction: bool,
+        keep_last_ms: u64,
+    ) -> Self {
         let wakeups = Wakeups::start(client.clone(), shown.clone());
         Self {
             commands: Arc::new(Commands {
@@ -471,6 +488,7 @@ impl Node {
             }),
             prefix,
             shown,
+            keep_last_ms,
             wakeups,
         }
     }
@@ -566,7 +584,7 @@ impl Node {
             .arg(session)
             .arg(why)
             .arg(ttl.as_millis() as u64)
-            .arg(KEEP_LAST_MS)
+            .arg(self.keep_last_ms)
             .arg(min_uptime.as_millis() as u64);
         let (granted, value): (i64, i64) = self
             .request(limit, |mut c| async move {
@@ -600,7 +618,7 @@ impl Node {
             .arg(owner)
             .arg(token)
             .arg(&keys.channel)
-            .arg(KEEP_LAST_MS);
+            .arg(self.keep_last_ms);
         let released: i64 = self
             .request(limit, |mut c| async move {
                 invocation.invoke_async(&mut c).await
@@ -679,7 +697,10 @@ impl Node {
             .key(&keys.last)
             .arg(owner)
             .arg(token.get().to_string())
-            .arg(ttl.as_millis() as u64 + KEEP_LAST_MS);
+            .arg(match self.keep_last_ms {
+                KEEP_LAST_FOREVER => KEEP_LAST_FOREVER,
+                keep => ttl.as_millis() as u64 + keep,
+            });
         let done: i64 = self
             .request(limit, |mut c| async move {
                 invocation.invoke_async(&mut c).await
@@ -766,8 +787,9 @@ impl Node {
         Ok(names)
     }
 
-    /// Keys under `prefix` that would never expire (none should) plus
-    /// subscribed channels: the leak check of the conformance suite.
+    /// Keys under `prefix` that would never expire (none should, but the
+    /// last-token keys a Redlock node keeps by design) plus subscribed
+    /// channels: the leak check of the conformance suite.
     pub(crate) async fn persistent_keys(
         &self,
         prefix: &str,
@@ -778,12 +800,13 @@ impl Node {
             .scan_keys(&format!("{}:{{{prefix}*", self.prefix), limit)
             .await?
         {
+            let kept_token = self.keep_last_ms == KEEP_LAST_FOREVER && key.ends_with(":t");
             let ttl: i64 = self
                 .request(limit, |mut c| async move {
                     redis::cmd("PTTL").arg(&key).query_async(&mut c).await
                 })
                 .await?;
-            if ttl == -1 {
+            if ttl == -1 && !kept_token {
                 count += 1;
             }
         }
@@ -828,7 +851,7 @@ impl Node {
             .key(&keys.lock)
             .key(&keys.last)
             .arg(&keys.channel)
-            .arg(KEEP_LAST_MS);
+            .arg(self.keep_last_ms);
         let done: i64 = self
             .request(limit, |mut c| async move {
                 invocation.invoke_async(&mut c).await

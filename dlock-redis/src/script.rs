@@ -2,14 +2,17 @@
 //!
 //! Keys per lock name N (the name in a hash tag, so all of them map to one
 //! Cluster slot): `P:{N}` the lock hash (`owner`, `session`, `token`, `why`,
-//! `at`) with a `PX` expiry; `P:{N}:t` the last token, kept for a while after
-//! release; channel `P:{N}:c` for release notifications. Per node: `P:boot`,
+//! `at`) with a `PX` expiry; `P:{N}:t` the last token, kept for 10 s after
+//! release on a single Redis and for good on Redlock nodes; channel `P:{N}:c` for release notifications. Per node: `P:boot`,
 //! the restart guard's record (`run`, `since`).
 //!
 //! Tokens: `max(last + 1, TIME in µs)`. While the last-token key lives, that is
 //! `last + 1`; once it is gone (expired, or lost with a restart without
 //! persistence) the server clock in microseconds is larger than every token
-//! issued before — **assuming the server's clock never steps back**.
+//! issued before — **assuming the server's clock never steps back**. That
+//! floor only orders tokens one server issued: Redlock nodes therefore keep
+//! the key for good (a node two quorums share then orders their tokens,
+//! whatever the skew between the nodes' clocks).
 //!
 //! Restart guard (when `min_uptime > 0`): the server's `run_id` (from `INFO
 //! server`, drawn at random by every server process at start and never
@@ -42,10 +45,27 @@ local function guard_wait(key, min_uptime, now_ms)
 end
 "#;
 
+/// Defines `set_last(key, token, keep_ms)`: the last-token key, expiring
+/// after `keep_ms`, or never when it is 0 (Redlock).
+const SET_LAST: &str = r#"
+local function set_last(key, token, keep_ms)
+  if keep_ms > 0 then
+    redis.call('SET', key, token, 'PX', keep_ms)
+  else
+    redis.call('SET', key, token)
+  end
+end
+"#;
+
 fn guarded(body: &str) -> Script {
     Script::new(&format!(
-        "if redis.replicate_commands then redis.replicate_commands() end\n{GUARD}\n{body}"
+        "if redis.replicate_commands then redis.replicate_commands() end\n{GUARD}\n{SET_LAST}\n{body}"
     ))
+}
+
+/// A script that writes the last-token key.
+fn with_set_last(body: &str) -> Script {
+    Script::new(&format!("{SET_LAST}\n{body}"))
 }
 
 /// Take if free. KEYS: lock, last, boot. ARGV: owner, session, why, ttl_ms,
@@ -74,7 +94,7 @@ local token_s = string.format('%.0f', token)
 redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'session', ARGV[2], 'token', token_s,
   'why', ARGV[3], 'at', string.format('%.0f', now_us / 1000))
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
-redis.call('SET', KEYS[2], token_s, 'PX', tonumber(ARGV[4]) + tonumber(ARGV[5]))
+set_last(KEYS[2], token_s, tonumber(ARGV[5]) > 0 and tonumber(ARGV[4]) + tonumber(ARGV[5]) or 0)
 return {1, token}
 "#,
     )
@@ -83,13 +103,13 @@ return {1, token}
 /// Owner-checked release. KEYS: lock, last. ARGV: owner, token (`""`: any),
 /// channel, keep_last_ms. Returns 1 if released.
 pub(crate) static RELEASE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
+    with_set_last(
         r#"
 if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
 local token = redis.call('HGET', KEYS[1], 'token')
 if ARGV[2] ~= '' and token ~= ARGV[2] then return 0 end
 redis.call('DEL', KEYS[1])
-redis.call('SET', KEYS[2], token, 'PX', ARGV[4])
+set_last(KEYS[2], token, tonumber(ARGV[4]))
 redis.call('PUBLISH', ARGV[3], '1')
 return 1
 "#,
@@ -158,12 +178,12 @@ return 0
 /// Admin break. KEYS: lock, last. ARGV: channel, keep_last_ms. Returns 1 if
 /// it was held.
 pub(crate) static FORCE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
+    with_set_last(
         r#"
 local token = redis.call('HGET', KEYS[1], 'token')
 if not token then return 0 end
 redis.call('DEL', KEYS[1])
-redis.call('SET', KEYS[2], token, 'PX', ARGV[2])
+set_last(KEYS[2], token, tonumber(ARGV[2]))
 redis.call('PUBLISH', ARGV[1], '1')
 return 1
 "#,
@@ -175,13 +195,13 @@ return 1
 /// overlaps this quorum issues a larger one. KEYS: lock, last. ARGV: owner,
 /// token, keep_ms. Returns 1 if this owner holds the lock here.
 pub(crate) static BUMP: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
+    with_set_last(
         r#"
 if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
 redis.call('HSET', KEYS[1], 'token', ARGV[2])
 local last = tonumber(redis.call('GET', KEYS[2]) or '0')
 if tonumber(ARGV[2]) > last then
-  redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
+  set_last(KEYS[2], ARGV[2], tonumber(ARGV[3]))
 end
 return 1
 "#,

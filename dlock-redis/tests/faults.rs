@@ -359,3 +359,62 @@ async fn nodes_restored_from_old_snapshots_do_not_regrant() {
         servers.start(node).await.unwrap();
     }
 }
+
+/// Redlock tokens across nodes whose clocks differ (adversarial review): a
+/// grant's token may come from a node whose clock runs ahead (each node
+/// proposes `max(last + 1, its TIME in µs)`). A later grant on a quorum that
+/// shares only one node with the first must still get a larger token, also
+/// after the single-Redis keep time of the last-token key (10 s) — so
+/// Redlock nodes keep that key for good. Red before: the key expired 10 s
+/// after the release and the later grant's token was the other nodes' clock,
+/// a minute behind the first token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_ordered_whatever_the_node_clocks() {
+    let _serial = SERIAL.lock().await;
+    if skipped("redlock", "tokens_ordered_whatever_the_node_clocks") {
+        return;
+    }
+    let servers = redlock_servers();
+    let _restore = StartAll(servers.clone());
+    let backend = connect(&with_options(&redlock_url(), "max_ttl=1s")).await;
+    let session = backend
+        .session(SessionOptions::new().ttl(Duration::from_millis(500)))
+        .await
+        .unwrap();
+    let name = unique("skew");
+    let last_key = format!("dlock:{{{name}}}:t");
+    // Node 0's clock a minute ahead: its proposal is its clock, simulated by
+    // a last token a minute ahead of its real clock.
+    let time: Vec<String> = command(&node_url(0), &["TIME"]).await;
+    let now_us = time[0].parse::<u64>().unwrap() * 1_000_000 + time[1].parse::<u64>().unwrap();
+    let ahead = now_us + 60_000_000;
+    let _: String = command(&node_url(0), &["SET", &last_key, &ahead.to_string()]).await;
+    let g1 = session.lock(&name).unwrap().acquire().await.unwrap();
+    let t1 = g1.token().get();
+    assert!(t1 > ahead, "the quorum's largest proposal: {t1} <= {ahead}");
+    g1.release().await.unwrap();
+    for node in 0..5 {
+        let ttl: i64 = command(&node_url(node), &["PTTL", &last_key]).await;
+        assert_eq!(
+            ttl, -1,
+            "node {node} lets the last token expire (PTTL {ttl} ms)"
+        );
+    }
+    // Past a single Redis's keep time, nodes 0 and 1 are gone: the next
+    // quorum is 2, 3, 4, whose clocks are a minute behind t1.
+    sleep(Duration::from_millis(10_500)).await;
+    servers.kill(0).await.unwrap();
+    servers.kill(1).await.unwrap();
+    let g2 = session
+        .lock(&name)
+        .unwrap()
+        .acquire_timeout(Duration::from_secs(5))
+        .await
+        .expect("a grant on nodes 2, 3 and 4");
+    assert!(
+        g2.token().get() > t1,
+        "token went back: {} after {t1}",
+        g2.token()
+    );
+    g2.release().await.unwrap();
+}

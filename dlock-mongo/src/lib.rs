@@ -162,6 +162,7 @@
 mod client;
 mod notify;
 mod options;
+mod probe;
 mod query;
 mod store;
 
@@ -273,11 +274,15 @@ impl MongoBackend {
     /// an unreachable server (after the server-selection timeout) is
     /// [`Error::Unavailable`]; failed authentication is [`Error::Auth`]; an
     /// untrusted server certificate, a TLS failure, or a `mongos` without
-    /// `dlock_mongos=allow` is [`Error::Config`]; a server older than 4.4 is
-    /// [`Error::Backend`].
+    /// `dlock_mongos=allow` is [`Error::Config`]; so is a server older than
+    /// 4.4, or one that refuses (or mis-runs) the take's update pipeline
+    /// with `$$NOW`, which connect runs once on a scratch document (see
+    /// "Compatibility" in the [crate docs](crate)), naming what is missing.
     ///
     /// # Cancel safety
-    /// Cancel safe: nothing is left behind but idempotently created indexes.
+    /// Cancel safe: nothing is left behind but idempotently created indexes
+    /// and, if cancelled mid-probe, the probe's scratch document in the
+    /// session collection (its TTL index sweeps it).
     pub async fn connect(url: &str) -> Result<Self, Error> {
         Self::with_options(MongoOptions::from_url(url)?).await
     }
@@ -317,13 +322,12 @@ impl MongoBackend {
             .and_then(|v| store::int_of(Some(v)))
             .unwrap_or(0);
         if wire < i64::from(MIN_WIRE_VERSION) {
-            return Err(Error::backend(
-                SCHEME,
-                format!(
-                    "the server speaks wire version {wire}; dlock needs MongoDB 4.4 or newer \
-                     (wire version {MIN_WIRE_VERSION})"
-                ),
-            ));
+            return Err(Error::Config(format!(
+                "{SCHEME}: the server speaks wire version {wire} (MongoDB 4.2 or older); \
+                 dlock-mongo needs MongoDB 4.4 or newer (wire version {MIN_WIRE_VERSION}) for \
+                 {}",
+                probe::FEATURE
+            )));
         }
         let deployment = Deployment::from_hello(&hello);
         if deployment == Deployment::Sharded {
@@ -348,6 +352,9 @@ impl MongoBackend {
         }
         ensure_index(&conn.locks, query::session_index()).await?;
         ensure_index(&conn.sessions, query::ping_index()).await?;
+        // Mongo-compatible servers claim versions whose features they lack:
+        // run the take once, so that one that cannot fails here.
+        probe::check(&clients).await?;
         let hub = Arc::new(WakeHub::default());
         let stream_live = Arc::new(AtomicBool::new(false));
         let watcher = if deployment.has_change_streams() {
@@ -361,9 +368,19 @@ impl MongoBackend {
                         stream_live.clone(),
                     ))))
                 }
+                // A router or Mongo-compatible service that has no change
+                // streams says so (CommandNotSupported; "only supported on
+                // replica sets"): expected, waiters poll.
+                Err(e) if matches!(error_code(&e), Some(115 | 40573)) => {
+                    tracing::info!(
+                        error = %e.kind,
+                        "the server has no change streams; waiters will poll"
+                    );
+                    None
+                }
                 Err(e) => {
                     tracing::warn!(
-                        error = %e,
+                        error = %e.kind,
                         "cannot open a change stream on the lock collection; waiters will poll"
                     );
                     None

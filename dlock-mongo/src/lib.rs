@@ -2,7 +2,8 @@
 //! (MongoDB 2.4's `distlock.cpp`), made atomic, fenced and judged by the
 //! server's clock. Official `mongodb` driver; replica sets, sharded clusters
 //! (through `mongos`, opt-in: see "Deployments") and standalone servers,
-//! MongoDB 4.4 or newer.
+//! MongoDB 4.4 or newer; Mongo-compatible servers where they run the take
+//! (checked at connect: see "Compatibility").
 //!
 //! # How it works
 //!
@@ -116,8 +117,17 @@
 //! |---|---|---|---|
 //! | replica set | change streams | the primary's | yes |
 //! | standalone `mongod` | polling (5→100 ms) | the server's | yes |
-//! | sharded cluster, through `mongos` | change streams | **the router's that handled each request** | refused unless `dlock_mongos=allow` ([`MongosPolicy`]) |
-//! | Mongo-compatible services that present as `mongos` (DocumentDB's gateway, FerretDB 2, ...) | polling (no change streams) | the gateway's | refused unless `dlock_mongos=allow` |
+//! | sharded cluster, through `mongos` | change streams (polling if the router refuses them) | **the router's that handled each request** | refused unless `dlock_mongos=allow` ([`MongosPolicy`]) |
+//! | Mongo-compatible services that present as `mongos` (DocumentDB's gateway, FerretDB 2, ...) | polling (they refuse change streams: code 115) | the gateway's | refused unless `dlock_mongos=allow` |
+//!
+//! Every deployment must also pass the connect probe ("Compatibility").
+//! Polling is bounded: a waiter retries the take after 5 ms, doubling to at
+//! most 100 ms between tries, and at the busy lock's server-reported expiry
+//! at the latest; a release by this process wakes its own waiters at once.
+//! Where change streams are up, waiters sleep until a free event (or the
+//! expiry, or the core's fallback timer); while a broken stream is being
+//! reopened they poll as above. Which of the two a backend uses is
+//! [`MongoBackend::change_streams`].
 //!
 //! `$$NOW` through `mongos`: the router computes it and sends it to the shard
 //! with the request, so `expiresAt` is written by one router's clock and
@@ -147,17 +157,70 @@
 //!   reported at connect without waiting out server selection. Neither
 //!   message carries the password.
 //!
+//! # Compatibility
+//!
+//! Every grant is one `findAndModify` with `upsert`, whose update is an
+//! aggregation pipeline reading `$$NOW` inside `$replaceWith` →
+//! `$mergeObjects` → a document literal, and whose projection computes
+//! `expiresAt − $$NOW`. **Connect runs that take once** on a scratch document
+//! of the session collection (deleted at once; swept by the TTL index if a
+//! cancelled connect leaves it) and refuses a server that rejects it, or
+//! runs it differently from MongoDB, with [`Error::Config`] naming the
+//! missing feature and the server's code — so a server that cannot lock
+//! fails at connect, never at the first acquire. A server whose `hello`
+//! reports a wire version below 9 (MongoDB 4.2 or older) is refused the same
+//! way before the probe.
+//!
+//! | server | status |
+//! |---|---|
+//! | MongoDB 4.4 – 8.x (`mongod`: replica set, standalone; `mongos` with `dlock_mongos=allow`) | supported: update pipelines and `$$NOW` are 4.2, expressions in `findAndModify` projections 4.4. **Not run here** against a genuine `mongod` (none installable); the adapter's queries follow MongoDB's documented semantics and are checked on the wire below |
+//! | MongoDB 4.2 and older | refused at connect (wire version) |
+//! | Microsoft DocumentDB (the open-source `documentdb` PostgreSQL extension and its gateway) | works with `documentdb.enableNowSystemVariable` and `documentdb.enableVariablesSupportForWriteCommands` on **and** a fix for `$$NOW` in a document literal nested in an expression (the `mongo-wire` build carries it as a one-line patch): this is the server every test here runs on. Stock settings refuse `$$NOW` in write commands, and the unpatched engine refuses the nested literal with code 9 (`FailedToParse`, "The $$NOW operator cannot be used within this specific context"): connect then fails with `Error::Config` (mapping unit-tested; the refusal path itself is run on the real server with a pipeline it refuses, not on an unpatched build). Presents as `mongos` (`dlock_mongos=allow`; one gateway process is one clock), no change streams (waiters poll) |
+//! | FerretDB 2.x | the same DocumentDB engine behind FerretDB's own gateway: whether a release enables the settings above and carries the fix is **not verified**; the probe decides at connect |
+//! | FerretDB 1.x | **not verified**; its own translation layer, which is not known to run update pipelines: expect the probe to refuse it |
+//! | Azure Cosmos DB for MongoDB (vCore) | built on DocumentDB, with settings the user does not control: **not verified**; the probe decides |
+//! | Azure Cosmos DB for MongoDB (RU) | a different engine with its own subset of the API: **not verified**; the probe decides |
+//! | Amazon DocumentDB | **not verified**; its published list of supported aggregation operators (consulted, not tested) does not name `$$NOW`: expect the probe to refuse it |
+//!
+//! A service that passes the probe runs the take as MongoDB does; what the
+//! probe cannot see is each service's clock and consistency model (see
+//! "Deployments" and "Guarantees").
+//!
 //! # What was verified, and on what
 //!
-//! The conformance suite (wire faults through its proxy, server kill,
-//! restart and pause included) and `tests/auth.rs` run against the
-//! mongo-wire server of `scripts/services` (Microsoft DocumentDB on
-//! PostgreSQL behind its gateway; it presents as `mongos`, has no change
-//! streams, and reports duplicate keys from `findAndModify` with code 11000).
-//! No genuine `mongod` is installable there, so these remain unverified on a
-//! real server: change streams and wake-up through them, error codes and
-//! labels during elections and shutdowns, behaviour through several real
-//! `mongos` routers, and `mongodb+srv` DNS records.
+//! Against the mongo-wire server of `scripts/services` (Microsoft DocumentDB
+//! on PostgreSQL 15 behind its gateway, built with the fix above; `hello`
+//! says `isdbgrid` and wire version 21, change streams are refused with code
+//! 115, duplicate keys from `findAndModify` come back as 11000 with
+//! `codeName` `SqlState(E23505)`), in CI and on every developer machine:
+//!
+//! * the whole conformance suite, with every client behind the suite's
+//!   fault proxy (`directConnection=true`): lost replies, delays,
+//!   blackholes, cuts, and server kill -9 / restart / SIGSTOP; the cases
+//!   that need a second server or FIFO say they are skipped and why;
+//! * `tests/seeds.rs`: the seeds' semantics read back with the raw driver —
+//!   the `locks` document's fields, `when`/`expiresAt`/`ping` written by the
+//!   server's clock, the session document pinged with and without holds and
+//!   removed at close, takeover of a holder that stopped renewing (granted
+//!   only once its `expiresAt` passed by the server's clock, with the next
+//!   token and the old holder in `prev`, whose late renewal and release are
+//!   refused), and tokens that rise by one per grant across releases,
+//!   takeover and [`force_release`](Backend::force_release) (the path of
+//!   `dlock release --force`);
+//! * `tests/auth.rs`: a wrong password is [`Error::Auth`], an untrusted
+//!   certificate [`Error::Config`] at once, a `mongos` refused without
+//!   `dlock_mongos=allow`;
+//! * the connect probe, on a pipeline the server runs and on ones it refuses
+//!   or runs differently;
+//! * `dlock bench` and `dlock torture` on a `mongodb://` URL.
+//!
+//! **Not verified** (no genuine `mongod` can be installed there): a real
+//! `mongod` of any version; change streams and wake-up through them
+//! (replica sets, sharded clusters); error codes and labels during elections
+//! and shutdowns of a replica set; several real `mongos` routers; and
+//! `mongodb+srv://` DNS records (parsed by the driver; the wire-fault harness
+//! refuses them). `DLOCK_TEST_MONGO_URL` points every test at a real
+//! deployment (see the README, "Services for tests").
 
 mod client;
 mod notify;

@@ -65,8 +65,9 @@
 //! touch is the session's previous request that a ping answer did carry.
 //! Two bounds close it: the follower answered the leader's pings until at
 //! least the `sync` completed (pings every `tickTime / 2`), and this
-//! client sends some request (at the latest its own ping, see
-//! `touch_gap`) at least every `touch_gap`. So the leader last heard of
+//! client sends some request at least every `touch_gap` (a read of its
+//! own, sent on schedule whether or not the last one was answered: the
+//! driver's pings wait for each other's answers). So the leader last heard of
 //! the session no earlier than `send − touch_gap − tickTime / 2`, and the
 //! session's TTL in effect (what the core counts the local deadline with)
 //! is the negotiated timeout less that bound plus a little for messages in

@@ -52,6 +52,33 @@ pub(crate) struct ZkSession {
     /// Removals of emptied lock parents, off the release path; aborted with
     /// the session.
     tidying: Mutex<JoinSet<()>>,
+    /// In an ensemble, the task that sends a request every `touch_gap`
+    /// (see [`touch_regularly`]); aborted with the session.
+    _touching: JoinSet<()>,
+}
+
+/// Sends a cheap read every `every`, whether or not earlier ones were
+/// answered, for as long as the client lives. The report-lag bound (crate
+/// docs) needs the follower to hear from this session at least every
+/// `touch_gap`; the driver's own pings cannot promise it, since it sends the
+/// next ping only once the last one was answered, so replies delayed by D
+/// would stretch the gap by D (found by the adversarial review).
+fn touch_regularly(client: zk::Client, every: Duration) -> JoinSet<()> {
+    let mut tasks = JoinSet::new();
+    tasks.spawn(async move {
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            if client.state().is_terminated() {
+                return;
+            }
+            // The request is sent by this call; its answer is not needed
+            // (dropping the future does not cancel the request).
+            drop(client.check_stat("/"));
+        }
+    });
+    tasks
 }
 
 impl fmt::Debug for ZkSession {
@@ -77,7 +104,14 @@ impl ZkSession {
         let lag = inner.report_lag(negotiated);
         let ttl = negotiated.saturating_sub(lag).max(Duration::from_millis(1));
         tracing::debug!(session = %id, ?negotiated, ?lag, ?ttl, "zookeeper session opened");
+        let touching = if lag.is_zero() {
+            // A standalone server touches sessions as requests arrive.
+            JoinSet::new()
+        } else {
+            touch_regularly(client.clone(), crate::touch_gap(negotiated))
+        };
         Ok(Self {
+            _touching: touching,
             ttl,
             zk_id: format!("{:x}", client.session_id().0),
             inner,

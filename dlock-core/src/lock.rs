@@ -211,7 +211,18 @@ impl Lock {
             }
         };
         let mut attempt = AttemptGuard::new(attempt, shared.clone());
+        let mut tried = false;
         loop {
+            // No take once the caller's deadline has passed (a first one
+            // always goes out): it would be cut off at once, its reply never
+            // used, while it may still land and hold the lock for no one.
+            if let Wait::Until(deadline, asked) = wait
+                && tried
+                && Instant::now() >= deadline
+            {
+                return Err(last.explain(self.timeout_error(asked, None), shared.scheme));
+            }
+            tried = true;
             let sent = crate::clock::now();
             Stats::bump(&shared.stats.take_attempts);
             match self.request(wait, attempt.get().try_take()).await {
@@ -537,5 +548,37 @@ impl fmt::Debug for Lock {
             .field("name", &self.name)
             .field("why", &self.why)
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use crate::memory::MemoryBackend;
+    use crate::{Backend, Error, SessionOptions};
+
+    /// L5 hygiene: once the caller's deadline has passed, no take goes out
+    /// (it would be cut off at once, and could still land and hold the lock
+    /// for no one). A busy lock nobody releases: the waiter sends its first
+    /// take, is never woken, and must not send another at the deadline.
+    #[tokio::test]
+    async fn no_take_after_the_deadline() {
+        let server = MemoryBackend::new();
+        let options = SessionOptions::new().ttl(Duration::from_secs(5));
+        let a = server.session(options.clone()).await.unwrap();
+        let b = server.session(options).await.unwrap();
+        let _held = a.lock("x").unwrap().acquire().await.unwrap();
+        let r = b
+            .lock("x")
+            .unwrap()
+            .acquire_timeout(Duration::from_millis(200))
+            .await;
+        assert!(matches!(r, Err(Error::Timeout { .. })), "{r:?}");
+        assert_eq!(
+            b.stats().take_attempts,
+            1,
+            "a take went out at the deadline"
+        );
     }
 }

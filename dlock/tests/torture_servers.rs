@@ -1,0 +1,146 @@
+//! CI's short soak: `dlock torture` against every real server `scripts/services`
+//! runs, a few hundred fenced acquisitions per fault profile, all backends at
+//! once (each on its own servers, so one's restarts never touch another's).
+//! The long run with ≥ 10,000 acquisitions per profile is in FAULTS.md.
+//!
+//! A backend whose `DLOCK_TEST_<NAME>_URL` is unset prints a SKIPPED line
+//! (scripts/test lists them); one whose run finds a violation the profile
+//! does not excuse by design fails the test with its report.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+
+use serde_json::Value;
+
+/// Fenced acquisitions per backend and fault profile.
+const ACQUISITIONS: &str = "200";
+
+/// (name for messages, URL variable, `--servers` names, extra URL options).
+const BACKENDS: &[(&str, &str, &str, &str)] = &[
+    ("postgres", "DLOCK_TEST_POSTGRES_URL", "postgres", ""),
+    ("mysql", "DLOCK_TEST_MYSQL_URL", "mysql", ""),
+    ("redis", "DLOCK_TEST_REDIS_URL", "redis", ""),
+    (
+        "redlock",
+        "DLOCK_TEST_REDLOCK_URL",
+        "redis-r1,redis-r2,redis-r3,redis-r4,redis-r5",
+        // A restarted node waits max_ttl before it grants again.
+        "max_ttl=3s",
+    ),
+    ("etcd", "DLOCK_TEST_ETCD_URL", "etcd", ""),
+    (
+        "etcd-cluster",
+        "DLOCK_TEST_ETCD_CLUSTER_URL",
+        "etcd-c1,etcd-c2,etcd-c3@etcd-cluster",
+        "",
+    ),
+    ("zk", "DLOCK_TEST_ZK_URL", "zk", ""),
+    (
+        "zk-ensemble",
+        "DLOCK_TEST_ZK_ENSEMBLE_URL",
+        "zk-e1,zk-e2,zk-e3@zk-ensemble",
+        "",
+    ),
+    ("mongo", "DLOCK_TEST_MONGO_URL", "mongo", ""),
+];
+
+fn with_options(url: &str, extra: &str) -> String {
+    if extra.is_empty() {
+        url.to_owned()
+    } else if url.contains('?') {
+        format!("{url}&{extra}")
+    } else {
+        format!("{url}?{extra}")
+    }
+}
+
+fn spawn(url: &str, servers: &str, out: &Path) -> Child {
+    let services = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/services");
+    Command::new(env!("CARGO_BIN_EXE_dlock"))
+        .args(["torture", "--url", url, "--servers", servers])
+        .args(["--acquisitions", ACQUISITIONS, "--json", "--quiet"])
+        .arg("--services-command")
+        .arg(&services)
+        .arg("--out")
+        .arg(out)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start dlock torture")
+}
+
+/// Every row of one backend's report: ran (or says why not), and clean.
+fn check(name: &str, report: &Value, failures: &mut Vec<String>) {
+    let Some(rows) = report["rows"].as_array() else {
+        failures.push(format!("{name}: no rows in {report}"));
+        return;
+    };
+    for row in rows {
+        let profile = row["profile"].as_str().unwrap_or("?");
+        if let Some(why) = row["skipped"].as_str() {
+            eprintln!("{name}/{profile}: not run ({why})");
+            continue;
+        }
+        let mut bad = Vec::new();
+        // "ok", or why the profile's overlaps are by design.
+        if row["verdict"]
+            .as_str()
+            .is_none_or(|v| v.starts_with("FAILED"))
+        {
+            bad.push(format!("verdict {}", row["verdict"]));
+        }
+        for field in ["tokens_out_of_order", "tokens_reused"] {
+            if row[field] != 0 {
+                bad.push(format!("{field} = {}", row[field]));
+            }
+        }
+        if profile != "none" && row["faults"].as_u64().unwrap_or(0) == 0 {
+            bad.push("no fault injected".to_owned());
+        }
+        if row["acquisitions"].as_u64().unwrap_or(0) < ACQUISITIONS.parse::<u64>().unwrap() {
+            bad.push(format!("only {} acquisitions", row["acquisitions"]));
+        }
+        eprintln!(
+            "{name}/{profile}: {} acquisitions, {} faults, {} overlaps, verdict {}",
+            row["acquisitions"], row["faults"], row["overlaps"], row["verdict"]
+        );
+        if !bad.is_empty() {
+            failures.push(format!("{name}/{profile}: {}: {row}", bad.join(", ")));
+        }
+    }
+}
+
+#[test]
+fn every_profile_on_every_server() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut runs: Vec<(&str, Child, PathBuf)> = Vec::new();
+    for &(name, var, servers, extra) in BACKENDS {
+        let Ok(url) = std::env::var(var) else {
+            println!("SKIPPED torture::{name}: {var} is not set (scripts/services env sets it)");
+            continue;
+        };
+        let out = dir.path().join(name);
+        runs.push((name, spawn(&with_options(&url, extra), servers, &out), out));
+    }
+    let mut failures = Vec::new();
+    for (name, child, out) in runs {
+        let output = child.wait_with_output().expect("wait for dlock torture");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        let report: Value = match serde_json::from_slice(&output.stdout) {
+            Ok(report) => report,
+            Err(e) => {
+                failures.push(format!(
+                    "{name}: exit {:?}, no JSON report ({e}): {stderr}",
+                    output.status.code()
+                ));
+                continue;
+            }
+        };
+        check(name, &report, &mut failures);
+        if output.status.code() != Some(0) {
+            failures.push(format!("{name}: exit {:?}: {stderr}", output.status.code()));
+        }
+        assert!(out.join("torture.md").exists(), "{name}: no torture.md");
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}

@@ -42,10 +42,9 @@ pub use wakeup::{
 pub use wire::{
     abandon_retried_after_cut, acquire_reply_lost, acquire_timeout_under_partition,
     connection_blip, holder_partitioned_past_ttl, lost_hold_release_retried, release_reply_lost,
-    release_retried_after_cut,
-    renewal_on_dead_connection, renewal_replies_late, renewal_replies_lost,
-    replies_late_but_in_time, split_views_at_connect, waiter_learns_session_lost,
-    waiters_cut_while_waiting,
+    release_retried_after_cut, renewal_on_dead_connection, renewal_replies_late,
+    renewal_replies_lost, replies_late_but_in_time, split_views_at_connect,
+    waiter_learns_session_lost, waiters_cut_while_waiting,
 };
 
 use std::future::Future;

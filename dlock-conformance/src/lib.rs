@@ -86,7 +86,6 @@ pub mod faults;
 mod harness;
 pub mod process;
 pub mod servers;
-pub mod services;
 pub mod wire;
 
 use std::future::Future;
@@ -160,6 +159,26 @@ where
         Ok(Err(failure)) => panic!("{store}::{case} FAILED: {failure}"),
         Err(_) => panic!("{store}::{case} FAILED: still running after {CASE_TIME_LIMIT:?} (hung?)"),
     }
+}
+
+/// Whether `DLOCK_TEST_SKIP` (a comma-separated list of store names) names
+/// `store`; if so, says loudly that `what` was skipped, so that a run
+/// without a server is never silently green.
+///
+/// ```
+/// if dlock_conformance::skip_requested("redis", "my adapter test") {
+///     return;
+/// }
+/// ```
+pub fn skip_requested(store: &str, what: &str) -> bool {
+    let skipped =
+        std::env::var("DLOCK_TEST_SKIP").is_ok_and(|v| v.split(',').any(|s| s.trim() == store));
+    if skipped {
+        loud(&format!(
+            "SKIPPED {store}::{what}: DLOCK_TEST_SKIP names {store}"
+        ));
+    }
+    skipped
 }
 
 /// Writes past the test harness's output capture, so a skip is always seen.

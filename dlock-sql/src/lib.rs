@@ -530,7 +530,7 @@ mod tests {
     use sqlx::Executor;
 
     fn url(store: &str) -> Option<String> {
-        if dlock_conformance::services::skipped(store, "dlock-sql unit test") {
+        if dlock_conformance::skip_requested(store, "dlock-sql unit test") {
             return None;
         }
         let default = match store {

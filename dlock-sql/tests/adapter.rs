@@ -6,7 +6,6 @@
 use std::net::TcpListener;
 use std::time::Duration;
 
-use dlock_conformance::services;
 use dlock_conformance::wire::{Fault, Proxy, with_hosts};
 use dlock_core::backend::Take;
 use dlock_core::{Backend, Error, LockName, SessionOptions};
@@ -18,7 +17,7 @@ const TABLE: &str = "dlock_adapter_test";
 /// The test URL of `store`, or `None` (said loudly) if `DLOCK_TEST_SKIP`
 /// names it.
 fn url(store: &str, what: &str) -> Option<String> {
-    if services::skipped(store, what) {
+    if dlock_conformance::skip_requested(store, what) {
         return None;
     }
     let url =
@@ -232,7 +231,7 @@ async fn refused_connection_says_so_mysql() {
 /// Item 20: a wrong password is a typed, non-retryable `Auth` error that does
 /// not show the password; the right one connects.
 async fn wrong_password_is_auth(store: &str, wrong: &str, right: &str) {
-    if services::skipped(store, "wrong_password_is_auth") {
+    if dlock_conformance::skip_requested(store, "wrong_password_is_auth") {
         return;
     }
     let start = Instant::now();

@@ -359,9 +359,10 @@ async fn client_loop(
                 shared
                     .history
                     .record(c, Op::Acquire, Phase::Ok, Some(guard.token()));
+                let granted = Instant::now();
                 shared.acquisitions.fetch_add(1, Ordering::Relaxed);
                 shared.holder.store(c as u64, Ordering::Relaxed);
-                hold(c, guard, &shared, ttl, long_every).await;
+                hold(c, guard, granted, &shared, ttl, long_every).await;
             }
             Err(Error::Timeout { .. }) => {
                 shared.history.record(c, Op::Acquire, Phase::Fail, None);
@@ -394,8 +395,19 @@ async fn client_loop(
 /// a careful application does, then releases. Most holds write once; one in
 /// `long_every` lasts TTL/4 .. TTL and writes every TTL/10, so that faults
 /// hit holders that renew. A hold that ended early is recorded as lost at
-/// its local deadline (or when the loss was known, if earlier).
-async fn hold(c: usize, guard: LockGuard, shared: &Shared, ttl: Duration, long_every: u32) {
+/// its local deadline (or when the loss was known, if earlier), but never
+/// before `granted`, when the grant was recorded: a grant whose validity ran
+/// out before this task saw it (a late reply, a starved task) is an empty
+/// hold, and a loss recorded before its grant would leave the grant's
+/// interval open in the history, overlapping every later hold.
+async fn hold(
+    c: usize,
+    guard: LockGuard,
+    granted: Instant,
+    shared: &Shared,
+    ttl: Duration,
+    long_every: u32,
+) {
     let token = guard.token();
     let long = long_every > 0 && rand::random_ratio(1, long_every);
     let until = Instant::now()
@@ -426,7 +438,7 @@ async fn hold(c: usize, guard: LockGuard, shared: &Shared, ttl: Duration, long_e
             op: Op::Lost,
             phase: Phase::Ok,
             token: Some(token),
-            at: guard.deadline().min(Instant::now()),
+            at: guard.deadline().min(Instant::now()).max(granted),
         });
     } else {
         shared.history.record(c, Op::Release, Phase::Invoke, None);

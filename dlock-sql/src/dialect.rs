@@ -31,7 +31,12 @@ impl Dialect {
     fn now_ms(self) -> &'static str {
         match self {
             Dialect::Postgres => "CAST(EXTRACT(EPOCH FROM now()) * 1000 AS BIGINT)",
-            Dialect::MySql => "CAST(UNIX_TIMESTAMP(NOW(3)) * 1000 AS SIGNED)",
+            // UTC_TIMESTAMP, not NOW: NOW is in the session's time zone, and
+            // one with daylight saving repeats an hour (the clock would step
+            // back, then forward, freeing live holds; adversarial review).
+            Dialect::MySql => {
+                "CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(3)) DIV 1000 AS SIGNED)"
+            }
             Dialect::Sqlite => "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)",
         }
     }

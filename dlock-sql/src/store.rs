@@ -75,6 +75,9 @@ fn classify(d: &dyn sqlx::error::DatabaseError) -> Class {
             // per user), server shutting down, connection killed, read-only
             // (--read-only during a failover, a read-only transaction).
             1205 | 1213 | 1040 | 1203 | 1053 | 1927 | 1290 | 1792 => Class::Transient,
+            // The server closed an idle connection (wait_timeout, 8.0.24+):
+            // a fresh one works.
+            4031 => Class::Transient,
             _ if my.code() == Some("25006") => Class::Transient,
             _ => Class::Refused,
         };
@@ -91,6 +94,9 @@ fn classify(d: &dyn sqlx::error::DatabaseError) -> Class {
         // connect now, too many connections, lock not available, read-only
         // transaction (a standby during a failover).
         "40001" | "40P01" | "57P01" | "57P02" | "57P03" | "53300" | "55P03" | "25006"
+        // PostgreSQL: an idle (session or transaction) timeout closed the
+        // pooled connection; a fresh one works.
+        | "57P05" | "25P03"
         // SQLite: BUSY, LOCKED (and their extended codes).
         | "5" | "6" | "261" | "262" | "517"
     ) || code.starts_with("08");
@@ -438,7 +444,12 @@ impl SqlAttempt {
                     None => Self::busy(remaining),
                 })
             }
-            Dialect::Sqlite => match conn.fetch_optional(sql.take.bind(&args)).await? {
+            // `fetch_all`, not `fetch_optional`: sqlx-sqlite stops at the
+            // first row and commits when the statement is reset, dropping a
+            // failed commit's error; a take reported granted must be
+            // committed (adversarial review: a grant rolled back at commit
+            // was reported, and its token issued again).
+            Dialect::Sqlite => match conn.fetch_all(sql.take.bind(&args)).await?.first() {
                 Some(row) => self.granted(row.try_get(0)?).map_err(protocol),
                 None => {
                     let row = conn.fetch_optional(state).await?;

@@ -211,18 +211,16 @@ impl Lock {
             }
         };
         let mut attempt = AttemptGuard::new(attempt, shared.clone());
-        let mut tried = false;
         loop {
-            // No take once the caller's deadline has passed (a first one
-            // always goes out): it would be cut off at once, its reply never
+            // No take once the caller's deadline has passed (also the first:
+            // the wait may have gone on this handle's gate or on starting
+            // the attempt): it would be cut off at once, its reply never
             // used, while it may still land and hold the lock for no one.
             if let Wait::Until(deadline, asked) = wait
-                && tried
                 && Instant::now() >= deadline
             {
                 return Err(last.explain(self.timeout_error(asked, None), shared.scheme));
             }
-            tried = true;
             let sent = crate::clock::now();
             Stats::bump(&shared.stats.take_attempts);
             match self.request(wait, attempt.get().try_take()).await {
@@ -579,6 +577,14 @@ mod tests {
             b.stats().take_attempts,
             1,
             "a take went out at the deadline"
+        );
+        // A deadline already past before the first take: none goes out.
+        let r = b.lock("x").unwrap().acquire_timeout(Duration::ZERO).await;
+        assert!(matches!(r, Err(Error::Timeout { .. })), "{r:?}");
+        assert_eq!(
+            b.stats().take_attempts,
+            1,
+            "a take went out past the deadline"
         );
     }
 }

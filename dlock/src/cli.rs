@@ -71,7 +71,8 @@ DIR/bench.svg are written. Exits 70 if the safety check fails.";
 #[derive(Debug, Parser)]
 #[command(name = "dlock", version, about = ABOUT, after_help = EXIT_STATUS)]
 pub(crate) struct Cli {
-    /// The backend URL (sqlite://PATH, postgres://USER:PASS@HOST/DB, mysql://..., memory://);
+    /// The backend URL (sqlite://PATH, postgres://USER:PASS@HOST/DB, mysql://..., redis://,
+    /// rediss://, redlock://, etcd://, etcds://, zk://, mongodb://, memory://);
     /// `bench` takes it several times.
     #[arg(
         long,

@@ -36,8 +36,8 @@
 //! (the seeds compared their own clock with the config server's ping times and
 //! had to refuse takeovers on skew; dlock avoids the question).
 //!
-//! * **Take** is one `findOneAndUpdate` with `upsert: true` on `{_id: name}`
-//!   and a one-stage update pipeline: `$replaceWith` the document plus the new
+//! * **Take** is one `findOneAndUpdate` (no upsert) on `{_id: name}` and a
+//!   one-stage update pipeline: `$replaceWith` the document plus the new
 //!   holder (`token + 1`, `expiresAt = $$NOW + ttl`, `when = $$NOW`, ...) **if**
 //!   its `expiresAt` (missing = epoch) is `<= $$NOW`; if this attempt already
 //!   holds it (a retry after a lost reply) only `expiresAt` is extended to
@@ -47,12 +47,13 @@
 //!   $$NOW` projected in, so one round trip tells granted (our `who`), already
 //!   ours (same `who`, same token: the take is idempotent) or busy for
 //!   `remaining`.
-//!   The free-or-expired test lives in the pipeline rather than the filter
-//!   because **MongoDB refuses `$expr` in the filter of an upsert** (error 224),
-//!   and without `$expr` a filter cannot read `$$NOW`. A duplicate-key error
-//!   (11000) from the upsert — which the server normally retries itself for an
-//!   `_id`-only filter — means another client created the document first, and
-//!   is reported as busy.
+//!   A lock's first take finds no document: it inserts `{_id: name}` (a
+//!   duplicate key means another client did) and takes again. An upsert would
+//!   save that round trip, but two upserts racing to create the document were
+//!   both answered "granted, token 1" by the Mongo-wire server (S2, found by
+//!   `dlock bench`'s hot lock), and mongod retries that race only under
+//!   conditions. The free-or-expired test lives in the pipeline rather than
+//!   the filter so that one request decides and answers.
 //! * **Takeover**: the seeds' "forcefully taking over" is now plain expiry. The
 //!   take copies the old holder into `prev`, and when a grant replaced a hold
 //!   that had expired without release it is logged at `info` with the old
@@ -159,7 +160,7 @@
 //!
 //! # Compatibility
 //!
-//! Every grant is one `findAndModify` with `upsert`, whose update is an
+//! Every grant is one `findAndModify`, whose update is an
 //! aggregation pipeline reading `$$NOW` inside `$replaceWith` →
 //! `$mergeObjects` → a document literal, and whose projection computes
 //! `expiresAt − $$NOW`. **Connect runs that take once** on a scratch document

@@ -30,6 +30,7 @@
 //! | `try_acquire` | S1, L5 | – |
 //! | `timeouts` | L5, L4 | – |
 //! | `reentrancy` | S1 (handles exclude each other) | – |
+//! | `first_take_race` | S1, S2 (racing creation of a lock's record) | – |
 //! | `release_by_non_owner` | S3 | – |
 //! | `stale_release_after_expiry` | S3, S4 | in-process stall |
 //! | `stale_release_retried_after_lost_reply` | S3 | in-process lost reply |
@@ -230,6 +231,7 @@ macro_rules! conformance_tests {
             many_waiters_one_handoff_each,
             fifo_with_cancelled_waiter,
             reentrancy,
+            first_take_race,
             cancellation_sweep,
             acquire_retried_after_lost_reply,
             idempotent_take_extends_expiry,

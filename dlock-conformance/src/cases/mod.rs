@@ -27,7 +27,7 @@ pub use expiry::{
     renewal_task_panics, tokens_after_expiry,
 };
 pub use hygiene::{bad_input, inspect_and_validate, ten_thousand_names};
-pub use mutex::{contention, reentrancy, timeouts, try_acquire};
+pub use mutex::{contention, first_take_race, reentrancy, timeouts, try_acquire};
 pub use ownership::{
     release_by_non_owner, stale_release_after_expiry, stale_release_retried_after_lost_reply,
 };

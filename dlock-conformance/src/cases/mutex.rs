@@ -62,6 +62,64 @@ pub async fn contention(h: &dyn Harness) -> Outcome {
     passed()
 }
 
+/// S1, S2 on a lock's first use: clients race for names nobody has used,
+/// all released by one barrier, so that a store creating a lock's record on
+/// its first take must settle racing creations (the Mongo-wire server
+/// answered two racing upserts both "granted, token 1"; `contention` could
+/// not see it, its clients connect one after another). Each round: at most
+/// one try wins while the winner holds, and the tokens of all rounds'
+/// grants are distinct.
+pub async fn first_take_race(h: &dyn Harness) -> Outcome {
+    const CLIENTS: usize = 8;
+    const ROUNDS: usize = 5;
+    let ctx = Ctx::new(h, "first_take_race");
+    let mut sessions = Vec::with_capacity(CLIENTS);
+    for _ in 0..CLIENTS {
+        sessions.push(Arc::new(ctx.client().await?));
+    }
+    let mut granted = 0;
+    for round in 0..ROUNDS {
+        let name = ctx.name(&format!("fresh{round}"));
+        // Two barriers: all try at once; nobody releases before all tried.
+        let start = Arc::new(tokio::sync::Barrier::new(CLIENTS));
+        let tried = Arc::new(tokio::sync::Barrier::new(CLIENTS));
+        let mut tasks = JoinSet::new();
+        for session in &sessions {
+            let (session, name) = (session.clone(), name.clone());
+            let (start, tried) = (start.clone(), tried.clone());
+            tasks.spawn(async move {
+                let lock = session.lock(&name)?;
+                start.wait().await;
+                let guard = lock.try_acquire().await;
+                tried.wait().await;
+                let guard = guard?;
+                let token = guard.as_ref().map(|g| g.token());
+                if let Some(guard) = guard {
+                    guard.release().await?;
+                }
+                Ok::<_, Failure>(token)
+            });
+        }
+        let mut tokens = Vec::new();
+        while let Some(done) = tasks.join_next().await {
+            if let Some(token) = done.map_err(|e| Failure(format!("client task failed: {e}")))?? {
+                tokens.push(token);
+            }
+        }
+        ensure!(
+            tokens.len() <= 1,
+            "round {round}: {} clients won the first take of a fresh name at once (tokens {tokens:?})",
+            tokens.len()
+        );
+        granted += tokens.len();
+    }
+    ensure!(
+        granted > 0,
+        "no try won a free, fresh name in {ROUNDS} rounds"
+    );
+    passed()
+}
+
 /// S1: `try_acquire` takes a free lock, reports a held one as busy without
 /// waiting, and takes it once released (with a larger token).
 pub async fn try_acquire(h: &dyn Harness) -> Outcome {

@@ -91,7 +91,7 @@ pub(crate) fn take_filter(name: &LockName) -> Document {
 /// the retry — and leaves it untouched (a server-side no-op, no oplog entry)
 /// if someone else holds it.
 ///
-/// On a fresh upsert the pipeline runs on `{_id: name}`, whose missing
+/// On a fresh lock the pipeline runs on `{_id: name}` (inserted just before), whose missing
 /// `expiresAt` counts as expired, so the same stage creates the document with
 /// token 1. The token is `$token + 1` on the kept document (S2). The previous
 /// holder's fields are copied to `prev` so that a takeover of an expired hold

@@ -532,8 +532,10 @@ impl Attempt for MongoAttempt {
             match op.done(reply) {
                 Ok(Some(doc)) => break doc,
                 Err(e) => return Err(map_err(e)),
+                // Another client's insert we saw as a duplicate key was rolled
+                // back by a failover before our take: retryable.
                 Ok(None) if created => {
-                    return Err(Error::protocol(
+                    return Err(Error::unavailable(
                         SCHEME,
                         "the lock's document is missing right after it was created",
                     ));

@@ -605,8 +605,7 @@ mod server_tests {
     use tokio::time::{sleep, timeout};
 
     fn url() -> Option<String> {
-        if std::env::var("DLOCK_TEST_SKIP").is_ok_and(|v| v.split(',').any(|s| s == "etcd")) {
-            eprintln!("SKIPPED etcd server test: DLOCK_TEST_SKIP names etcd");
+        if dlock_conformance::skip_requested("etcd", "session server test") {
             return None;
         }
         Some(

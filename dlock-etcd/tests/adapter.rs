@@ -8,8 +8,7 @@ use dlock_core::{Backend, SessionOptions};
 use dlock_etcd::EtcdBackend;
 
 fn cluster_url() -> Option<String> {
-    if std::env::var("DLOCK_TEST_SKIP").is_ok_and(|v| v.split(',').any(|s| s == "etcd-cluster")) {
-        eprintln!("SKIPPED: DLOCK_TEST_SKIP names etcd-cluster");
+    if dlock_conformance::skip_requested("etcd-cluster", "adapter tests") {
         return None;
     }
     Some(

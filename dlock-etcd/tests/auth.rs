@@ -10,9 +10,7 @@ use dlock_core::{Backend, Error, SessionOptions};
 use dlock_etcd::EtcdBackend;
 
 fn url() -> Option<String> {
-    if std::env::var("DLOCK_TEST_SKIP").is_ok_and(|v| v.split(',').any(|s| s.trim() == "etcd-tls"))
-    {
-        eprintln!("SKIPPED etcd TLS/auth tests: DLOCK_TEST_SKIP names etcd-tls");
+    if dlock_conformance::skip_requested("etcd-tls", "TLS/auth tests") {
         return None;
     }
     Some(

@@ -514,8 +514,10 @@ mod server_tests {
     /// the retry; no second node, no orphan.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn protected_create_finds_its_node_after_a_lost_reply() {
-        if std::env::var("DLOCK_TEST_SKIP").is_ok_and(|v| v.split(',').any(|s| s == "zk")) {
-            eprintln!("SKIPPED zk protected create: DLOCK_TEST_SKIP names zk");
+        if dlock_conformance::skip_requested(
+            "zk",
+            "protected_create_finds_its_node_after_a_lost_reply",
+        ) {
             return;
         }
         let url =

@@ -11,12 +11,7 @@ use dlock_zk::ZkBackend;
 const SERVICES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/services");
 
 fn skipped(store: &str, what: &str) -> bool {
-    let skip =
-        std::env::var("DLOCK_TEST_SKIP").is_ok_and(|v| v.split(',').any(|s| s.trim() == store));
-    if skip {
-        eprintln!("SKIPPED {store}::{what}: DLOCK_TEST_SKIP names {store}");
-    }
-    skip
+    dlock_conformance::skip_requested(store, what)
 }
 
 fn standalone_url() -> String {

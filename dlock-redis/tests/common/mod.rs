@@ -70,14 +70,7 @@ pub(crate) async fn command<T: redis::FromRedisValue>(url: &str, args: &[&str]) 
 /// Whether `DLOCK_TEST_SKIP` names `store`; if so, says loudly that `what`
 /// was skipped.
 pub(crate) fn skipped(store: &str, what: &str) -> bool {
-    let skipped =
-        std::env::var("DLOCK_TEST_SKIP").is_ok_and(|v| v.split(',').any(|s| s.trim() == store));
-    if skipped {
-        loud(&format!(
-            "SKIPPED {store}::{what}: DLOCK_TEST_SKIP names {store}"
-        ));
-    }
-    skipped
+    dlock_conformance::skip_requested(store, what)
 }
 
 /// Writes past the test harness's output capture.

@@ -53,14 +53,21 @@ fn servers(h: &dyn Harness) -> Option<(Arc<dyn Servers>, Restore)> {
 /// Whether `a` either keeps a valid lock (the store agrees) or has learned
 /// that it lost it: never a holder that believes in a hold the store lost.
 async fn keeps_or_knows(ctx: &Ctx<'_>, a: &LockGuard, what: &str) -> Result<bool, Failure> {
-    let admin = ctx.admin().await?;
     let bound = ctx.caps.ttl + ctx.caps.recovery_bound;
     let until = Instant::now() + bound;
+    // Connected inside the loop: right after a fault (a leader killed), a
+    // new client's first request can fail like any other.
+    let mut admin = None;
     loop {
         if !a.is_held() {
             return Ok(false);
         }
-        if admin.validate(a.name(), a.token()).await.unwrap_or(false) {
+        if admin.is_none() {
+            admin = ctx.admin().await.ok();
+        }
+        if let Some(admin) = &admin
+            && admin.validate(a.name(), a.token()).await.unwrap_or(false)
+        {
             return Ok(true);
         }
         ensure!(

@@ -65,7 +65,8 @@
 //!
 //! Each `Lock` handle is its own owner, so two handles of one session on one
 //! name get two keys under the same lease (the key carries an attempt id as
-//! well as the lease; DESIGN.md sketched `prefix/name/<lease>`).
+//! well as the lease; the original contract, now docs/DESIGN.md in the
+//! repository, sketched `prefix/name/<lease>`).
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), dlock_core::Error> {

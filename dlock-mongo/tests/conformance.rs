@@ -1,6 +1,6 @@
 //! The conformance suite on a real MongoDB-wire server: `DLOCK_TEST_MONGO_URL`,
-//! default the server `scripts/services up mongo` runs (the mongo-wire server
-//! of `../shared/mongo-wire`, or a single-node replica set where a `mongod`
+//! default the server `scripts/services up mongo` runs (the mongo-wire server,
+//! found as its header says, or a single-node replica set where a `mongod`
 //! is installed).
 //!
 //! A server that is down fails every case with the command that starts it

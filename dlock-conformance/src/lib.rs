@@ -21,61 +21,10 @@
 //! # Cases and the invariants they guard
 //!
 //! Each case is a `pub async fn` in [`cases`]; its doc comment says what it
-//! checks. Cases that need what a harness cannot give (links, process
-//! control, a leader, a stepped clock, a capability) say `SKIPPED` and why.
-//!
-//! | case | invariants | faults |
-//! |---|---|---|
-//! | `contention` (16 clients, fenced register, history check) | S1, S2 | – |
-//! | `try_acquire` | S1, L5 | – |
-//! | `timeouts` | L5, L4 | – |
-//! | `reentrancy` | S1 (handles exclude each other) | – |
-//! | `first_take_race` | S1, S2 (racing creation of a lock's record) | – |
-//! | `release_by_non_owner` | S3 | – |
-//! | `stale_release_after_expiry` | S3, S4 | in-process stall |
-//! | `stale_release_retried_after_lost_reply` | S3 | in-process lost reply |
-//! | `holder_crash_recovery` | L1, S2 | in-process crash |
-//! | `no_early_grant_while_renewing` | S1, L3 | – |
-//! | `lost_signal_by_local_deadline` | S4 | in-process stall |
-//! | `pause_scenario` | S4, fencing | client process paused |
-//! | `tokens_after_expiry` | S2, S6 | in-process crash |
-//! | `force_release` | S2, S3, S4 | – |
-//! | `renewal_task_panics` | S4 (no zombie session) | panicking renewal |
-//! | `renewal_keeps_only_known_holds` | S5, L1 (untracked grants expire) | – |
-//! | `inspect_and_validate` | S2, S3 | – |
-//! | `wakeup_latency` | L2 | – |
-//! | `wakeup_release_before_subscribe` | L2 | – |
-//! | `wakeup_dead_notification_channel` | L2, L1 | deaf notifications |
-//! | `many_waiters_one_handoff_each` (200 waiters) | L6, S1 | – |
-//! | `fifo_with_cancelled_waiter` | L4, S5 | – |
-//! | `cancellation_sweep` | S5 | dropped futures |
-//! | `acquire_retried_after_lost_reply` | S5, idempotent take | in-process lost reply |
-//! | `idempotent_take_extends_expiry` | S4 | in-process slow lost reply |
-//! | `ten_thousand_names` | S5 (no leaked state, before and after close) | – |
-//! | `bad_input` | typed errors | – |
-//! | `session_close` | S5, L3 | – |
-//! | `renewal_replies_lost` | S4, L3 | wire: replies lost |
-//! | `renewal_replies_late` | S4 | wire: replies later than the request timeout |
-//! | `replies_late_but_in_time` | S4 (validity from the send) | wire: replies late, in time |
-//! | `renewal_on_dead_connection` | L3, S4 | wire: connections silently dead |
-//! | `acquire_reply_lost` | S1, S5 | wire: take's reply lost, then dark |
-//! | `release_reply_lost` | S3 | wire: release's reply lost |
-//! | `holder_partitioned_past_ttl` | S4, L1, fencing | wire: holder blackholed |
-//! | `waiters_cut_while_waiting` | L1, L2 | wire: waiters reset |
-//! | `connection_blip` | L3 (`survives_reconnect`) | wire: holder reset |
-//! | `split_views_at_connect` | S1 (quorum of configured nodes) | wire: different minorities cut |
-//! | `abandon_retried_after_cut` | S5, L4 | wire: connections refused |
-//! | `acquire_timeout_under_partition` | L5 | wire: blackhole |
-//! | `waiter_learns_session_lost` | L5, S5 | wire: waiter blackholed past TTL |
-//! | `lost_hold_release_retried` | S5, L1 | wire: replies lost, then refused |
-//! | `release_retried_after_cut` | S5, L1 | wire: connections refused while releasing |
-//! | `tokens_after_restart` (exclusive) | S2 (durable tokens) | servers killed, restarted |
-//! | `server_paused_past_ttl` (exclusive) | S4, S2, fencing, L5 | servers SIGSTOPped |
-//! | `server_restart_while_held` (exclusive) | S1, S2, S4 | servers killed, restarted |
-//! | `node_restarted_from_old_snapshot` (exclusive) | S1, S4, S2 | majority restored from old snapshots |
-//! | `leader_killed_while_held` (exclusive) | S1, S2, L4 | leader killed |
-//! | `node_isolated_from_peers` (exclusive) | S4 | follower cut off from its peers |
-//! | `server_clock_jumps` (exclusive) | fencing under clock faults | store clock stepped |
+//! checks. [`CASES`] lists them all, with the invariants each guards and the
+//! faults it injects. Cases that need what a harness cannot give (links,
+//! process control, a leader, a stepped clock, a capability) say `SKIPPED`
+//! and why.
 //!
 //! The wire faults come from [`wire`] (a TCP proxy per store node, or the
 //! memory backend's in-process link), the server faults from the harness's
@@ -200,8 +149,9 @@ fn init_tracing() {
     });
 }
 
-/// Expands to one `#[tokio::test]` per conformance case for `$harness` (an
-/// expression evaluated afresh in each test).
+/// Expands to one `#[tokio::test]` per conformance case (one per entry of
+/// [`CASES`], named like it) for `$harness` (an expression evaluated afresh
+/// in each test).
 ///
 /// Cases that kill, pause or restart servers run alone: while one runs, no
 /// other case of the same test binary does (cargo runs test binaries one
@@ -209,70 +159,15 @@ fn init_tracing() {
 #[macro_export]
 macro_rules! conformance_tests {
     ($harness:expr) => {
-        $crate::__conformance_cases!(
-            $harness;
-            shared:
-            contention,
-            try_acquire,
-            timeouts,
-            release_by_non_owner,
-            stale_release_after_expiry,
-            stale_release_retried_after_lost_reply,
-            holder_crash_recovery,
-            no_early_grant_while_renewing,
-            lost_signal_by_local_deadline,
-            pause_scenario,
-            tokens_after_expiry,
-            force_release,
-            inspect_and_validate,
-            wakeup_latency,
-            wakeup_release_before_subscribe,
-            wakeup_dead_notification_channel,
-            many_waiters_one_handoff_each,
-            fifo_with_cancelled_waiter,
-            reentrancy,
-            first_take_race,
-            cancellation_sweep,
-            acquire_retried_after_lost_reply,
-            idempotent_take_extends_expiry,
-            ten_thousand_names,
-            bad_input,
-            session_close,
-            renewal_replies_lost,
-            renewal_replies_late,
-            renewal_on_dead_connection,
-            acquire_reply_lost,
-            release_reply_lost,
-            holder_partitioned_past_ttl,
-            waiters_cut_while_waiting,
-            connection_blip,
-            split_views_at_connect,
-            abandon_retried_after_cut,
-            acquire_timeout_under_partition,
-            waiter_learns_session_lost,
-            replies_late_but_in_time,
-            lost_hold_release_retried,
-            release_retried_after_cut,
-            renewal_task_panics,
-            renewal_keeps_only_known_holds;
-            exclusive:
-            tokens_after_restart,
-            server_paused_past_ttl,
-            server_restart_while_held,
-            node_restarted_from_old_snapshot,
-            leader_killed_while_held,
-            node_isolated_from_peers,
-            server_clock_jumps,
-        );
+        $crate::__with_cases!(__conformance_cases!($harness));
     };
 }
 
 #[doc(hidden)]
 #[macro_export]
 macro_rules! __conformance_cases {
-    ($harness:expr; shared: $($shared:ident),* ; exclusive: $($exclusive:ident),* $(,)?) => {
-        $( $crate::__conformance_case!($harness, $shared, Shared); )*
-        $( $crate::__conformance_case!($harness, $exclusive, Exclusive); )*
+    (($harness:expr) $($case:ident : $kind:ident, $invariants:literal, $faults:literal;)*) => {
+        $( $crate::__conformance_case!($harness, $case, $kind); )*
     };
 }
 
@@ -283,10 +178,108 @@ macro_rules! __conformance_case {
         #[::tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn $case() {
             let harness = $harness;
-            $crate::run(stringify!($case), $crate::Kind::$kind, &harness, |h| {
+            $crate::run(stringify!($case), $crate::__kind!($kind), &harness, |h| {
                 ::std::boxed::Box::pin($crate::cases::$case(h))
             })
             .await;
         }
     };
+}
+
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __kind {
+    (shared) => {
+        $crate::Kind::Shared
+    };
+    (exclusive) => {
+        $crate::Kind::Exclusive
+    };
+}
+
+/// A case body: runs the case on a harness.
+pub type CaseFn = for<'a> fn(&'a dyn Harness) -> Pin<Box<dyn Future<Output = Outcome> + Send + 'a>>;
+
+/// One conformance case, as [`CASES`] lists it.
+#[derive(Clone, Copy)]
+pub struct CaseInfo {
+    /// The case's name: its function in [`cases`] and its test's name.
+    pub name: &'static str,
+    /// Whether it may run beside other cases.
+    pub kind: Kind,
+    /// The invariants it guards (S1–S9, L1–L6 of the design contract).
+    pub invariants: &'static str,
+    /// The faults it injects (`–` for none).
+    pub faults: &'static str,
+    /// The case itself, for running it with [`run`].
+    pub body: CaseFn,
+}
+
+impl std::fmt::Debug for CaseInfo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CaseInfo")
+            .field("name", &self.name)
+            .field("kind", &self.kind)
+            .field("invariants", &self.invariants)
+            .field("faults", &self.faults)
+            .finish_non_exhaustive()
+    }
+}
+
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __case_table {
+    (() $($case:ident : $kind:ident, $invariants:literal, $faults:literal;)*) => {
+        /// Every conformance case, in the order of this table: the cases that
+        /// kill, pause or restart servers (kind `exclusive`) run alone.
+        ///
+        /// | case | kind | invariants | faults |
+        /// |---|---|---|---|
+        $(
+            #[doc = concat!(
+                "| [`", stringify!($case), "`](cases::", stringify!($case), ") | ",
+                stringify!($kind), " | ", $invariants, " | ", $faults, " |"
+            )]
+        )*
+        ///
+        /// The wire faults come from [`wire`] (a TCP proxy per store node, or
+        /// the memory backend's in-process link), the server faults from the
+        /// harness's [`servers::Servers`], the in-process ones from [`faults`].
+        pub const CASES: &[CaseInfo] = &[
+            $(
+                CaseInfo {
+                    name: stringify!($case),
+                    kind: $crate::__kind!($kind),
+                    invariants: $invariants,
+                    faults: $faults,
+                    body: |h| Box::pin(cases::$case(h)),
+                },
+            )*
+        ];
+    };
+}
+
+__with_cases!(__case_table!());
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn case_names_are_unique() {
+        let mut names: Vec<&str> = CASES.iter().map(|c| c.name).collect();
+        names.sort_unstable();
+        let before = names.len();
+        names.dedup();
+        assert_eq!(names.len(), before, "a case is listed twice");
+    }
+
+    #[test]
+    fn exclusive_cases_come_last() {
+        let first = CASES
+            .iter()
+            .position(|c| c.kind == Kind::Exclusive)
+            .unwrap_or(CASES.len());
+        assert!(CASES[first..].iter().all(|c| c.kind == Kind::Exclusive));
+    }
 }

@@ -17,35 +17,79 @@ mod server;
 mod wakeup;
 mod wire;
 
-pub use cancel::{
-    acquire_retried_after_lost_reply, cancellation_sweep, idempotent_take_extends_expiry,
-    session_close,
-};
-pub use expiry::{
-    force_release, holder_crash_recovery, lost_signal_by_local_deadline,
-    no_early_grant_while_renewing, pause_scenario, renewal_keeps_only_known_holds,
-    renewal_task_panics, tokens_after_expiry,
-};
-pub use hygiene::{bad_input, inspect_and_validate, ten_thousand_names};
-pub use mutex::{contention, first_take_race, reentrancy, timeouts, try_acquire};
-pub use ownership::{
-    release_by_non_owner, stale_release_after_expiry, stale_release_retried_after_lost_reply,
-};
-pub use server::{
-    leader_killed_while_held, node_isolated_from_peers, node_restarted_from_old_snapshot,
-    server_clock_jumps, server_paused_past_ttl, server_restart_while_held, tokens_after_restart,
-};
-pub use wakeup::{
-    fifo_with_cancelled_waiter, many_waiters_one_handoff_each, wakeup_dead_notification_channel,
-    wakeup_latency, wakeup_release_before_subscribe,
-};
-pub use wire::{
-    abandon_retried_after_cut, acquire_reply_lost, acquire_timeout_under_partition,
-    connection_blip, holder_partitioned_past_ttl, lost_hold_release_retried, release_reply_lost,
-    release_retried_after_cut, renewal_on_dead_connection, renewal_replies_late,
-    renewal_replies_lost, replies_late_but_in_time, split_views_at_connect,
-    waiter_learns_session_lost, waiters_cut_while_waiting,
-};
+pub use cancel::*;
+pub use expiry::*;
+pub use hygiene::*;
+pub use mutex::*;
+pub use ownership::*;
+pub use server::*;
+pub use wakeup::*;
+pub use wire::*;
+
+/// The case list, written once: calls `$crate::$callback!` with `($args)`
+/// followed by one `name: kind, "invariants", "faults";` entry per case (kind
+/// `shared` or `exclusive`), in the order of [`CASES`](crate::CASES).
+/// [`conformance_tests!`](crate::conformance_tests) makes the test functions
+/// from it, and `CASES` its table.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __with_cases {
+    ($callback:ident ! ( $($args:tt)* )) => {
+        $crate::$callback! {
+            ( $($args)* )
+            contention: shared, "S1, S2 (16 clients, fenced register, history check)", "–";
+            try_acquire: shared, "S1, L5", "–";
+            timeouts: shared, "L5, L4", "–";
+            reentrancy: shared, "S1 (handles exclude each other)", "–";
+            first_take_race: shared, "S1, S2 (racing creation of a lock's record)", "–";
+            release_by_non_owner: shared, "S3", "–";
+            stale_release_after_expiry: shared, "S3, S4", "in-process stall";
+            stale_release_retried_after_lost_reply: shared, "S3", "in-process lost reply";
+            holder_crash_recovery: shared, "L1, S2", "in-process crash";
+            no_early_grant_while_renewing: shared, "S1, L3", "–";
+            lost_signal_by_local_deadline: shared, "S4", "in-process stall";
+            pause_scenario: shared, "S4, fencing", "client process paused";
+            tokens_after_expiry: shared, "S2, S6", "in-process crash";
+            force_release: shared, "S2, S3, S4", "–";
+            renewal_task_panics: shared, "S4 (no zombie session)", "panicking renewal";
+            renewal_keeps_only_known_holds: shared, "S5, L1 (untracked grants expire)", "–";
+            inspect_and_validate: shared, "S2, S3", "–";
+            wakeup_latency: shared, "L2", "–";
+            wakeup_release_before_subscribe: shared, "L2", "–";
+            wakeup_dead_notification_channel: shared, "L2, L1", "deaf notifications";
+            many_waiters_one_handoff_each: shared, "L6, S1 (200 waiters)", "–";
+            fifo_with_cancelled_waiter: shared, "L4, S5", "–";
+            cancellation_sweep: shared, "S5", "dropped futures";
+            acquire_retried_after_lost_reply: shared, "S5, idempotent take", "in-process lost reply";
+            idempotent_take_extends_expiry: shared, "S4", "in-process slow lost reply";
+            ten_thousand_names: shared, "S5 (no leaked state, before and after close)", "–";
+            bad_input: shared, "typed errors", "–";
+            session_close: shared, "S5, L3", "–";
+            renewal_replies_lost: shared, "S4, L3", "wire: replies lost";
+            renewal_replies_late: shared, "S4", "wire: replies later than the request timeout";
+            replies_late_but_in_time: shared, "S4 (validity from the send)", "wire: replies late, in time";
+            renewal_on_dead_connection: shared, "L3, S4", "wire: connections silently dead";
+            acquire_reply_lost: shared, "S1, S5", "wire: take's reply lost, then dark";
+            release_reply_lost: shared, "S3", "wire: release's reply lost";
+            holder_partitioned_past_ttl: shared, "S4, L1, fencing", "wire: holder blackholed";
+            waiters_cut_while_waiting: shared, "L1, L2", "wire: waiters reset";
+            connection_blip: shared, "L3 (`survives_reconnect`)", "wire: holder reset";
+            split_views_at_connect: shared, "S1 (quorum of configured nodes)", "wire: different minorities cut";
+            abandon_retried_after_cut: shared, "S5, L4", "wire: connections refused";
+            acquire_timeout_under_partition: shared, "L5", "wire: blackhole";
+            waiter_learns_session_lost: shared, "L5, S5", "wire: waiter blackholed past TTL";
+            lost_hold_release_retried: shared, "S5, L1", "wire: replies lost, then refused";
+            release_retried_after_cut: shared, "S5, L1", "wire: connections refused while releasing";
+            tokens_after_restart: exclusive, "S2 (durable tokens)", "servers killed, restarted";
+            server_paused_past_ttl: exclusive, "S4, S2, fencing, L5", "servers SIGSTOPped";
+            server_restart_while_held: exclusive, "S1, S2, S4", "servers killed, restarted";
+            node_restarted_from_old_snapshot: exclusive, "S1, S4, S2", "majority restored from old snapshots";
+            leader_killed_while_held: exclusive, "S1, S2, L4", "leader killed";
+            node_isolated_from_peers: exclusive, "S4", "follower cut off from its peers";
+            server_clock_jumps: exclusive, "fencing under clock faults", "store clock stepped";
+        }
+    };
+}
 
 use std::future::Future;
 use std::time::Duration;

@@ -194,7 +194,7 @@ pub async fn renewal_on_dead_connection(h: &dyn Harness) -> Outcome {
 /// reply not delivered": another client holds the lock, `a` queues, `fault`
 /// goes on `a`'s link, the holder releases, and the store records `a` as
 /// holder (by its queue, or by its next take). Returns the acquire.
-pub(crate) async fn granted_reply_undelivered(
+pub(super) async fn granted_reply_undelivered(
     ctx: &Ctx<'_>,
     a: &Session,
     link: &dyn Link,

@@ -141,7 +141,7 @@ pub trait Harness: Send + Sync {
         format!("scripts/services up {}", self.store())
     }
 
-    /// Opens a backend from a URL, as `dlock::connect` would; `None` if the
+    /// Opens a backend from a URL, as `dlocks::connect` would; `None` if the
     /// harness cannot (the bad-URL checks are then skipped).
     async fn connect_url(&self, url: &str) -> Option<Result<Arc<dyn Backend>, Error>> {
         let _ = url;

@@ -22,12 +22,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
-use dlock::{Error, LockGuard, LockName, LostReason, Session, SessionOptions};
 use dlock_conformance::checker::{Audit, Event, FencedRegister, History, Op, Phase};
 use dlock_conformance::process::Process;
 use dlock_conformance::servers::{MemoryServers, Servers, ServicesCommand};
 use dlock_conformance::wire::{Link, MemoryLink, ProxyLink, hosts_of, with_hosts};
 use dlock_core::memory::MemoryBackend;
+use dlocks::{Error, LockGuard, LockName, LostReason, Session, SessionOptions};
 use tokio::time::{Instant, sleep, timeout};
 
 pub(crate) use self::nemesis::Profile;
@@ -181,14 +181,14 @@ impl Deployment {
     ) -> Result<Session, Failure> {
         let options = SessionOptions::new().ttl(ttl).label("dlock-torture");
         process.enter(async {
-            let backend: Arc<dyn dlock::Backend> =
+            let backend: Arc<dyn dlocks::Backend> =
                 match (&self.memory, link.as_any().downcast_ref::<MemoryLink>()) {
                     (Some(m), Some(l)) => Arc::new(m.with_link(l.0.clone())),
                     _ => match link.addrs() {
                         Some(addrs) if !addrs.is_empty() => {
-                            dlock::connect(&with_hosts(&self.url, &addrs)).await?
+                            dlocks::connect(&with_hosts(&self.url, &addrs)).await?
                         }
-                        _ => dlock::connect(&self.url).await?,
+                        _ => dlocks::connect(&self.url).await?,
                     },
                 };
             Ok::<_, Failure>(backend.session(options).await?)
@@ -315,16 +315,16 @@ struct ReOpen {
 impl ReOpen {
     async fn open(&self) -> Result<Session, Error> {
         let options = SessionOptions::new().ttl(self.ttl).label("dlock-torture");
-        let backend: Arc<dyn dlock::Backend> = match (
+        let backend: Arc<dyn dlocks::Backend> = match (
             &self.memory,
             self.link.as_any().downcast_ref::<MemoryLink>(),
         ) {
             (Some(m), Some(l)) => Arc::new(m.with_link(l.0.clone())),
             _ => match self.link.addrs() {
                 Some(addrs) if !addrs.is_empty() => {
-                    dlock::connect(&with_hosts(&self.url, &addrs)).await?
+                    dlocks::connect(&with_hosts(&self.url, &addrs)).await?
                 }
-                _ => dlock::connect(&self.url).await?,
+                _ => dlocks::connect(&self.url).await?,
             },
         };
         backend.session(options).await

@@ -42,7 +42,7 @@ pub(crate) async fn bench(urls: &[String], args: BenchArgs) -> Result<u8, Failur
         .map_err(|e| Failure::new(FAILURE, format!("the benchmark task failed: {e}")))?
 }
 
-/// [`bench`], on a worker thread.
+/// [`bench()`], on a worker thread.
 async fn measure(urls: &[String], args: BenchArgs) -> Result<u8, Failure> {
     let command = command_line(std::env::args_os());
     let date = humantime::format_rfc3339_seconds(SystemTime::now()).to_string();

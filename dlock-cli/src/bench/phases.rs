@@ -6,8 +6,8 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use dlock::{Backend, Error, Lock, LockName, Session, SessionOptions};
 use dlock_conformance::checker::{FencedRegister, History, Op, Phase};
+use dlocks::{Backend, Error, Lock, LockName, Session, SessionOptions};
 use indicatif::ProgressBar;
 use tokio::task::JoinSet;
 use tokio::time::{Instant, sleep, timeout};

@@ -22,7 +22,7 @@
 //! (`target/bench`); see `dlock bench --help`. It exits 1 if the safety check
 //! over its hot-lock phase fails.
 //!
-//! The URL comes from `--url`, else `DLOCK_URL`, else [`dlock::DEFAULT_URL`].
+//! The URL comes from `--url`, else `DLOCK_URL`, else [`dlocks::DEFAULT_URL`].
 //! Durations are humantime's: `500ms`, `30s`, `2m`. Logs go to stderr,
 //! filtered by `DLOCK_LOG` (tracing-subscriber syntax, default `warn`).
 //! Errors are one line, `dlock: <message>`, on stderr.
@@ -63,7 +63,7 @@ use std::time::Duration;
 
 use clap::Parser;
 use clap::error::ErrorKind;
-use dlock::{Backend, Error};
+use dlocks::{Backend, Error};
 use tracing_subscriber::EnvFilter;
 
 use crate::cli::{Cli, Command};
@@ -142,7 +142,7 @@ async fn dispatch(cli: Cli) -> Result<u8, Failure> {
 /// backend's message names the URL (without its password).
 pub(crate) async fn connect(url: &str) -> Result<Arc<dyn Backend>, Failure> {
     let shown = || dlock_core::url::redact(url);
-    match tokio::time::timeout(CONNECT_TIMEOUT, dlock::connect(url)).await {
+    match tokio::time::timeout(CONNECT_TIMEOUT, dlocks::connect(url)).await {
         Ok(Ok(backend)) => Ok(backend),
         Ok(Err(e @ Error::Unavailable { .. })) => {
             Err(Failure::new(UNAVAILABLE, format!("{e} (URL {})", shown())))

@@ -7,7 +7,7 @@ use std::future::Future;
 use std::io::{self, Write as _};
 use std::time::{Duration, SystemTime};
 
-use dlock::{Error, LockInfo, LockName};
+use dlocks::{Error, LockInfo, LockName};
 use serde::Serialize;
 use tokio::time::timeout;
 
@@ -239,7 +239,7 @@ async fn request<T>(fut: impl Future<Output = Result<T, Error>>) -> Result<T, Fa
 #[cfg(test)]
 mod tests {
     use super::*;
-    use dlock::FencingToken;
+    use dlocks::FencingToken;
 
     #[test]
     fn table_is_aligned_and_escaped() {

@@ -1,5 +1,5 @@
 //! S9: a password in a URL never shows in an error (Display or Debug), a
-//! backend's Debug, or the log, for any scheme, through `dlock::connect` and
+//! backend's Debug, or the log, for any scheme, through `dlocks::connect` and
 //! the `dlock` command. The password holds every character that trips naive
 //! parsers (`/ @ : ? # %`), raw and percent-encoded, in the user info and in
 //! password query parameters; the servers are closed ports (so the drivers'
@@ -124,7 +124,7 @@ async fn connect_never_shows_a_password() {
     let mut connects = tokio::task::JoinSet::new();
     for url in urls() {
         connects.spawn(async move {
-            match tokio::time::timeout(Duration::from_secs(15), dlock::connect(&url)).await {
+            match tokio::time::timeout(Duration::from_secs(15), dlocks::connect(&url)).await {
                 Err(_) => format!(
                     "(connect still running after 15 s for {})",
                     dlock_core::url::redact(&url)

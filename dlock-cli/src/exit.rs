@@ -3,7 +3,7 @@
 
 use std::fmt;
 
-use dlock::Error;
+use dlocks::Error;
 
 /// `status`: the lock is free (an answer, never an error).
 pub(crate) const FREE: u8 = 1;
@@ -86,7 +86,7 @@ mod tests {
 
     #[test]
     fn errors_map_to_documented_statuses() {
-        let bad_name = dlock::LockName::new("a b").unwrap_err();
+        let bad_name = dlocks::LockName::new("a b").unwrap_err();
         assert_eq!(Failure::from(bad_name).code, USAGE);
         let bad_url = Error::invalid_url("gopher://u:pw@h", "unknown scheme");
         let failure = Failure::from(bad_url);

@@ -15,7 +15,7 @@ use std::process::ExitStatus;
 use std::sync::Arc;
 use std::time::Duration;
 
-use dlock::{Error, Lock, LockGuard, LockName, Session, SessionOptions};
+use dlocks::{Error, Lock, LockGuard, LockName, Session, SessionOptions};
 use nix::errno::Errno;
 use nix::sys::signal::Signal;
 use tokio::process::{Child, Command};
@@ -132,7 +132,7 @@ async fn wait_for_lock(
             let b = match &backend {
                 Some(b) => Arc::clone(b),
                 None => {
-                    let b = timeout(crate::CONNECT_TIMEOUT.min(budget), dlock::connect(url))
+                    let b = timeout(crate::CONNECT_TIMEOUT.min(budget), dlocks::connect(url))
                         .await
                         .map_err(|_| Error::unavailable("dlock", "no answer while connecting"))??;
                     backend = Some(Arc::clone(&b));
@@ -255,13 +255,17 @@ fn forward(child: &Child, sig: Signal) {
 /// [`FINISH_TIMEOUT`]. Returns the reason if the hold had been lost before
 /// the release (also when the store says it no longer had it); other release
 /// problems (backend unreachable) are reported as warnings.
-async fn finish(guard: LockGuard, session: &Session, name: &LockName) -> Option<dlock::LostReason> {
+async fn finish(
+    guard: LockGuard,
+    session: &Session,
+    name: &LockName,
+) -> Option<dlocks::LostReason> {
     let lost = match timeout(FINISH_TIMEOUT, guard.release()).await {
         Ok(Ok(())) => None,
         Ok(Err(Error::Lost { reason, .. })) => Some(reason),
         // The store had given the lock up (force-released or expired there)
         // before the lost signal reached us: a loss all the same.
-        Ok(Err(Error::NotHeld { .. })) => Some(dlock::LostReason::Revoked),
+        Ok(Err(Error::NotHeld { .. })) => Some(dlocks::LostReason::Revoked),
         Ok(Err(e)) => {
             eprintln!("dlock: warning: releasing lock {name}: {e}");
             None

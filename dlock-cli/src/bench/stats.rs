@@ -92,7 +92,7 @@ pub(crate) fn jain(counts: &[u64]) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use dlock::FencingToken;
+    use dlocks::FencingToken;
     use tokio::time::Instant;
 
     fn event(client: usize, op: Op, phase: Phase, at: Instant) -> Event {

@@ -9,8 +9,8 @@
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use dlock::SessionOptions;
 use dlock_conformance::wire::{Fault, Proxy, hosts_of, with_hosts};
+use dlocks::SessionOptions;
 
 const BIN: &str = env!("CARGO_BIN_EXE_dlock");
 
@@ -21,7 +21,7 @@ async fn waiter_survives(url: &str, fault: Fault, dark: Duration) {
     let proxy = Proxy::start(&upstream).await.expect("proxy");
     let proxied = with_hosts(url, &[proxy.addr()]);
     let name = format!("dlock-test/cli-blip-{:08x}", rand::random::<u32>());
-    let backend = dlock::connect(url).await.expect("connect");
+    let backend = dlocks::connect(url).await.expect("connect");
     let holder = backend
         .session(SessionOptions::new().ttl(Duration::from_secs(2)))
         .await
@@ -65,7 +65,7 @@ async fn dark_past_the_budget(url: &str) {
     let proxy = Proxy::start(&upstream).await.expect("proxy");
     let proxied = with_hosts(url, &[proxy.addr()]);
     let name = format!("dlock-test/cli-dark-{:08x}", rand::random::<u32>());
-    let backend = dlock::connect(url).await.expect("connect");
+    let backend = dlocks::connect(url).await.expect("connect");
     let holder = backend.session(SessionOptions::new()).await.unwrap();
     let guard = holder.lock(name.as_str()).unwrap().acquire().await.unwrap();
     let child = Command::new(BIN)

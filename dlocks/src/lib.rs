@@ -1,6 +1,7 @@
-//! dlock: distributed locks with fencing tokens that work the same on every
-//! store. This crate is the front door: [`connect`] opens any backend by URL,
-//! and the store adapters are re-exported behind Cargo features.
+//! dlocks: distributed locks with fencing tokens that work the same on every
+//! store. This crate is the library's front door: [`connect`] opens any
+//! backend by URL, and the store adapters are re-exported behind Cargo
+//! features.
 //!
 //! | feature | URLs | adapter |
 //! |---|---|---|
@@ -13,12 +14,14 @@
 //! | `mongo` | `mongodb://…`, `mongodb+srv://…` | [`mongo`] |
 //! | always | `memory://[name]` | [`memory`] (in-process) |
 //!
-//! ```
-//! # async fn demo() -> Result<(), dlock::Error> {
-//! use std::time::Duration;
-//! use dlock::SessionOptions;
+//! `all` enables every backend.
 //!
-//! let backend = dlock::connect("memory://").await?;
+//! ```
+//! # async fn demo() -> Result<(), dlocks::Error> {
+//! use std::time::Duration;
+//! use dlocks::SessionOptions;
+//!
+//! let backend = dlocks::connect("memory://").await?;
 //! let session = backend.session(SessionOptions::new().ttl(Duration::from_secs(10))).await?;
 //! let guard = session.lock("billing/invoice-run")?
 //!     .acquire_timeout(Duration::from_secs(30))
@@ -32,7 +35,8 @@
 //! # async fn run_job(_: u64) {}
 //! ```
 //!
-//! The `dlock` binary runs a command under a lock: see `dlock --help`.
+//! The `dlock` command (`cargo install dlock-cli`) runs a command under a lock:
+//! see `dlock --help`.
 
 use std::sync::Arc;
 

@@ -80,7 +80,7 @@ pub(crate) struct Cli {
         value_name = "URL",
         env = "DLOCK_URL",
         hide_env_values = true,
-        default_value = dlock::DEFAULT_URL,
+        default_value = dlocks::DEFAULT_URL,
         action = ArgAction::Append
     )]
     pub(crate) url: Vec<String>,
@@ -310,7 +310,7 @@ pub(crate) struct TortureArgs {
 pub(crate) fn single_url(urls: &[String]) -> Result<&str, Failure> {
     match urls {
         [url] => Ok(url),
-        [] => Ok(dlock::DEFAULT_URL),
+        [] => Ok(dlocks::DEFAULT_URL),
         _ => Err(Failure::usage(
             "--url given more than once; only `dlock bench` and `dlock torture` take several",
         )),

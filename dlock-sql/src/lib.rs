@@ -75,13 +75,21 @@
 //!   and renewal (with `NORMAL`, WAL syncs only at checkpoints and the last
 //!   commits can be lost).
 //!
-//! URLs: `postgres://user:pass@host:port/db`, `mysql://…` (MariaDB too),
-//! `sqlite://path` (created if missing; WAL mode, 5 s busy timeout, usable by
-//! several processes). dlock's own options ride in the query string and are
-//! removed before the driver sees it: `dlock_table=NAME` (default
-//! `dlock_locks`, `[A-Za-z_][A-Za-z0-9_]{0,47}`) and `dlock_pool=N` (default 4
-//! connections). The drivers' own options pass through, TLS among them
-//! (rustls with ring, the webpki roots):
+//! URLs: `postgres://user:pass@host:port/db` (or `postgresql://`),
+//! `mysql://…` (MariaDB too, or `mariadb://`), `sqlite://relative/path.db` or
+//! `sqlite:///absolute/path.db` (created if missing unless the URL gives its
+//! own `mode`; WAL mode, 5 s busy timeout, usable by several processes; an
+//! in-memory database, `sqlite::memory:` or `mode=memory`, is refused: use
+//! `memory://`). Each scheme needs its Cargo feature (`postgres`, `mysql`,
+//! `sqlite`); [`SqlAdapter`] registers them all in a
+//! [`Registry`](dlock_core::Registry), and
+//! [`Backend::capabilities`] says what each promises
+//! ([`SqlOptions::capabilities`]). dlock's own options ride in the query
+//! string and are removed before the driver sees it: `dlock_table=NAME`
+//! (default `dlock_locks`, `[A-Za-z_][A-Za-z0-9_]{0,47}`) and `dlock_pool=N`
+//! (default 4 connections, 1–256); any other `dlock_…` option is an
+//! [`Error::InvalidUrl`]. The drivers' own options pass through to sqlx,
+//! which checks them, TLS among them (rustls with ring, the webpki roots):
 //! `postgres://…?sslmode=verify-full&sslrootcert=/path/ca.pem` (`disable`,
 //! `prefer` — the default —, `require`, `verify-ca`, `verify-full`;
 //! `sslcert`/`sslkey` for client certificates) and
@@ -106,14 +114,15 @@ mod options;
 mod store;
 
 use std::fmt;
-use std::str::FromStr;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
 use dlock_core::backend::RawSession;
+use dlock_core::url::StoreUrl;
 use dlock_core::{
-    Backend, Error, FencingToken, LockInfo, LockName, SessionId, SessionOptions, name,
+    Adapter, Backend, Capabilities, Error, FencingToken, LockInfo, LockName, SessionId,
+    SessionOptions, name,
 };
 use sqlx::any::{AnyConnectOptions, AnyPoolOptions, AnyRow};
 use sqlx::{AnyConnection, AnyPool, Connection, Row};
@@ -133,6 +142,37 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Pooled connections idle for longer than this are pinged before use (a
 /// firewall or proxy may have dropped them); fresher ones are used at once.
 const IDLE_CHECK: Duration = Duration::from_secs(30);
+
+/// The SQL [`Adapter`]: `postgres://`, `postgresql://`, `mysql://`,
+/// `mariadb://` and `sqlite://` URLs, opened with [`SqlBackend::connect`].
+/// A scheme whose feature is not compiled in is
+/// [`Error::FeatureDisabled`].
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), dlock_core::Error> {
+/// let registry = dlock_core::Registry::new();
+/// registry.register(dlock_sql::SqlAdapter)?;
+/// let backend = registry.connect("sqlite://dlock.db?dlock_table=jobs").await?;
+/// assert!(!backend.capabilities().notify_wakeup); // SQLite polls
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SqlAdapter;
+
+#[async_trait]
+impl Adapter for SqlAdapter {
+    fn name(&self) -> &'static str {
+        "sql"
+    }
+
+    fn schemes(&self) -> &'static [&'static str] {
+        &["postgres", "postgresql", "mysql", "mariadb", "sqlite"]
+    }
+
+    async fn connect(&self, url: &StoreUrl) -> Result<Arc<dyn Backend>, Error> {
+        Ok(Arc::new(SqlBackend::connect(url).await?))
+    }
+}
 
 /// A lock service on one SQL database (see the [crate docs](crate)).
 #[derive(Clone)]
@@ -162,7 +202,10 @@ impl SqlBackend {
     ///
     /// # Cancel safety
     /// Cancel safe: nothing is left behind but an idempotently created table.
-    pub async fn connect(url: &str) -> Result<Self, Error> {
+    pub async fn connect<U>(url: U) -> Result<Self, Error>
+    where
+        U: TryInto<StoreUrl, Error = Error>,
+    {
         Self::with_options(SqlOptions::from_url(url)?).await
     }
 
@@ -179,7 +222,8 @@ impl SqlBackend {
         sqlx::any::install_default_drivers();
         let dialect = options.dialect;
         let scheme = dialect.scheme();
-        let connect_options = AnyConnectOptions::from_str(options.driver_url())
+        let connect_options = options
+            .connect_options()
             .map_err(|e| store::map_err(scheme, e))?;
         let sql = Statements::new(dialect, &options.table);
         let mut first = first_connection(&options, &connect_options).await?;
@@ -430,6 +474,11 @@ impl Backend for SqlBackend {
 
     fn min_ttl(&self) -> Duration {
         MIN_TTL
+    }
+
+    /// See [`SqlOptions::capabilities`]: notifications on PostgreSQL only.
+    fn capabilities(&self) -> Capabilities {
+        self.inner.options.capabilities()
     }
 
     async fn open(

@@ -1,9 +1,12 @@
-//! URL parsing: the dialect, dlock's own query options, a redacted display.
+//! URL reading: the dialect, dlock's own query options, the driver's URL.
 
 use std::fmt;
+use std::str::FromStr;
+use std::time::Duration;
 
-use dlock_core::Error;
-use dlock_core::url::redact;
+use dlock_core::url::StoreUrl;
+use dlock_core::{Capabilities, Error};
+use sqlx::any::AnyConnectOptions;
 
 use crate::dialect::Dialect;
 
@@ -20,7 +23,8 @@ use crate::dialect::Dialect;
 #[derive(Clone)]
 pub struct SqlOptions {
     pub(crate) dialect: Dialect,
-    url: String,
+    /// The URL for sqlx: the canonical scheme, dlock's options taken out.
+    url: StoreUrl,
     pub(crate) table: String,
     pub(crate) pool: u32,
 }
@@ -28,59 +32,70 @@ pub struct SqlOptions {
 /// The default lock table.
 pub const DEFAULT_TABLE: &str = "dlock_locks";
 
+/// The prefix of dlock's own query options; sqlx has none that starts so.
+const OWN_PREFIX: &str = "dlock_";
+
 impl SqlOptions {
-    /// Parses `postgres://`, `postgresql://`, `mysql://`, `mariadb://` or
+    /// Reads `postgres://`, `postgresql://`, `mysql://`, `mariadb://` or
     /// `sqlite://` URLs, taking out `dlock_table` and `dlock_pool`.
-    pub fn from_url(url: &str) -> Result<Self, Error> {
-        let bad = |reason: &str| Error::invalid_url(url, reason);
-        let (scheme, rest) = url
-            .split_once(':')
-            .ok_or_else(|| bad("expected postgres://, mysql:// or sqlite://"))?;
-        let (dialect, canonical) = match scheme {
+    ///
+    /// Every other query option belongs to sqlx (`sslmode`, `sslrootcert`,
+    /// `ssl-mode`, `charset`, `statement-cache-capacity`, SQLite's `mode`
+    /// and `cache`, ...) and is left in the URL handed to it, which checks
+    /// it: the drivers have dozens, which change between sqlx versions, and a
+    /// list of them here would refuse the ones it forgot. Only an unknown
+    /// option named `dlock_…` is refused here, since no driver reads those: a
+    /// misspelt `dlock_tabel` must not leave the locks in the default table.
+    pub fn from_url<U>(url: U) -> Result<Self, Error>
+    where
+        U: TryInto<StoreUrl, Error = Error>,
+    {
+        let url = url.try_into().map_err(explain_in_memory)?;
+        let expected = || url.invalid("expected postgres://, mysql:// or sqlite://");
+        let (dialect, canonical) = match url.scheme() {
             "postgres" | "postgresql" => (Dialect::Postgres, "postgres"),
             "mysql" | "mariadb" => (Dialect::MySql, "mysql"),
             "sqlite" => (Dialect::Sqlite, "sqlite"),
-            _ => return Err(bad("expected postgres://, mysql:// or sqlite://")),
+            _ => return Err(expected()),
         };
         check_compiled(dialect)?;
-        let rest = rest
-            .strip_prefix("//")
-            .ok_or_else(|| bad("expected '//' after the scheme"))?;
-        let (base, query) = rest.split_once('?').unwrap_or((rest, ""));
-        if base.is_empty() {
-            return Err(bad("no host or path"));
+        let in_memory = dialect == Dialect::Sqlite
+            && (url.path().contains(":memory:")
+                || url.query_pairs().any(|(k, v)| k == "mode" && v == "memory"));
+        if in_memory {
+            return Err(url.invalid(IN_MEMORY));
         }
-        if dialect == Dialect::Sqlite && base.contains(":memory:") {
-            return Err(bad(
-                "an in-memory SQLite database is private to one connection; use memory:// for in-process locks",
-            ));
+        if !url.has_authority() {
+            return Err(url.invalid("expected '//' after the scheme"));
         }
-        let mut table = DEFAULT_TABLE.to_owned();
-        let mut pool = 4;
-        let mut kept = Vec::new();
-        for pair in query.split('&').filter(|p| !p.is_empty()) {
-            let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-            match k {
-                "dlock_table" => table = v.to_owned(),
-                "dlock_pool" => {
-                    pool = v
-                        .parse()
-                        .ok()
-                        .filter(|n| (1..=256).contains(n))
-                        .ok_or_else(|| bad("dlock_pool must be a number from 1 to 256"))?;
-                }
-                _ => kept.push(pair),
+        if url.hosts().is_empty() && url.path().is_empty() {
+            return Err(url.invalid("no host or path"));
+        }
+        if url.fragment().is_some() {
+            return Err(url.invalid("a #fragment means nothing to the database"));
+        }
+        let mut options = url.options();
+        let table = options
+            .string("dlock_table")?
+            .unwrap_or_else(|| DEFAULT_TABLE.to_owned());
+        check_table(&table).map_err(|reason| url.invalid(reason))?;
+        let pool = options
+            .parse::<u32>("dlock_pool", "a number from 1 to 256")?
+            .unwrap_or(4);
+        if !(1..=256).contains(&pool) {
+            return Err(url.invalid(format!(
+                "dlock_pool must be a number from 1 to 256, not {pool}"
+            )));
+        }
+        for key in options.unread() {
+            if !key.starts_with(OWN_PREFIX) {
+                options.pass(key);
             }
         }
-        check_table(&table).map_err(|reason| bad(&reason))?;
-        if dialect == Dialect::Sqlite && !kept.iter().any(|p| p.starts_with("mode=")) {
-            kept.push("mode=rwc");
-        }
-        let mut url = format!("{canonical}://{base}");
-        if !kept.is_empty() {
-            url.push('?');
-            url.push_str(&kept.join("&"));
-        }
+        options.finish()?;
+        let url = url
+            .with_query_filtered(|key| !key.starts_with(OWN_PREFIX))?
+            .with_scheme(canonical)?;
         Ok(Self {
             dialect,
             url,
@@ -101,9 +116,63 @@ impl SqlOptions {
         Ok(self)
     }
 
+    /// What a backend opened with these options promises (the values the
+    /// conformance suite holds it to):
+    ///
+    /// * tokens are rows of the lock table, committed before a grant is
+    ///   answered, so they survive a restart of the database (S2);
+    /// * PostgreSQL wakes waiters by `LISTEN`/`NOTIFY` (150 ms bound);
+    ///   MySQL and SQLite poll with a backoff capped at 100 ms (300 ms
+    ///   bound);
+    /// * expiry is judged by the database clock in the take statement
+    ///   itself: a crashed holder's lock is free within 1 s of its TTL;
+    /// * a session is a set of rows, not a connection: it survives a
+    ///   dropped connection re-established within its TTL.
+    ///
+    /// Not fair (no queue) and one release may wake one waiter per process.
+    pub fn capabilities(&self) -> Capabilities {
+        let listens = self.dialect == Dialect::Postgres;
+        let mut caps = Capabilities::default();
+        (caps.durable_tokens, caps.survives_reconnect) = (true, true);
+        caps.notify_wakeup = listens;
+        caps.wakeup_bound = Duration::from_millis(if listens { 150 } else { 300 });
+        caps.recovery_bound = Duration::from_secs(1);
+        caps
+    }
+
     /// The URL handed to the driver (with the password; never log it).
     pub(crate) fn driver_url(&self) -> &str {
-        &self.url
+        self.url.expose()
+    }
+
+    /// sqlx's options for [`driver_url`](Self::driver_url); a SQLite file
+    /// is created if missing unless the URL gives its own `mode`.
+    pub(crate) fn connect_options(&self) -> Result<AnyConnectOptions, sqlx::Error> {
+        let mut options = AnyConnectOptions::from_str(self.driver_url())?;
+        if self.dialect == Dialect::Sqlite && !self.url.query_pairs().any(|(k, _)| k == "mode") {
+            options
+                .database_url
+                .query_pairs_mut()
+                .append_pair("mode", "rwc");
+        }
+        Ok(options)
+    }
+}
+
+const IN_MEMORY: &str =
+    "an in-memory SQLite database is private to one connection; use memory:// for in-process locks";
+
+/// `sqlite://:memory:` is no URL (`:memory:` is no host): say what it
+/// would have been instead.
+fn explain_in_memory(e: Error) -> Error {
+    match e {
+        Error::InvalidUrl { url, .. } if url.starts_with("sqlite:") && url.contains(":memory:") => {
+            Error::InvalidUrl {
+                url,
+                reason: IN_MEMORY.to_owned(),
+            }
+        }
+        e => e,
     }
 }
 
@@ -141,19 +210,14 @@ fn check_table(table: &str) -> Result<(), String> {
 
 impl fmt::Display for SqlOptions {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let shown = redact(&self.url);
-        let shown = shown
-            .strip_suffix("?mode=rwc")
-            .or_else(|| shown.strip_suffix("&mode=rwc"))
-            .unwrap_or(&shown);
-        f.write_str(shown)
+        fmt::Display::fmt(&self.url, f)
     }
 }
 
 impl fmt::Debug for SqlOptions {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("SqlOptions")
-            .field("url", &self.to_string())
+            .field("url", &self.url)
             .field("table", &self.table)
             .field("pool", &self.pool)
             .finish()
@@ -164,31 +228,100 @@ impl fmt::Debug for SqlOptions {
 mod tests {
     use super::*;
 
+    fn driver(url: &str) -> String {
+        let o = SqlOptions::from_url(url).unwrap_or_else(|e| panic!("{url}: {e}"));
+        o.connect_options().unwrap().database_url.to_string()
+    }
+
     #[test]
     fn parses_and_strips_dlock_options() {
         let o = SqlOptions::from_url("mysql://u:p@h:1/db?dlock_pool=9&charset=utf8mb4").unwrap();
         assert_eq!((o.pool, o.table.as_str()), (9, DEFAULT_TABLE));
         assert_eq!(o.driver_url(), "mysql://u:p@h:1/db?charset=utf8mb4");
         let o = SqlOptions::from_url("sqlite://dlock.db").unwrap();
-        assert_eq!(o.driver_url(), "sqlite://dlock.db?mode=rwc");
+        assert_eq!(o.driver_url(), "sqlite://dlock.db");
         assert_eq!(o.to_string(), "sqlite://dlock.db");
+        assert_eq!(driver("sqlite://dlock.db"), "sqlite://dlock.db?mode=rwc");
+    }
+
+    /// The drivers' options, and every SQLite file form, reach sqlx as
+    /// written; the aliases get the canonical scheme.
+    #[test]
+    fn driver_urls_keep_the_drivers_options() {
+        for (url, expected) in [
+            (
+                "postgresql://u:p%40ss@h:5432/db?sslmode=verify-full&dlock_table=t&sslrootcert=%2Fca.pem",
+                "postgres://u:p%40ss@h:5432/db?sslmode=verify-full&sslrootcert=%2Fca.pem",
+            ),
+            (
+                "mariadb://u:p@h/db?ssl-mode=required&statement-cache-capacity=10",
+                "mysql://u:p@h/db?ssl-mode=required&statement-cache-capacity=10",
+            ),
+            ("postgres:///db?host=/run/pg", "postgres:///db?host=/run/pg"),
+            ("sqlite:///abs/path.db", "sqlite:///abs/path.db?mode=rwc"),
+            ("sqlite://./rel.db?mode=rwc", "sqlite://./rel.db?mode=rwc"),
+            (
+                "sqlite://data/x.db?mode=ro&dlock_pool=2",
+                "sqlite://data/x.db?mode=ro",
+            ),
+        ] {
+            assert_eq!(driver(url), expected, "{url}");
+        }
+        let o = SqlOptions::from_url("postgresql://u:p@h/db?sslmode=require").unwrap();
+        assert_eq!(o.to_string(), "postgres://u:***@h/db?sslmode=require");
     }
 
     #[test]
     fn refuses_bad_urls_without_leaking_passwords() {
-        for url in [
-            "postgres://u:hunter2@h/db?dlock_table=1bad",
-            "postgres://u:hunter2@h/db?dlock_table=a;drop",
-            "mysql://u:hunter2@h/db?dlock_pool=0",
-            "redis://u:hunter2@h",
-            "postgres:u:hunter2@h",
-            "sqlite://",
-            "sqlite://:memory:",
-            "nonsense",
+        for (url, says) in [
+            ("postgres://u:hunter2@h/db?dlock_table=1bad", "table name"),
+            ("postgres://u:hunter2@h/db?dlock_table=a;drop", "table name"),
+            ("mysql://u:hunter2@h/db?dlock_pool=0", "dlock_pool"),
+            ("mysql://u:hunter2@h/db?dlock_pool=many", "dlock_pool"),
+            ("mysql://u:hunter2@h/db?dlock_tabel=x", "\"dlock_tabel\""),
+            (
+                "mysql://u:hunter2@h/db?dlock_table=a&dlock_table=b",
+                "twice",
+            ),
+            ("mysql://u:hunter2@h/db#x", "fragment"),
+            ("redis://u:hunter2@h", "expected postgres://"),
+            ("postgres:u:hunter2@h", "'//'"),
+            ("postgres://", "no host or path"),
+            ("sqlite://", "no host or path"),
+            ("sqlite:relative.db", "'//'"),
+            ("sqlite::memory:", "in-memory"),
+            ("sqlite:///:memory:", "in-memory"),
+            ("sqlite://x.db?mode=memory", "in-memory"),
+            ("sqlite://:memory:", "in-memory"),
+            ("nonsense", ""),
         ] {
             let e = SqlOptions::from_url(url).unwrap_err();
             assert!(matches!(e, Error::InvalidUrl { .. }), "{url}: {e:?}");
+            assert!(e.to_string().contains(says), "{url}: {e}");
             assert!(!e.to_string().contains("hunter2"), "{e}");
+            assert!(!format!("{e:?}").contains("hunter2"), "{e:?}");
+        }
+    }
+
+    #[test]
+    fn capabilities_follow_the_dialect() {
+        let caps = |url: &str| SqlOptions::from_url(url).unwrap().capabilities();
+        for url in [
+            "postgres://u:p@h/db",
+            "postgresql://h/db",
+            "mysql://h/db",
+            "mariadb://h/db",
+            "sqlite://dlock.db",
+            "sqlite:///abs/dlock.db",
+        ] {
+            let c = caps(url);
+            let notify = url.starts_with("postgres");
+            assert_eq!(c.notify_wakeup, notify, "{url}");
+            let bound = if notify { 150 } else { 300 };
+            assert_eq!(c.wakeup_bound, Duration::from_millis(bound), "{url}");
+            assert!(c.durable_tokens && c.survives_reconnect, "{url}");
+            assert!(!c.fair && !c.no_herd && !c.restart_loses_locks, "{url}");
+            assert_eq!(c.recovery_bound, Duration::from_secs(1), "{url}");
         }
     }
 }

@@ -1,54 +1,103 @@
-//! What an adapter provides to be tested: a [`Harness`] and its [`Capabilities`].
+//! What an adapter provides to be tested: a [`Harness`] and its [`Profile`].
 
 use std::net::SocketAddr;
+use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use dlock_core::{Backend, Error, LockName, Session, SessionOptions};
+use dlock_core::{Backend, Capabilities, Error, LockName, Session, SessionOptions};
 
 use crate::faults::{Faults, FaultyBackend};
 use crate::process::Process;
 use crate::servers::Servers;
 use crate::wire::{Link, ProxyLink};
 
-/// What a backend declares about itself; cases read it to decide what to
-/// expect or whether they apply. Data, not code paths (OpenDAL's idea).
-#[derive(Debug, Clone)]
+/// What the cases expect of one deployment under test: the TTL they use,
+/// whether handles are reentrant, and what the store declares about itself
+/// ([`dlock_core::Capabilities`], read through `Deref`: `profile.fair`).
+/// Cases read it to decide what to expect or whether they apply. Data, not
+/// code paths (OpenDAL's idea).
+///
+/// ```
+/// use std::time::Duration;
+/// use dlock_conformance::Profile;
+///
+/// let mut profile = Profile::new(Duration::from_secs(1), dlock_core::Capabilities::default());
+/// profile.recovery_bound = Duration::from_millis(1500); // test-only slack
+/// assert!(profile.reentrant && !profile.fair);
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
-pub struct Capabilities {
-    /// Waiters are granted in arrival order (L4).
-    pub fair: bool,
-    /// Tokens keep increasing across a server restart (S2).
-    pub durable_tokens: bool,
-    /// A release wakes a waiter through a store notification (L2).
-    pub notify_wakeup: bool,
-    /// One release wakes O(1) waiters (L6).
-    pub no_herd: bool,
-    /// Acquiring again through the same handle succeeds at once.
-    pub reentrant: bool,
-    /// A session survives a dropped connection that is re-established within
-    /// the TTL.
-    pub survives_reconnect: bool,
-    /// A server restart can lose held locks before their holders hear of it
-    /// (a store without persistence): the holder learns at its next renewal,
-    /// but another client may be granted first. Fencing still refuses the
-    /// old holder; the README's backend table says so.
-    pub restart_loses_locks: bool,
+pub struct Profile {
     /// The TTL the cases use: the smallest the backend supports well.
     pub ttl: Duration,
-    /// Generous bound on release → next grant for a waiting client; catches a
-    /// fixed poll, not a slow machine.
+    /// Acquiring again through the same handle succeeds at once (the core
+    /// provides it, so `true` unless a harness says otherwise).
+    pub reentrant: bool,
+    /// What the store declares ([`Backend::capabilities`]), possibly with
+    /// test-only slack on its bounds.
+    pub store: Capabilities,
+}
+
+impl Profile {
+    /// Cases with `ttl` on a store that declares `store`; reentrant.
+    pub fn new(ttl: Duration, store: Capabilities) -> Self {
+        Self {
+            ttl,
+            reentrant: true,
+            store,
+        }
+    }
+}
+
+impl Deref for Profile {
+    type Target = Capabilities;
+
+    fn deref(&self) -> &Capabilities {
+        &self.store
+    }
+}
+
+impl DerefMut for Profile {
+    fn deref_mut(&mut self) -> &mut Capabilities {
+        &mut self.store
+    }
+}
+
+/// The harness-side capabilities of the suite's first API, kept only so
+/// that harnesses written against it still compile.
+///
+/// **Deprecated**: implement [`Harness::profile`] and return a [`Profile`]
+/// (the store's own [`dlock_core::Capabilities`] plus the TTL); this type
+/// will be removed.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct LegacyCapabilities {
+    /// See [`dlock_core::Capabilities::fair`].
+    pub fair: bool,
+    /// See [`dlock_core::Capabilities::durable_tokens`].
+    pub durable_tokens: bool,
+    /// See [`dlock_core::Capabilities::notify_wakeup`].
+    pub notify_wakeup: bool,
+    /// See [`dlock_core::Capabilities::no_herd`].
+    pub no_herd: bool,
+    /// See [`Profile::reentrant`].
+    pub reentrant: bool,
+    /// See [`dlock_core::Capabilities::survives_reconnect`].
+    pub survives_reconnect: bool,
+    /// See [`dlock_core::Capabilities::restart_loses_locks`].
+    pub restart_loses_locks: bool,
+    /// See [`Profile::ttl`].
+    pub ttl: Duration,
+    /// See [`dlock_core::Capabilities::wakeup_bound`].
     pub wakeup_bound: Duration,
-    /// Time after the TTL within which a crashed holder's lock is acquirable
-    /// (L1), the backend's documented bound plus slack.
+    /// See [`dlock_core::Capabilities::recovery_bound`].
     pub recovery_bound: Duration,
 }
 
-impl Capabilities {
-    /// Defaults for a backend tested with `ttl`: not fair, no durable tokens, no
-    /// notifications; reentrant (the core provides it); bounds derived from
-    /// the TTL.
+impl LegacyCapabilities {
+    /// The old defaults: nothing declared, reentrant, bounds from the TTL.
     pub fn new(ttl: Duration) -> Self {
         Self {
             fair: false,
@@ -62,6 +111,22 @@ impl Capabilities {
             wakeup_bound: Duration::from_millis(250),
             recovery_bound: ttl.max(Duration::from_secs(1)),
         }
+    }
+}
+
+impl From<LegacyCapabilities> for Profile {
+    fn from(c: LegacyCapabilities) -> Self {
+        let mut profile = Profile::new(c.ttl, Capabilities::default());
+        profile.reentrant = c.reentrant;
+        profile.fair = c.fair;
+        profile.durable_tokens = c.durable_tokens;
+        profile.notify_wakeup = c.notify_wakeup;
+        profile.no_herd = c.no_herd;
+        profile.survives_reconnect = c.survives_reconnect;
+        profile.restart_loses_locks = c.restart_loses_locks;
+        profile.wakeup_bound = c.wakeup_bound;
+        profile.recovery_bound = c.recovery_bound;
+        profile
     }
 }
 
@@ -111,7 +176,7 @@ impl From<crate::checker::Violation> for Failure {
 /// use std::sync::Arc;
 /// use std::time::Duration;
 /// use async_trait::async_trait;
-/// use dlock_conformance::{Capabilities, Harness};
+/// use dlock_conformance::{Harness, Profile};
 /// use dlock_core::{Backend, Error, memory::MemoryBackend};
 ///
 /// struct Memory(MemoryBackend);
@@ -119,7 +184,9 @@ impl From<crate::checker::Violation> for Failure {
 /// #[async_trait]
 /// impl Harness for Memory {
 ///     fn store(&self) -> &str { "memory" }
-///     fn capabilities(&self) -> Capabilities { Capabilities::new(Duration::from_millis(300)) }
+///     fn profile(&self) -> Profile {
+///         Profile::new(Duration::from_millis(300), self.0.capabilities())
+///     }
 ///     async fn connect(&self) -> Result<Arc<dyn Backend>, Error> { Ok(Arc::new(self.0.clone())) }
 /// }
 /// ```
@@ -129,8 +196,24 @@ pub trait Harness: Send + Sync {
     /// `scripts/services` (`redis`, `etcd`, `memory` ...).
     fn store(&self) -> &str;
 
-    /// What the backend declares.
-    fn capabilities(&self) -> Capabilities;
+    /// What the cases may expect: the TTL and what the store declares.
+    ///
+    /// Every harness implements it; the default only serves harnesses
+    /// written against the first API, which implement
+    /// [`capabilities`](Harness::capabilities) instead.
+    fn profile(&self) -> Profile {
+        self.capabilities().into()
+    }
+
+    /// **Deprecated**: implement [`profile`](Harness::profile) instead; kept
+    /// only so that harnesses written against the first API still compile.
+    /// Panics unless implemented.
+    fn capabilities(&self) -> LegacyCapabilities {
+        panic!(
+            "the {} harness implements neither Harness::profile nor Harness::capabilities",
+            self.store()
+        )
+    }
 
     /// A new client of the store under test (a new connection where the
     /// backend has one). Cases call it once per simulated process.
@@ -219,8 +302,9 @@ pub trait Harness: Send + Sync {
 pub struct Ctx<'a> {
     /// The harness under test.
     pub harness: &'a dyn Harness,
-    /// Its capabilities.
-    pub caps: Capabilities,
+    /// Its profile: the case TTL and what the store declares
+    /// (`ctx.caps.fair`, `ctx.caps.ttl`).
+    pub caps: Profile,
     /// The random prefix of every name this case uses.
     pub prefix: String,
 }
@@ -228,7 +312,7 @@ pub struct Ctx<'a> {
 impl<'a> Ctx<'a> {
     /// A context for `case` with a fresh random prefix.
     pub fn new(harness: &'a dyn Harness, case: &str) -> Self {
-        let caps = harness.capabilities();
+        let caps = harness.profile();
         let prefix = format!("dlock-test/{case}-{:08x}", rand::random::<u32>());
         Self {
             harness,

@@ -11,9 +11,10 @@
 //! It expands to one `#[tokio::test]` per case (the calling crate needs
 //! `tokio` with the `macros` and `rt-multi-thread` features as a
 //! dev-dependency). Each case uses a fresh random name prefix, so cases run in
-//! parallel against one server. A case that does not apply to the backend's
-//! declared [`Capabilities`] passes with a loud `SKIPPED` line on stderr
-//! saying why. If the server is down, every case fails with the command that
+//! parallel against one server. A case that does not apply to the harness's
+//! [`Profile`] (the case TTL and the store's declared
+//! [`Capabilities`](dlock_core::Capabilities)) passes with a loud `SKIPPED`
+//! line on stderr saying why. If the server is down, every case fails with the command that
 //! starts it, unless `DLOCK_TEST_SKIP` names the store (comma-separated), in
 //! which case each case says it was skipped. With `DLOCK_TEST_TIMES` set,
 //! every case prints `TIME <store>::<case> <seconds>` (CI's time budget).
@@ -43,7 +44,12 @@ use std::io::Write;
 use std::pin::Pin;
 use std::time::Duration;
 
-pub use harness::{Capabilities, Ctx, Failure, Harness, Outcome, Verdict};
+pub use harness::{Ctx, Failure, Harness, LegacyCapabilities, Outcome, Profile, Verdict};
+
+/// The first API's name of [`LegacyCapabilities`]: **deprecated**, for
+/// harnesses not yet moved to [`Profile`].
+#[doc(hidden)]
+pub use harness::LegacyCapabilities as Capabilities;
 
 #[doc(hidden)]
 pub use tokio as __tokio;

@@ -7,7 +7,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use dlock_conformance::servers::{MemoryServers, Servers};
 use dlock_conformance::wire::{Link, MemoryLink};
-use dlock_conformance::{Capabilities, Harness, conformance_tests};
+use dlock_conformance::{Harness, Profile, conformance_tests};
 use dlock_core::memory::MemoryBackend;
 use dlock_core::{Backend, Error};
 
@@ -39,18 +39,8 @@ impl Harness for Memory {
         self.store
     }
 
-    fn capabilities(&self) -> Capabilities {
-        let mut caps = Capabilities::new(Duration::from_millis(300));
-        caps.fair = true;
-        caps.durable_tokens = true;
-        caps.notify_wakeup = true;
-        caps.no_herd = true;
-        caps.survives_reconnect = true;
-        // A killed memory server forgets its locks (only tokens are "on disk").
-        caps.restart_loses_locks = true;
-        caps.wakeup_bound = Duration::from_millis(50);
-        caps.recovery_bound = Duration::from_millis(300);
-        caps
+    fn profile(&self) -> Profile {
+        Profile::new(Duration::from_millis(300), self.server.capabilities())
     }
 
     async fn connect(&self) -> Result<Arc<dyn Backend>, Error> {

@@ -1,10 +1,24 @@
 //! dlock on etcd: `etcd://[user:password@]h1:p1,h2:p2,h3:p3[/prefix]`, or
-//! `etcds://...` for TLS, with the options `?ca=<PEM file>` (the server's CA;
-//! the system's roots otherwise), `cert=` and `key=` (a client certificate)
-//! and `domain=` (the name to check the server's certificate against).
+//! `etcds://...` for TLS. [`EtcdAdapter`] is the [`Adapter`] of both schemes
+//! (register it in a [`Registry`](dlock_core::Registry)), with the
+//! [`Capabilities`] every etcd backend promises; [`EtcdBackend::connect`]
+//! opens one directly.
+//!
 //! User and password are percent-decoded; etcd's auth tokens are renewed as
-//! they expire. A wrong user or password is [`Error::Auth`], a server
-//! certificate that is not trusted [`Error::Config`]: neither is retried.
+//! they expire. The prefix (default [`DEFAULT_PREFIX`]) is `/`-separated
+//! segments of `[A-Za-z0-9-_.]`, at most 64 characters. A wrong user or
+//! password is [`Error::Auth`], a server certificate that is not trusted
+//! [`Error::Config`]: neither is retried.
+//!
+//! # URL options
+//!
+//! Only for `etcds://`; any other option is an [`Error::InvalidUrl`].
+//!
+//! | Option | Meaning |
+//! |---|---|
+//! | `ca=<PEM file>` | the CA of the server's certificate (the system's roots otherwise) |
+//! | `cert=<PEM file>`, `key=<PEM file>` | a client certificate and its key (both or neither) |
+//! | `domain=<name>` | the name to check the server's certificate against (default: the host) |
 //!
 //! # How it works
 //!
@@ -81,15 +95,17 @@
 mod session;
 
 use std::fmt;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use dlock_core::backend::RawSession;
-use dlock_core::url::redact;
+use dlock_core::url::StoreUrl;
 use dlock_core::{
-    Backend, Error, FencingToken, LockInfo, LockName, SessionId, SessionOptions, name,
+    Adapter, Backend, Capabilities, Error, FencingToken, LockInfo, LockName, SessionId,
+    SessionOptions, name,
 };
 use etcd_client::{
     Certificate, Client, Compare, CompareOp, ConnectOptions, GetOptions, Identity, SortOrder,
@@ -107,6 +123,59 @@ pub const MIN_TTL: Duration = Duration::from_secs(1);
 /// The key prefix used unless the URL has a path.
 pub const DEFAULT_PREFIX: &str = "dlock";
 
+/// The `etcd://` and `etcds://` [`Adapter`]: register it to open etcd URLs
+/// through a [`Registry`](dlock_core::Registry).
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), dlock_core::Error> {
+/// use dlock_etcd::EtcdAdapter;
+/// dlock_core::registry().register(EtcdAdapter)?;
+/// let backend = dlock_core::registry().connect("etcd://127.0.0.1:2379/jobs").await?;
+/// assert_eq!(backend.capabilities(), EtcdAdapter.capabilities());
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone, Copy, Default)]
+pub struct EtcdAdapter;
+
+impl EtcdAdapter {
+    /// What every etcd backend promises, whatever its URL (what
+    /// [`Backend::capabilities`] of an [`EtcdBackend`] answers).
+    pub fn capabilities(&self) -> Capabilities {
+        let mut c = Capabilities::default();
+        // FIFO by create revision.
+        c.fair = true;
+        // Tokens are create revisions: etcd's global revision, durable
+        // across restarts and leader changes.
+        c.durable_tokens = true;
+        // A waiter watches the key ahead of it, and only that one.
+        c.notify_wakeup = true;
+        c.no_herd = true;
+        c.wakeup_bound = Duration::from_millis(150);
+        // Lease expiry is checked by the leader every 500 ms and may run up
+        // to that late.
+        c.recovery_bound = Duration::from_millis(1500);
+        // The lease, not the connection, carries the session: keep-alives
+        // on a new connection renew it.
+        c.survives_reconnect = true;
+        c
+    }
+}
+
+#[async_trait]
+impl Adapter for EtcdAdapter {
+    fn name(&self) -> &'static str {
+        BACKEND
+    }
+
+    fn schemes(&self) -> &'static [&'static str] {
+        &["etcd", "etcds"]
+    }
+
+    async fn connect(&self, url: &StoreUrl) -> Result<Arc<dyn Backend>, Error> {
+        Ok(Arc::new(EtcdBackend::connect(url).await?))
+    }
+}
+
 /// A lock service on an etcd cluster (see the [crate docs](crate)).
 #[derive(Clone)]
 pub struct EtcdBackend {
@@ -123,7 +192,8 @@ pub(crate) struct Inner {
     stalled: AtomicBool,
     replacing: tokio::sync::Mutex<()>,
     pub(crate) prefix: String,
-    shown: String,
+    /// Shown redacted.
+    url: StoreUrl,
 }
 
 impl Inner {
@@ -160,7 +230,7 @@ impl Inner {
         }
         match new_client(&self.endpoints, &self.options).await {
             Ok(client) => {
-                tracing::debug!(url = %self.shown, "replaced the etcd client after a stuck request");
+                tracing::debug!(url = %self.url, "replaced the etcd client after a stuck request");
                 *self.client.write().unwrap_or_else(|e| e.into_inner()) = client;
                 Ok(())
             }
@@ -374,23 +444,17 @@ fn timed_out(e: &etcd_client::Error) -> bool {
     }
 }
 
-/// Percent-decodes one URL component.
-fn decode(part: &str, url: &str) -> Result<String, Error> {
-    percent_encoding::percent_decode_str(part)
-        .decode_utf8()
-        .map(|s| s.into_owned())
-        .map_err(|_| Error::invalid_url(url, "a percent-encoded part is not UTF-8"))
-}
-
 /// TLS files named by the URL's query.
 #[derive(Debug, Default, PartialEq, Eq)]
 struct TlsFiles {
-    ca: Option<String>,
-    cert: Option<String>,
-    key: Option<String>,
+    ca: Option<PathBuf>,
+    cert: Option<PathBuf>,
+    key: Option<PathBuf>,
     domain: Option<String>,
 }
 
+/// What an `etcd://` or `etcds://` URL says (no `Debug`: it holds the
+/// password).
 struct Parsed {
     endpoints: Vec<String>,
     user: Option<(String, String)>,
@@ -398,54 +462,38 @@ struct Parsed {
     tls: Option<TlsFiles>,
 }
 
-fn parse(url: &str) -> Result<Parsed, Error> {
-    let bad = |reason: &str| Error::invalid_url(url, reason);
-    let (scheme, rest) = url
-        .split_once("://")
-        .ok_or_else(|| bad("expected etcd://host:port[,host:port...][/prefix]"))?;
-    let tls = match scheme {
+fn parse(url: &StoreUrl) -> Result<Parsed, Error> {
+    let tls = match url.scheme() {
         "etcd" => false,
         "etcds" => true,
-        _ => return Err(bad("expected etcd:// or etcds://")),
+        _ => return Err(url.invalid("expected etcd:// or etcds://")),
     };
-    let (rest, query) = rest.split_once('?').unwrap_or((rest, ""));
-    // The userinfo ends at the last `@` (a password may hold a `/` or `@`
-    // only percent-encoded, but be lenient about `@`).
-    let (userinfo, rest) = match rest.rsplit_once('@') {
-        Some((u, r)) => (Some(u), r),
-        None => (None, rest),
-    };
-    let (hosts, path) = rest.split_once('/').unwrap_or((rest, ""));
-    let user = match userinfo {
-        None => None,
-        Some(u) => {
-            let (name, password) = u
-                .split_once(':')
-                .ok_or_else(|| bad("user without password"))?;
-            let (name, password) = (decode(name, url)?, decode(password, url)?);
-            if name.is_empty() {
-                return Err(bad("empty user name"));
-            }
-            Some((name, password))
-        }
-    };
-    let endpoints: Vec<String> = hosts
-        .split(',')
-        .map(|h| {
-            let (host, port) = h
-                .rsplit_once(':')
-                .ok_or_else(|| bad("every host needs a port"))?;
-            if host.is_empty() || port.parse::<u16>().is_err() {
-                return Err(bad("every endpoint must be host:port"));
-            }
-            Ok(format!("{}://{h}", if tls { "https" } else { "http" }))
+    if url.hosts().is_empty() {
+        return Err(url.invalid("expected etcd://host:port[,host:port...][/prefix]"));
+    }
+    let endpoints = url
+        .hosts()
+        .iter()
+        .map(|h| match h.port {
+            Some(_) => Ok(format!("{}://{h}", if tls { "https" } else { "http" })),
+            None => Err(url.invalid(format!(
+                "every endpoint must be host:port ({h} has no port)"
+            ))),
         })
         .collect::<Result<_, _>>()?;
-    let prefix = path.trim_end_matches('/');
-    let prefix = if prefix.is_empty() {
-        DEFAULT_PREFIX
-    } else {
-        prefix
+    let user = match (url.username(), url.password()) {
+        ("", None) => None,
+        ("", Some(_)) => return Err(url.invalid("empty user name")),
+        (_, None) => return Err(url.invalid("user without password")),
+        (name, Some(password)) => Some((name.to_owned(), password.to_owned())),
+    };
+    if url.fragment().is_some() {
+        return Err(url.invalid("etcd URLs take no #fragment"));
+    }
+    let path = url.path_decoded()?;
+    let prefix = match path.trim_end_matches('/') {
+        "" => DEFAULT_PREFIX,
+        prefix => prefix,
     };
     let prefix_ok = prefix.len() <= 64
         && prefix.split('/').all(|s| {
@@ -454,33 +502,24 @@ fn parse(url: &str) -> Result<Parsed, Error> {
                     .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
         });
     if !prefix_ok {
-        return Err(bad(
-            "the prefix must be /-separated segments of [A-Za-z0-9-_.]",
-        ));
+        return Err(url.invalid("the prefix must be /-separated segments of [A-Za-z0-9-_.]"));
     }
-    let mut files = TlsFiles::default();
-    for pair in query.split('&').filter(|p| !p.is_empty()) {
-        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-        let v = decode(v, url)?;
-        if v.is_empty() {
-            return Err(bad("an option without a value"));
-        }
-        let slot = match k {
-            "ca" => &mut files.ca,
-            "cert" => &mut files.cert,
-            "key" => &mut files.key,
-            "domain" => &mut files.domain,
-            _ => return Err(bad("unknown option (etcds:// takes ca, cert, key, domain)")),
-        };
-        if slot.replace(v).is_some() {
-            return Err(bad("an option given twice"));
-        }
+    let mut options = url.options();
+    let files = TlsFiles {
+        ca: options.path("ca")?,
+        cert: options.path("cert")?,
+        key: options.path("key")?,
+        domain: options.string("domain")?,
+    };
+    options.finish()?;
+    if files.domain.as_deref() == Some("") {
+        return Err(url.invalid("domain must be a host name"));
     }
     if !tls && files != TlsFiles::default() {
-        return Err(bad("TLS options need etcds://"));
+        return Err(url.invalid("TLS options need etcds://"));
     }
     if files.cert.is_some() != files.key.is_some() {
-        return Err(bad("a client certificate needs both cert= and key="));
+        return Err(url.invalid("a client certificate needs both cert= and key="));
     }
     Ok(Parsed {
         endpoints,
@@ -490,10 +529,11 @@ fn parse(url: &str) -> Result<Parsed, Error> {
     })
 }
 
-fn read_pem(what: &str, path: &str) -> Result<Vec<u8>, Error> {
+fn read_pem(what: &str, path: &Path) -> Result<Vec<u8>, Error> {
     std::fs::read(path).map_err(|e| {
         Error::Config(format!(
-            "{BACKEND}: cannot read the {what} file {path:?}: {e}"
+            "{BACKEND}: cannot read the {what} file {}: {e}",
+            path.display()
         ))
     })
 }
@@ -527,8 +567,12 @@ impl EtcdBackend {
     ///
     /// # Cancel safety
     /// Cancel safe.
-    pub async fn connect(url: &str) -> Result<Self, Error> {
-        let parsed = parse(url)?;
+    pub async fn connect<U>(url: U) -> Result<Self, Error>
+    where
+        U: TryInto<StoreUrl, Error = Error>,
+    {
+        let url = url.try_into()?;
+        let parsed = parse(&url)?;
         let mut options = ConnectOptions::new()
             .with_connect_timeout(Duration::from_secs(3))
             .with_timeout(Duration::from_millis(1500))
@@ -558,7 +602,7 @@ impl EtcdBackend {
                 stalled: AtomicBool::new(false),
                 replacing: tokio::sync::Mutex::new(()),
                 prefix: parsed.prefix,
-                shown: redact(url),
+                url,
             }),
         };
         // The channel connects lazily: ask once, so that a cluster that is
@@ -612,7 +656,7 @@ impl EtcdBackend {
 impl fmt::Debug for EtcdBackend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("EtcdBackend")
-            .field("url", &self.inner.shown)
+            .field("url", &self.inner.url)
             .field("prefix", &self.inner.prefix)
             .finish()
     }
@@ -644,6 +688,10 @@ impl Backend for EtcdBackend {
 
     fn min_ttl(&self) -> Duration {
         MIN_TTL
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        EtcdAdapter.capabilities()
     }
 
     async fn ping(&self) -> Result<(), Error> {
@@ -753,22 +801,29 @@ impl Backend for EtcdBackend {
 mod tests {
     use super::*;
 
+    fn parsed(url: &str) -> Result<Parsed, Error> {
+        parse(&StoreUrl::parse(url)?)
+    }
+
     #[test]
     fn parses_endpoints_user_and_prefix() {
-        let p = parse("etcd://u:pw@a:1,b:2/apps/locks/").unwrap();
+        let p = parsed("etcd://u:pw@a:1,b:2/apps/locks/").unwrap();
         assert_eq!(p.endpoints, ["http://a:1", "http://b:2"]);
         assert_eq!(p.user, Some(("u".into(), "pw".into())));
         assert_eq!((p.prefix.as_str(), p.tls), ("apps/locks", None));
-        let p = parse("etcds://a:1").unwrap();
+        let p = parsed("etcds://a:1").unwrap();
         assert_eq!(
             (p.endpoints[0].as_str(), p.prefix.as_str(), p.tls),
             ("https://a:1", "dlock", Some(TlsFiles::default()))
         );
+        let p = parsed("etcd://[::1]:2379/").unwrap();
+        assert_eq!(p.endpoints, ["http://[::1]:2379"]);
+        assert_eq!(p.prefix, DEFAULT_PREFIX);
     }
 
     #[test]
     fn parses_tls_options_and_encoded_passwords() {
-        let p = parse("etcds://app:p%2Fa%40s%3As@h:1/pre?ca=/etc/ca.pem&cert=c.pem&key=k%20.pem&domain=etcd.local").unwrap();
+        let p = parsed("etcds://app:p%2Fa%40s%3As@h:1/pre?ca=/etc/ca.pem&cert=c.pem&key=k%20.pem&domain=etcd.local").unwrap();
         assert_eq!(p.user, Some(("app".into(), "p/a@s:s".into())));
         assert_eq!(p.prefix, "pre");
         assert_eq!(
@@ -781,28 +836,50 @@ mod tests {
             })
         );
         // An unencoded `@` in the password still works: the last `@` ends it.
-        let p = parse("etcd://u:p@ss@h:1").unwrap();
+        let p = parsed("etcd://u:p@ss@h:1").unwrap();
         assert_eq!(p.user, Some(("u".into(), "p@ss".into())));
     }
 
     #[test]
     fn refuses_bad_urls_without_the_password() {
-        for url in [
-            "etcd://u:hunter2@a",
-            "etcd://u:hunter2@a:x",
-            "etcd://u:hunter2@a:1/bad prefix",
-            "etcd://u:hunter2@a:1?x=1",
-            "etcd://u:hunter2@a:1?ca=/ca.pem",
-            "etcds://u:hunter2@a:1?ca=",
-            "etcds://u:hunter2@a:1?ca=a&ca=b",
-            "etcds://u:hunter2@a:1?cert=c.pem",
-            "etcd://:hunter2@a:1",
-            "http://a:1",
-            "etcd://",
+        for (url, why) in [
+            ("etcd://u:hunter2@a", "host:port"),
+            ("etcd://u:hunter2@a:x", "port"),
+            ("etcd://u:hunter2@a:1/bad prefix", "percent-encode"),
+            ("etcd://u:hunter2@a:1/bad%20prefix", "prefix"),
+            ("etcd://u:hunter2@a:1?x=1", "unknown option \"x\""),
+            ("etcd://u:hunter2@a:1?ca=/ca.pem", "need etcds://"),
+            ("etcds://u:hunter2@a:1?ca=", "ca must be a file path"),
+            ("etcds://u:hunter2@a:1?domain=", "domain"),
+            ("etcds://u:hunter2@a:1?ca=a&ca=b", "given twice"),
+            ("etcds://u:hunter2@a:1?cert=c.pem", "both cert= and key="),
+            ("etcd://:hunter2@a:1", "empty user name"),
+            ("etcd://u@a:1", "user without password"),
+            ("etcd://u:hunter2@a:1#x", "fragment"),
+            ("etcd://u:hunter2@a:1,", "empty host"),
+            ("http://a:1", "etcd://"),
+            ("etcd://", "host:port"),
+            ("etcd:a:1", "host:port"),
         ] {
-            let e = parse(url).err().unwrap_or_else(|| panic!("{url} accepted"));
+            let e = parsed(url)
+                .err()
+                .unwrap_or_else(|| panic!("{url} accepted"));
             assert!(matches!(e, Error::InvalidUrl { .. }), "{url}: {e:?}");
-            assert!(!e.to_string().contains("hunter2"), "{e}");
+            let shown = format!("{e} {e:?}");
+            assert!(shown.contains(why), "{url}: {shown}");
+            assert!(!shown.contains("hunter2"), "{shown}");
         }
+    }
+
+    /// The values the conformance harness runs with (it takes them from
+    /// here): a change is a change of what etcd backends promise.
+    #[test]
+    fn capabilities_are_the_same_for_every_url() {
+        let c = EtcdAdapter.capabilities();
+        assert!(c.fair && c.durable_tokens && c.notify_wakeup && c.no_herd);
+        assert!(c.survives_reconnect && !c.restart_loses_locks);
+        assert_eq!(c.wakeup_bound, Duration::from_millis(150));
+        assert_eq!(c.recovery_bound, Duration::from_millis(1500));
+        assert_eq!(EtcdAdapter.schemes(), ["etcd", "etcds"]);
     }
 }

@@ -7,7 +7,7 @@
 use std::time::{Duration, Instant};
 
 use dlock_core::{Backend, Error, SessionOptions};
-use dlock_etcd::EtcdBackend;
+use dlock_etcd::{EtcdAdapter, EtcdBackend};
 
 fn url() -> Option<String> {
     if dlock_conformance::skip_requested("etcd-tls", "TLS/auth tests") {
@@ -50,6 +50,7 @@ async fn the_right_password_over_tls_works() {
     let backend = connect(&url).await.unwrap_or_else(|e| {
         panic!("cannot reach etcd with TLS and auth ({e}); start it with `scripts/services up etcd-tls` or set DLOCK_TEST_SKIP=etcd-tls")
     });
+    assert_eq!(backend.capabilities(), EtcdAdapter.capabilities());
     let session = backend
         .session(SessionOptions::new().ttl(Duration::from_secs(2)))
         .await

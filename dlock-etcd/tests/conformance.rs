@@ -8,9 +8,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use dlock_conformance::servers::{Servers, ServicesCommand};
 use dlock_conformance::wire::{hosts_of, with_hosts};
-use dlock_conformance::{Capabilities, Harness, conformance_tests};
+use dlock_conformance::{Harness, Profile, conformance_tests};
 use dlock_core::{Backend, Error};
-use dlock_etcd::EtcdBackend;
+use dlock_etcd::{EtcdAdapter, EtcdBackend};
 
 struct EtcdHarness {
     store: &'static str,
@@ -40,23 +40,13 @@ impl Harness for EtcdHarness {
         self.store
     }
 
-    fn capabilities(&self) -> Capabilities {
+    fn profile(&self) -> Profile {
         // etcd counts lease TTLs in whole seconds; 1 s is its minimum with
         // the test servers' 500 ms election timeout. The 3-node cluster gets
         // 2 s (etcd's default minimum): a raft write on two loaded cores can
         // take long enough that 1 s leaves a renewal too little room.
         let ttl = if self.store == "etcd-cluster" { 2 } else { 1 };
-        let mut caps = Capabilities::new(Duration::from_secs(ttl));
-        caps.fair = true;
-        caps.durable_tokens = true;
-        caps.notify_wakeup = true;
-        caps.no_herd = true;
-        caps.wakeup_bound = Duration::from_millis(150);
-        // Lease expiry is checked by the leader every 500 ms and may run up to
-        // that late.
-        caps.recovery_bound = Duration::from_millis(1500);
-        caps.survives_reconnect = true;
-        caps
+        Profile::new(Duration::from_secs(ttl), EtcdAdapter.capabilities())
     }
 
     fn endpoints(&self) -> Vec<String> {
@@ -91,6 +81,8 @@ impl Harness for EtcdHarness {
     async fn connect(&self) -> Result<Arc<dyn Backend>, Error> {
         let backend = EtcdBackend::connect(&self.url).await?;
         backend.ping().await?;
+        // Every case checks that the backend promises what it is tested for.
+        assert_eq!(backend.capabilities(), self.profile().store);
         Ok(Arc::new(backend))
     }
 

@@ -176,6 +176,18 @@
 //! guard.release().await?;
 //! # Ok(()) }
 //! ```
+//!
+//! # As a pluggable adapter
+//!
+//! [`RedisAdapter`] is this crate's [`Adapter`]: it answers to
+//! [`SCHEMES`] (`redis`, `rediss`, `redlock`), so that a [`Registry`]
+//! (`dlocks::connect` uses [`dlock_core::registry()`]) opens these URLs like
+//! any other store's. What a backend promises beyond the safety invariants
+//! is its [`Backend::capabilities`]: notified wake-ups (pub/sub), tokens that
+//! survive a restart (the server-clock floor), sessions that survive a
+//! reconnect; held locks lost in a restart unless the restart guard is on.
+//!
+//! [`Registry`]: dlock_core::Registry
 
 mod node;
 mod options;
@@ -188,8 +200,10 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use dlock_core::backend::RawSession;
+use dlock_core::url::StoreUrl;
 use dlock_core::{
-    Backend, Error, FencingToken, LockInfo, LockName, SessionId, SessionOptions, name,
+    Adapter, Backend, Capabilities, Error, FencingToken, LockInfo, LockName, SessionId,
+    SessionOptions, name,
 };
 use futures::future::join_all;
 
@@ -205,6 +219,42 @@ pub const MIN_TTL: Duration = Duration::from_millis(100);
 /// `validate`, `force_release`, `ping`, `wait_ready`); session requests use
 /// the session's request timeout instead.
 const ADMIN_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The URL schemes of this crate: `redis`, `rediss` (TLS) and `redlock`.
+pub const SCHEMES: &[&str] = &["redis", "rediss", "redlock"];
+
+/// The Redis and Redlock [`Adapter`]: opens the [`SCHEMES`] with
+/// [`RedisBackend::connect`].
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), dlock_core::Error> {
+/// use dlock_redis::RedisAdapter;
+///
+/// dlock_core::registry().register(RedisAdapter)?;
+/// let backend = dlock_core::registry()
+///     .connect("redlock://h1:6379,h2:6379,h3:6379?max_ttl=30s")
+///     .await?;
+/// assert!(backend.capabilities().notify_wakeup);
+/// assert!(!backend.capabilities().restart_loses_locks); // Redlock guards restarts
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RedisAdapter;
+
+#[async_trait]
+impl Adapter for RedisAdapter {
+    fn name(&self) -> &'static str {
+        "redis"
+    }
+
+    fn schemes(&self) -> &'static [&'static str] {
+        SCHEMES
+    }
+
+    async fn connect(&self, url: &StoreUrl) -> Result<Arc<dyn Backend>, Error> {
+        Ok(Arc::new(RedisBackend::connect(url).await?))
+    }
+}
 
 /// A lock service on Redis or Redlock (see the [crate docs](crate)).
 #[derive(Clone)]
@@ -251,7 +301,7 @@ impl Inner {
 
 impl RedisBackend {
     /// Connects to `redis://`, `rediss://` or `redlock://` (see the crate
-    /// docs for the URL options).
+    /// docs for the URL options), given as text or as a [`StoreUrl`].
     ///
     /// Every configured node stays part of the backend: one that cannot be
     /// reached now is connected at its first later use. For Redlock, a
@@ -262,8 +312,12 @@ impl RedisBackend {
     ///
     /// # Cancel safety
     /// Cancel safe.
-    pub async fn connect(url: &str) -> Result<Self, Error> {
-        let options = RedisOptions::from_url(url)?;
+    pub async fn connect<U>(url: U) -> Result<Self, Error>
+    where
+        U: TryInto<StoreUrl, Error = Error>,
+    {
+        let url = url.try_into()?;
+        let options = RedisOptions::from_url(&url)?;
         let certificates = load_tls(&options)?;
         if options.tls {
             // rustls picks no provider by itself when the build enables
@@ -273,18 +327,17 @@ impl RedisBackend {
         }
         let mut nodes = Vec::with_capacity(options.nodes.len());
         for node in &options.nodes {
+            // The driver gets the node's URL with its password; nothing
+            // else ever shows it.
             let client = match &certificates {
-                Some(certs) => redis::Client::build_with_tls(node.url.as_str(), certs.clone()),
-                None => redis::Client::open(node.url.as_str()),
+                Some(certs) => redis::Client::build_with_tls(node.url.expose(), certs.clone()),
+                None => redis::Client::open(node.url.expose()),
             }
             .map_err(|e| {
-                Error::invalid_url(
-                    url,
-                    format!(
-                        "not a valid Redis URL ({})",
-                        e.detail().unwrap_or("bad syntax")
-                    ),
-                )
+                url.invalid(format!(
+                    "not a valid Redis URL ({})",
+                    e.detail().unwrap_or("bad syntax")
+                ))
             })?;
             nodes.push(Node::new(
                 client,
@@ -424,7 +477,7 @@ fn load_tls(options: &RedisOptions) -> Result<Option<redis::TlsCertificates>, Er
 impl fmt::Debug for RedisBackend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RedisBackend")
-            .field("url", &self.inner.options.shown)
+            .field("url", &self.inner.options.url)
             .field("nodes", &self.inner.nodes.len())
             .finish()
     }
@@ -442,6 +495,10 @@ impl Backend for RedisBackend {
 
     fn min_ttl(&self) -> Duration {
         MIN_TTL
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        capabilities(&self.inner.options)
     }
 
     /// With the restart guard, a session may not outlive `max_ttl`: a
@@ -561,6 +618,33 @@ impl Backend for RedisBackend {
     }
 }
 
+/// What a backend opened with `options` promises (see
+/// [`Capabilities`]): the same for Redis and Redlock but for the restart
+/// guard, which Redlock always has.
+fn capabilities(options: &RedisOptions) -> Capabilities {
+    let mut caps = Capabilities::default();
+    // A release publishes on the name's channel, and every process with
+    // waiters for the name wakes one of them through its pub/sub
+    // connection: O(processes), not O(1), waiters per release (no_herd
+    // stays false). No queue: whoever takes first wins (fair stays false).
+    caps.notify_wakeup = true;
+    caps.wakeup_bound = Duration::from_millis(100);
+    // A token is at least the server's TIME in µs, so tokens keep increasing
+    // across a restart that lost every key (no persistence), as long as the
+    // server's clock never steps back (see the crate docs).
+    caps.durable_tokens = true;
+    // `PX` expiry to the millisecond; Redis expires a key when it is next
+    // touched, so a take just after the TTL finds it free.
+    caps.recovery_bound = Duration::from_millis(500);
+    // Sessions are client-side: a new connection carries on with the same
+    // keys, which live on their own TTL.
+    caps.survives_reconnect = true;
+    // Without persistence a restart forgets held locks; the restart guard
+    // keeps a restarted node from granting until they have expired.
+    caps.restart_loses_locks = !options.restart_guard;
+    caps
+}
+
 /// Counts `true` answers and answers at all; the first error if none answered.
 pub(crate) fn count(answers: Vec<Result<bool, Error>>) -> Result<(usize, usize), Error> {
     let mut yes = 0;
@@ -643,4 +727,59 @@ fn quorum_view(
         return Ok(Some(chosen.info.clone()));
     }
     Ok(None)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn caps(url: &str) -> Capabilities {
+        capabilities(&RedisOptions::from_url(&StoreUrl::parse(url).unwrap()).unwrap())
+    }
+
+    /// Each URL form's promises: the conformance harness declares the same
+    /// (its `declared_capabilities` tests compare them on live servers).
+    #[test]
+    fn capabilities_follow_the_restart_guard() {
+        let plain = caps("redis://h");
+        assert!(plain.notify_wakeup && plain.durable_tokens && plain.survives_reconnect);
+        assert!(!plain.fair && !plain.no_herd);
+        assert!(plain.restart_loses_locks, "no guard, no persistence");
+        assert_eq!(plain.wakeup_bound, Duration::from_millis(100));
+        assert_eq!(plain.recovery_bound, Duration::from_millis(500));
+        for url in ["rediss://h:1", "redis://h?restart_guard=false"] {
+            assert_eq!(caps(url), plain, "{url}");
+        }
+        let mut guarded = plain;
+        guarded.restart_loses_locks = false;
+        for url in [
+            "redis://h?restart_guard=true",
+            "rediss://h?restart_guard=true&max_ttl=2s",
+            "redlock://a,b,c",
+            "redlock://a,b,c?tls=true&max_ttl=2s&restart_guard=true",
+        ] {
+            assert_eq!(caps(url), guarded, "{url}");
+        }
+    }
+
+    #[test]
+    fn the_adapter_names_its_schemes() {
+        assert_eq!(RedisAdapter.schemes(), ["redis", "rediss", "redlock"]);
+        let registry = dlock_core::Registry::new();
+        registry.register(RedisAdapter).unwrap();
+        assert_eq!(registry.schemes(), ["redis", "rediss", "redlock"]);
+    }
+
+    #[tokio::test]
+    async fn the_adapter_refuses_bad_urls_before_connecting() {
+        let registry = dlock_core::Registry::new();
+        registry.register(RedisAdapter).unwrap();
+        let e = registry
+            .connect("redis://:hunter2@127.0.0.1:1?max_tll=5s")
+            .await
+            .unwrap_err();
+        assert!(matches!(e, Error::InvalidUrl { .. }), "{e:?}");
+        assert!(e.to_string().contains("max_tll"), "{e}");
+        assert!(!format!("{e:?}").contains("hunter2"), "{e:?}");
+    }
 }

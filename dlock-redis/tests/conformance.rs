@@ -68,6 +68,8 @@ impl Harness for RedisHarness {
         self.store
     }
 
+    /// The test TTL and what `RedisBackend::capabilities` promises for this
+    /// URL (the `declared_capabilities` tests below compare the two).
     fn capabilities(&self) -> Capabilities {
         let mut caps = Capabilities::new(Duration::from_millis(500));
         caps.notify_wakeup = true;
@@ -151,4 +153,53 @@ mod redis_guarded {
 mod redlock {
     use super::*;
     conformance_tests!(RedisHarness::redlock());
+}
+
+/// The harness declares what the backend itself promises, for each URL form.
+mod declared_capabilities {
+    use super::*;
+
+    async fn check(harness: RedisHarness, case: &str) {
+        if dlock_conformance::skip_requested(harness.store, case) {
+            return;
+        }
+        let declared = harness.capabilities();
+        // Errors and messages show the URL without its password.
+        let shown = dlock_core::url::redact(&harness.url);
+        let backend = RedisBackend::connect(&harness.url)
+            .await
+            .unwrap_or_else(|e| panic!("{e}; is it up (scripts/services up)?"));
+        let promised = backend.capabilities();
+        // The fields the two types share (the harness adds the test TTL).
+        macro_rules! promises {
+            ($c:expr) => {
+                (
+                    $c.fair,
+                    $c.durable_tokens,
+                    $c.notify_wakeup,
+                    $c.no_herd,
+                    $c.survives_reconnect,
+                    $c.restart_loses_locks,
+                    $c.wakeup_bound,
+                    $c.recovery_bound,
+                )
+            };
+        }
+        assert_eq!(promises!(declared), promises!(promised), "{shown}");
+    }
+
+    #[tokio::test]
+    async fn redis() {
+        check(RedisHarness::single(), "declared_capabilities").await;
+    }
+
+    #[tokio::test]
+    async fn redis_guarded() {
+        check(RedisHarness::guarded(), "declared_capabilities").await;
+    }
+
+    #[tokio::test]
+    async fn redlock() {
+        check(RedisHarness::redlock(), "declared_capabilities").await;
+    }
 }

@@ -1,4 +1,12 @@
 //! dlock on ZooKeeper: `zk://[user:password@]h1:p1,h2:p2,h3:p3[/root]`.
+//! [`ZkAdapter`] is the [`Adapter`] of the scheme (register it in a
+//! [`Registry`](dlock_core::Registry)), with the [`Capabilities`] every
+//! ZooKeeper backend promises; [`ZkBackend::connect`] opens one directly.
+//!
+//! User and password are percent-decoded (a `/`, `?`, `#` or `%` in them
+//! must be percent-encoded; the user may not hold a `:`). The root
+//! (default [`DEFAULT_ROOT`]) is `/`-separated segments of
+//! `[A-Za-z0-9-_.]`, not `/zookeeper`. The URL takes no query options.
 //!
 //! # How it works
 //!
@@ -103,9 +111,10 @@ use std::time::{Duration, UNIX_EPOCH};
 
 use async_trait::async_trait;
 use dlock_core::backend::RawSession;
-use dlock_core::url::redact;
+use dlock_core::url::StoreUrl;
 use dlock_core::{
-    Backend, Error, FencingToken, LockInfo, LockName, SessionId, SessionOptions, name,
+    Adapter, Backend, Capabilities, Error, FencingToken, LockInfo, LockName, SessionId,
+    SessionOptions, name,
 };
 use zookeeper_client as zk;
 
@@ -174,65 +183,50 @@ pub(crate) fn map_err(e: zk::Error) -> Error {
     }
 }
 
-/// Percent-decodes one URL component.
-fn decode(part: &str, url: &str) -> Result<String, Error> {
-    percent_encoding::percent_decode_str(part)
-        .decode_utf8()
-        .map(|s| s.into_owned())
-        .map_err(|_| Error::invalid_url(url, "a percent-encoded part is not UTF-8"))
-}
-
 /// A parsed `zk://` URL.
 #[derive(Clone)]
 pub(crate) struct Config {
+    /// `h1:p1,h2:p2`, the driver's connect string.
     pub(crate) hosts: String,
     pub(crate) root: String,
     pub(crate) auth: Option<(String, String)>,
-    shown: String,
+    /// Shown redacted.
+    url: StoreUrl,
 }
 
 impl Config {
-    fn parse(url: &str) -> Result<Self, Error> {
-        let bad = |reason: &str| Error::invalid_url(url, reason);
-        let rest = url
-            .strip_prefix("zk://")
-            .ok_or_else(|| bad("expected zk://host:port[,host:port...][/root]"))?;
-        if rest.contains('?') {
-            return Err(bad("zk URLs take no query options"));
+    fn parse(url: &StoreUrl) -> Result<Self, Error> {
+        if url.scheme() != "zk" || url.hosts().is_empty() {
+            return Err(url.invalid("expected zk://host:port[,host:port...][/root]"));
         }
-        // The userinfo ends at the last `@` (a `/` or `@` in a password is
-        // best percent-encoded, but tolerated).
-        let (userinfo, rest) = match rest.rsplit_once('@') {
-            Some((u, r)) => (Some(u), r),
-            None => (None, rest),
-        };
-        let (hosts, path) = match rest.find('/') {
-            Some(i) => (&rest[..i], &rest[i..]),
-            None => (rest, ""),
-        };
-        let auth = match userinfo {
-            None => None,
-            Some(u) => {
-                let (user, password) = u
-                    .split_once(':')
-                    .ok_or_else(|| bad("user without password"))?;
-                let (user, password) = (decode(user, url)?, decode(password, url)?);
+        url.options().finish()?;
+        if url.fragment().is_some() {
+            return Err(url.invalid("zk URLs take no #fragment"));
+        }
+        let auth = match (url.username(), url.password()) {
+            ("", None) => None,
+            (_, None) => return Err(url.invalid("user without password")),
+            (user, Some(password)) => {
                 if user.is_empty() || user.contains(':') {
-                    return Err(bad("empty user name, or one with a ':'"));
+                    return Err(url.invalid("empty user name, or one with a ':'"));
                 }
-                Some((user, password))
+                Some((user.to_owned(), password.to_owned()))
             }
         };
-        for host in hosts.split(',') {
-            let (h, port) = host
-                .rsplit_once(':')
-                .ok_or_else(|| bad("every host needs a port"))?;
-            if h.is_empty() || port.parse::<u16>().is_err() {
-                return Err(bad("every host must be host:port"));
+        let mut hosts = Vec::new();
+        for host in url.hosts() {
+            if host.port.is_none() {
+                return Err(
+                    url.invalid(format!("every host must be host:port ({host} has no port)"))
+                );
             }
+            hosts.push(host.to_string());
         }
-        let root = path.trim_end_matches('/');
-        let root = if root.is_empty() { DEFAULT_ROOT } else { root };
+        let path = url.path_decoded()?;
+        let root = match path.trim_end_matches('/') {
+            "" => DEFAULT_ROOT.to_owned(),
+            root => format!("/{root}"),
+        };
         let root_ok = root.len() <= 128
             && root[1..].split('/').all(|s| {
                 !s.is_empty()
@@ -241,15 +235,15 @@ impl Config {
                         .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
             });
         if !root_ok {
-            return Err(bad(
+            return Err(url.invalid(
                 "the root must be /-separated segments of [A-Za-z0-9-_.] (not /zookeeper)",
             ));
         }
         Ok(Self {
-            hosts: hosts.to_owned(),
-            root: root.to_owned(),
+            hosts: hosts.join(","),
+            root,
             auth,
-            shown: redact(url),
+            url: url.clone(),
         })
     }
 
@@ -368,6 +362,57 @@ async fn half_tick(config: &Config) -> Result<Duration, Error> {
     Err(last.unwrap_or_else(|| Error::unavailable(BACKEND, "no probe session")))
 }
 
+/// The `zk://` [`Adapter`]: register it to open ZooKeeper URLs through a
+/// [`Registry`](dlock_core::Registry).
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), dlock_core::Error> {
+/// use dlock_zk::ZkAdapter;
+/// dlock_core::registry().register(ZkAdapter)?;
+/// let backend = dlock_core::registry().connect("zk://127.0.0.1:2181/dlock").await?;
+/// assert_eq!(backend.capabilities(), ZkAdapter.capabilities());
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ZkAdapter;
+
+impl ZkAdapter {
+    /// What every ZooKeeper backend promises, standalone or ensemble (what
+    /// [`Backend::capabilities`] of a [`ZkBackend`] answers).
+    pub fn capabilities(&self) -> Capabilities {
+        let mut c = Capabilities::default();
+        // FIFO by sequence.
+        c.fair = true;
+        // Tokens are czxids: global, strictly increasing, durable.
+        c.durable_tokens = true;
+        // A waiter's exists-watch is on its predecessor only.
+        c.notify_wakeup = true;
+        c.no_herd = true;
+        // A ZooKeeper session outlives its connection (and a server
+        // restart: sessions are in the snapshot and log).
+        c.survives_reconnect = true;
+        c.wakeup_bound = Duration::from_millis(150);
+        // Session expiry is checked every tick; ephemeral nodes go with it.
+        c.recovery_bound = Duration::from_millis(1000);
+        c
+    }
+}
+
+#[async_trait]
+impl Adapter for ZkAdapter {
+    fn name(&self) -> &'static str {
+        BACKEND
+    }
+
+    fn schemes(&self) -> &'static [&'static str] {
+        &["zk"]
+    }
+
+    async fn connect(&self, url: &StoreUrl) -> Result<Arc<dyn Backend>, Error> {
+        Ok(Arc::new(ZkBackend::connect(url).await?))
+    }
+}
+
 /// A lock service on a ZooKeeper ensemble (see the [crate docs](crate)).
 #[derive(Clone)]
 pub struct ZkBackend {
@@ -386,8 +431,11 @@ impl ZkBackend {
     ///
     /// # Cancel safety
     /// Cancel safe.
-    pub async fn connect(url: &str) -> Result<Self, Error> {
-        let config = Config::parse(url)?;
+    pub async fn connect<U>(url: U) -> Result<Self, Error>
+    where
+        U: TryInto<StoreUrl, Error = Error>,
+    {
+        let config = Config::parse(&url.try_into()?)?;
         let admin = config.connect(ADMIN_TIMEOUT).await?;
         let persistent = zk::CreateMode::Persistent.with_acls(config.acls());
         match admin.mkdir(&config.root, &persistent).await {
@@ -468,7 +516,7 @@ impl ZkBackend {
 impl fmt::Debug for ZkBackend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ZkBackend")
-            .field("url", &self.inner.config.shown)
+            .field("url", &self.inner.config.url)
             .field("root", &self.inner.config.root)
             .finish()
     }
@@ -492,6 +540,10 @@ impl Backend for ZkBackend {
 
     fn min_ttl(&self) -> Duration {
         MIN_TTL
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        ZkAdapter.capabilities()
     }
 
     async fn ping(&self) -> Result<(), Error> {
@@ -572,39 +624,73 @@ impl Backend for ZkBackend {
 mod tests {
     use super::*;
 
+    fn parsed(url: &str) -> Result<Config, Error> {
+        Config::parse(&StoreUrl::parse(url)?)
+    }
+
     #[test]
     fn parses_hosts_auth_and_root() {
-        let c = Config::parse("zk://u:pw@a:1,b:2/apps/locks/").unwrap();
+        let c = parsed("zk://u:pw@a:1,b:2/apps/locks/").unwrap();
         assert_eq!(
             (c.hosts.as_str(), c.root.as_str()),
             ("a:1,b:2", "/apps/locks")
         );
         assert_eq!(c.auth, Some(("u".into(), "pw".into())));
-        let c = Config::parse("zk://a:1").unwrap();
+        let c = parsed("zk://a:1").unwrap();
         assert_eq!(c.root, DEFAULT_ROOT);
-        let c = Config::parse("zk://u:p%2Fa%40s%3As@a:1/r").unwrap();
+        let c = parsed("zk://[::1]:2181/").unwrap();
+        assert_eq!(
+            (c.hosts.as_str(), c.root.as_str()),
+            ("[::1]:2181", DEFAULT_ROOT)
+        );
+        let c = parsed("zk://u:p%2Fa%40s%3As@a:1/r").unwrap();
         assert_eq!(c.auth, Some(("u".into(), "p/a@s:s".into())));
-        let c = Config::parse("zk://u:p@ss@a:1/r").unwrap();
+        let c = parsed("zk://u:p@ss@a:1/r").unwrap();
         assert_eq!(c.auth, Some(("u".into(), "p@ss".into())));
     }
 
     #[test]
     fn refuses_bad_urls_without_the_password() {
-        for url in [
-            "zk://u:hunter2@a",
-            "zk://u:hunter2@a:1/bad root",
-            "zk://u:hunter2@a:1/zookeeper",
-            "zk://u:hunter2@a:1?x=1",
-            "zk://:hunter2@a:1",
-            "zookeeper://a:1",
-            "zk://",
+        for (url, why) in [
+            ("zk://u:hunter2@a", "host:port"),
+            ("zk://u:hunter2@a:x", "port"),
+            ("zk://u:hunter2@a:1/bad root", "percent-encode"),
+            ("zk://u:hunter2@a:1/bad%20root", "the root must be"),
+            ("zk://u:hunter2@a:1//r", "the root must be"),
+            ("zk://u:hunter2@a:1/zookeeper", "not /zookeeper"),
+            (
+                "zk://u:hunter2@a:1?x=1",
+                "unknown option \"x\" (zk:// takes no options)",
+            ),
+            ("zk://u:hunter2@a:1#x", "fragment"),
+            ("zk://:hunter2@a:1", "empty user name"),
+            ("zk://u%3Av:hunter2@a:1", "with a ':'"),
+            ("zk://u@a:1", "user without password"),
+            ("zk://u:hunter2@a:1,", "empty host"),
+            ("zookeeper://a:1", "expected zk://"),
+            ("zk://", "expected zk://"),
+            ("zk:a:1", "expected zk://"),
         ] {
-            let e = Config::parse(url)
+            let e = parsed(url)
                 .err()
                 .unwrap_or_else(|| panic!("{url} accepted"));
             assert!(matches!(e, Error::InvalidUrl { .. }), "{url}: {e:?}");
-            assert!(!e.to_string().contains("hunter2"), "{e}");
+            let shown = format!("{e} {e:?}");
+            assert!(shown.contains(why), "{url}: {shown}");
+            assert!(!shown.contains("hunter2"), "{shown}");
         }
+    }
+
+    /// The values the conformance harness runs with (it takes them from
+    /// here): a change is a change of what ZooKeeper backends promise.
+    #[test]
+    fn capabilities_are_the_same_for_every_url() {
+        let c = ZkAdapter.capabilities();
+        assert!(c.fair && c.durable_tokens && c.notify_wakeup && c.no_herd);
+        assert!(c.survives_reconnect && !c.restart_loses_locks);
+        assert_eq!(c.wakeup_bound, Duration::from_millis(150));
+        assert_eq!(c.recovery_bound, Duration::from_millis(1000));
+        assert_eq!(ZkAdapter.schemes(), ["zk"]);
     }
 
     #[test]

@@ -8,9 +8,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use dlock_conformance::servers::{Servers, ServicesCommand};
 use dlock_conformance::wire::{hosts_of, with_hosts};
-use dlock_conformance::{Capabilities, Harness, conformance_tests};
+use dlock_conformance::{Harness, Profile, conformance_tests};
 use dlock_core::{Backend, Error};
-use dlock_zk::ZkBackend;
+use dlock_zk::{ZkAdapter, ZkBackend};
 
 struct ZkHarness {
     store: &'static str,
@@ -43,19 +43,10 @@ impl Harness for ZkHarness {
         self.store
     }
 
-    fn capabilities(&self) -> Capabilities {
+    fn profile(&self) -> Profile {
         // The test servers run with tickTime 100 ms (sessions from 200 ms).
         let ttl = if self.store == "zk-ensemble" { 2 } else { 1 };
-        let mut caps = Capabilities::new(Duration::from_secs(ttl));
-        caps.fair = true;
-        caps.durable_tokens = true;
-        caps.notify_wakeup = true;
-        caps.no_herd = true;
-        caps.survives_reconnect = true;
-        caps.wakeup_bound = Duration::from_millis(150);
-        // Session expiry is checked every tick; ephemeral nodes go with it.
-        caps.recovery_bound = Duration::from_millis(1000);
-        caps
+        Profile::new(Duration::from_secs(ttl), ZkAdapter.capabilities())
     }
 
     fn endpoints(&self) -> Vec<String> {
@@ -84,7 +75,10 @@ impl Harness for ZkHarness {
     }
 
     async fn connect(&self) -> Result<Arc<dyn Backend>, Error> {
-        Ok(Arc::new(ZkBackend::connect(&self.url).await?))
+        let backend = ZkBackend::connect(&self.url).await?;
+        // Every case checks that the backend promises what it is tested for.
+        assert_eq!(backend.capabilities(), self.profile().store);
+        Ok(Arc::new(backend))
     }
 
     async fn connect_url(&self, url: &str) -> Option<Result<Arc<dyn Backend>, Error>> {

@@ -117,6 +117,12 @@ pub trait Backend: Send + Sync + Debug {
     /// The smallest TTL this deployment can honour.
     fn min_ttl(&self) -> Duration;
 
+    /// What this deployment promises beyond the safety invariants (see
+    /// [`Capabilities`](crate::Capabilities)). The default promises nothing.
+    fn capabilities(&self) -> crate::Capabilities {
+        crate::Capabilities::default()
+    }
+
     /// The largest TTL this deployment can honour: [`MAX_TTL`](crate::MAX_TTL)
     /// unless the store bounds it (a Redis restart guard refuses grants for
     /// its `max_ttl` after a restart, so no session may outlive that).

@@ -54,7 +54,7 @@ pub enum Error {
 
     /// The URL's backend exists but was not compiled in.
     #[error(
-        "the {scheme}:// backend is not compiled in; enable the `{feature}` feature of the `dlock` crate"
+        "the {scheme}:// backend is not compiled in; enable the `{feature}` feature of the `dlocks` crate"
     )]
     FeatureDisabled {
         /// The URL scheme.

@@ -50,6 +50,7 @@
 //! guard releases in the background; dropping the last handle of a session
 //! closes it in the background.
 
+mod adapter;
 pub mod backend;
 mod clock;
 mod error;
@@ -65,6 +66,7 @@ mod token;
 pub mod url;
 pub mod wake;
 
+pub use adapter::{Adapter, Capabilities, Registry, registry};
 pub use backend::Backend;
 pub use error::{BoxError, Error, Result};
 pub use guard::{LockGuard, LostReason};

@@ -40,13 +40,37 @@ use tokio::sync::Notify;
 use tokio::time::{Instant, sleep_until};
 
 use crate::backend::{Attempt, ExpiryModel, Hold, RawSession, Take};
-use crate::{Backend, Error, FencingToken, LockInfo, LockName, SessionId, SessionOptions, name};
+use crate::url::StoreUrl;
+use crate::{
+    Adapter, Backend, Capabilities, Error, FencingToken, LockInfo, LockName, SessionId,
+    SessionOptions, name,
+};
 pub use clock::ServerClock;
 pub use link::{Fault, Flow, Link, LinkState};
 use server::{BACKEND, Leases, Run, Server, TakeArgs};
 
 /// The smallest TTL of the memory backend.
 pub const MIN_TTL: Duration = Duration::from_millis(20);
+
+/// The `memory://` [`Adapter`]: registered in [`registry()`](crate::registry)
+/// from the start.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct MemoryAdapter;
+
+#[async_trait]
+impl Adapter for MemoryAdapter {
+    fn name(&self) -> &'static str {
+        BACKEND
+    }
+
+    fn schemes(&self) -> &'static [&'static str] {
+        &["memory"]
+    }
+
+    async fn connect(&self, url: &StoreUrl) -> Result<Arc<dyn Backend>, Error> {
+        Ok(Arc::new(MemoryBackend::connect(url)?))
+    }
+}
 
 /// An in-memory lock service (see the [module docs](self)).
 #[derive(Clone)]
@@ -87,18 +111,30 @@ impl MemoryBackend {
 
     /// Opens `memory://` (instance `default`) or `memory://NAME`, where NAME is
     /// 1–64 of `[A-Za-z0-9-_.]`.
-    pub fn connect(url: &str) -> Result<Self, Error> {
-        let rest = url
-            .strip_prefix("memory://")
-            .ok_or_else(|| Error::invalid_url(url, "expected memory:// or memory://NAME"))?;
-        let instance = if rest.is_empty() { "default" } else { rest };
-        let valid = instance.len() <= 64
+    pub fn connect<U>(url: U) -> Result<Self, Error>
+    where
+        U: TryInto<StoreUrl, Error = Error>,
+    {
+        let url = url.try_into()?;
+        if url.scheme() != "memory" {
+            return Err(url.invalid("expected memory:// or memory://NAME"));
+        }
+        url.options().finish()?;
+        let instance = match url.hosts() {
+            [] if url.has_authority() && url.path().is_empty() => "default",
+            [one] if one.port.is_none() && url.path().is_empty() => one.host.as_str(),
+            _ => "",
+        };
+        let valid = !instance.is_empty()
+            && instance.len() <= 64
             && instance
                 .chars()
-                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+            && url.username().is_empty()
+            && url.password().is_none()
+            && url.fragment().is_none();
         if !valid {
-            return Err(Error::invalid_url(
-                url,
+            return Err(url.invalid(
                 "the instance name must be 1-64 of [A-Za-z0-9-_.] (no path, port, user or query)",
             ));
         }
@@ -227,6 +263,21 @@ impl Backend for MemoryBackend {
 
     fn min_ttl(&self) -> Duration {
         MIN_TTL
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            fair: self.fair,
+            // The token counter is what a killed server keeps ("on disk").
+            durable_tokens: true,
+            notify_wakeup: true,
+            no_herd: true,
+            survives_reconnect: true,
+            // A killed server forgets its holds.
+            restart_loses_locks: true,
+            wakeup_bound: Duration::from_millis(50),
+            recovery_bound: Duration::from_millis(300),
+        }
     }
 
     async fn open(

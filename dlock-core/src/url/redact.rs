@@ -57,7 +57,10 @@ fn read_as_written(url: &str, parsed: &::url::Url) -> bool {
     match parsed.password() {
         Some(password) => {
             let host = parsed.host_str().unwrap_or("");
-            !host.is_empty() && url.contains(&format!(":{password}@{host}"))
+            // One `@` only: `redis://:p@x/w@h` may have the password `p@x/w`.
+            !host.is_empty()
+                && url.contains(&format!(":{password}@{host}"))
+                && url.matches('@').count() == 1
         }
         None => !url.contains('@'),
     }
@@ -145,7 +148,10 @@ mod tests {
 
     #[test]
     fn redacts_only_the_password() {
-        assert_eq!(redact("mysql://u:p@h/db?x=@"), "mysql://u:***@h/db?x=@");
+        // A second `@` makes the password ambiguous (`p@h/db?x=` could be
+        // it): everything up to the last `@` is hidden.
+        assert_eq!(redact("mysql://u:p@h/db?x=@"), "mysql://u:***@");
+        assert_eq!(redact("redis://:p@hunter2/w@h"), "redis://:***@h");
         assert_eq!(
             redact("etcd://u:p:q@h1:1,h2:2/pre"),
             "etcd://u:***@h1:1,h2:2/pre"

@@ -143,7 +143,7 @@ impl StoreUrl {
             Some(_)
                 if text
                     .split_once("//")
-                    .map_or(false, |(_, t)| after_authority(t).contains('@')) =>
+                    .is_some_and(|(_, t)| after_authority(t).contains('@')) =>
             {
                 return Err(bad(
                     "an @ after the host: percent-encode / ? # @ % in the user name, password \

@@ -8,7 +8,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use dlock_conformance::servers::{Servers, ServicesCommand};
 use dlock_conformance::wire::{hosts_of, with_hosts};
-use dlock_conformance::{Capabilities, Harness, conformance_tests};
+use dlock_conformance::{Harness, Profile, conformance_tests};
 use dlock_core::{Backend, Error};
 use dlock_sql::{SqlBackend, SqlOptions};
 
@@ -49,24 +49,19 @@ impl Harness for SqlHarness {
         self.store
     }
 
-    /// What the backend declares for this URL ([`SqlOptions::capabilities`],
-    /// which its `Backend::capabilities` returns), with the test TTL.
-    fn capabilities(&self) -> Capabilities {
-        let own = SqlOptions::from_url(&self.url)
-            .expect("the test URL")
-            .capabilities();
-        let mut caps = Capabilities::new(Duration::from_secs(1));
-        (caps.fair, caps.durable_tokens, caps.no_herd) =
-            (own.fair, own.durable_tokens, own.no_herd);
-        (caps.notify_wakeup, caps.wakeup_bound) = (own.notify_wakeup, own.wakeup_bound);
-        (caps.survives_reconnect, caps.restart_loses_locks) =
-            (own.survives_reconnect, own.restart_loses_locks);
-        caps.recovery_bound = own.recovery_bound;
-        caps
+    /// The test TTL, and what the backend declares for this URL
+    /// ([`SqlOptions::capabilities`], which its `Backend::capabilities`
+    /// returns).
+    fn profile(&self) -> Profile {
+        let declared = SqlOptions::from_url(&self.url).expect("the test URL");
+        Profile::new(Duration::from_secs(1), declared.capabilities())
     }
 
     async fn connect(&self) -> Result<Arc<dyn Backend>, Error> {
-        Ok(Arc::new(SqlBackend::connect(&self.url).await?))
+        let backend = SqlBackend::connect(&self.url).await?;
+        // Every case checks that the backend promises what it is tested for.
+        assert_eq!(backend.capabilities(), self.profile().store);
+        Ok(Arc::new(backend))
     }
 
     fn endpoints(&self) -> Vec<String> {
@@ -135,37 +130,4 @@ mod mysql {
 mod sqlite {
     use super::*;
     conformance_tests!(SqlHarness::sqlite());
-}
-
-/// The harness runs the suite with what a connected backend declares: the
-/// suite's expectations cannot drift from `Backend::capabilities`.
-#[tokio::test]
-async fn harness_declares_the_backends_capabilities() {
-    for h in [
-        SqlHarness::sqlite(),
-        SqlHarness::postgres(),
-        SqlHarness::mysql(),
-    ] {
-        if h.store != "sqlite" && dlock_conformance::skip_requested(h.store, "capabilities") {
-            continue;
-        }
-        let backend = h
-            .connect()
-            .await
-            .expect("start the servers (scripts/services up)");
-        let (own, declared) = (backend.capabilities(), h.capabilities());
-        let notify = h.store == "postgres";
-        assert_eq!(own.notify_wakeup, notify, "{}", h.store);
-        let pairs = [
-            (own.fair, declared.fair),
-            (own.durable_tokens, declared.durable_tokens),
-            (own.notify_wakeup, declared.notify_wakeup),
-            (own.no_herd, declared.no_herd),
-            (own.survives_reconnect, declared.survives_reconnect),
-            (own.restart_loses_locks, declared.restart_loses_locks),
-        ];
-        assert!(pairs.iter().all(|(a, b)| a == b), "{}: {pairs:?}", h.store);
-        assert_eq!(own.wakeup_bound, declared.wakeup_bound, "{}", h.store);
-        assert_eq!(own.recovery_bound, declared.recovery_bound, "{}", h.store);
-    }
 }

@@ -98,9 +98,12 @@
 //! `mongodb+srv://user:pass@cluster.example.net/` — credentials, `authSource`,
 //! `tls`, `replicaSet`, timeouts and the rest as the driver parses them. dlock's
 //! own options (`dlock_db`, `dlock_locks`, `dlock_sessions`, `dlock_mongos`)
-//! are taken out first; see [`MongoOptions`]. Unless the URL sets `serverSelectionTimeoutMS`,
+//! are taken out first, and any other `dlock_…` option is refused; see
+//! [`MongoOptions`]. Unless the URL sets `serverSelectionTimeoutMS`,
 //! dlock uses 5 s (the driver's default is 30 s). Passwords never appear in
-//! `Debug`, errors or logs.
+//! `Debug`, errors or logs. [`MongoAdapter`] registers both schemes in a
+//! [`Registry`](dlock_core::Registry); [`Backend::capabilities`] says
+//! whether a backend's waiters wake by change stream or poll.
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), dlock_core::Error> {
@@ -237,8 +240,10 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use dlock_core::backend::RawSession;
+use dlock_core::url::StoreUrl;
 use dlock_core::{
-    Backend, Error, FencingToken, LockInfo, LockName, SessionId, SessionOptions, name,
+    Adapter, Backend, Capabilities, Error, FencingToken, LockInfo, LockName, SessionId,
+    SessionOptions, name,
 };
 use futures::TryStreamExt;
 use mongodb::bson::{Bson, Document, doc};
@@ -300,6 +305,37 @@ impl Deployment {
     }
 }
 
+/// The MongoDB [`Adapter`]: `mongodb://` and `mongodb+srv://` URLs, opened
+/// with [`MongoBackend::connect`].
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), dlock_core::Error> {
+/// let registry = dlock_core::Registry::new();
+/// registry.register(dlock_mongo::MongoAdapter)?;
+/// let backend = registry
+///     .connect("mongodb://db1:27017,db2:27017/?replicaSet=rs0&dlock_db=ops")
+///     .await?;
+/// assert!(backend.capabilities().notify_wakeup); // a replica set: change streams
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone, Copy, Default)]
+pub struct MongoAdapter;
+
+#[async_trait]
+impl Adapter for MongoAdapter {
+    fn name(&self) -> &'static str {
+        SCHEME
+    }
+
+    fn schemes(&self) -> &'static [&'static str] {
+        &["mongodb", "mongodb+srv"]
+    }
+
+    async fn connect(&self, url: &StoreUrl) -> Result<Arc<dyn Backend>, Error> {
+        Ok(Arc::new(MongoBackend::connect(url).await?))
+    }
+}
+
 /// A lock service on one MongoDB deployment (see the [crate docs](crate)).
 ///
 /// Cheap to clone; clones share the driver's connection pool and the
@@ -317,7 +353,9 @@ pub(crate) struct Inner {
     pub(crate) stream_live: Arc<AtomicBool>,
     options: MongoOptions,
     deployment: Deployment,
-    _watcher: Option<AbortOnDrop>,
+    /// The change stream's task, if one opened at connect (it reopens the
+    /// stream when it breaks).
+    watcher: Option<AbortOnDrop>,
 }
 
 struct AbortOnDrop(tokio::task::JoinHandle<()>);
@@ -347,7 +385,10 @@ impl MongoBackend {
     /// Cancel safe: nothing is left behind but idempotently created indexes
     /// and, if cancelled mid-probe, the probe's scratch document in the
     /// session collection (its TTL index sweeps it).
-    pub async fn connect(url: &str) -> Result<Self, Error> {
+    pub async fn connect<U>(url: U) -> Result<Self, Error>
+    where
+        U: TryInto<StoreUrl, Error = Error>,
+    {
         Self::with_options(MongoOptions::from_url(url)?).await
     }
 
@@ -356,15 +397,16 @@ impl MongoBackend {
     /// # Cancel safety
     /// Cancel safe, as [`MongoBackend::connect`].
     pub async fn with_options(options: MongoOptions) -> Result<Self, Error> {
-        let url = options.driver_url();
-        let mut client_options = ClientOptions::parse(url).await.map_err(|e| {
-            if classify(&e) == Class::Transient {
-                // mongodb+srv: the DNS look-up failed.
-                map_err(e)
-            } else {
-                Error::invalid_url(url, options::scrub(&e.kind.to_string(), url))
-            }
-        })?;
+        let mut client_options = ClientOptions::parse(options.driver_url())
+            .await
+            .map_err(|e| {
+                if classify(&e) == Class::Transient {
+                    // mongodb+srv: the DNS look-up failed.
+                    map_err(e)
+                } else {
+                    options.driver_refused("not a valid MongoDB URL", &e)
+                }
+            })?;
         if client_options.server_selection_timeout.is_none() {
             client_options.server_selection_timeout = Some(SERVER_SELECTION_TIMEOUT);
         }
@@ -378,7 +420,7 @@ impl MongoBackend {
             sessions: options.sessions().to_owned(),
             collection_options: collection_options(),
         })
-        .map_err(|e| Error::invalid_url(url, options::scrub(&e.kind.to_string(), url)))?;
+        .map_err(|e| options.driver_refused("the driver cannot use it", &e))?;
         let conn = clients.current();
         let hello = hello_or_fatal(&conn).await?;
         let wire = hello
@@ -461,7 +503,7 @@ impl MongoBackend {
                 stream_live,
                 options,
                 deployment,
-                _watcher: watcher,
+                watcher,
             }),
         })
     }
@@ -645,6 +687,25 @@ impl Backend for MongoBackend {
 
     fn min_ttl(&self) -> Duration {
         MIN_TTL
+    }
+
+    /// Tokens are durable; wake-ups come from the change stream if one
+    /// opened at connect (a replica set or sharded cluster that has them),
+    /// else from a poll; a session survives reconnects. Not fair.
+    fn capabilities(&self) -> Capabilities {
+        let streams = self.inner.watcher.is_some();
+        let mut caps = Capabilities::default();
+        // Majority-committed, journaled lock documents, never deleted.
+        caps.durable_tokens = true;
+        caps.notify_wakeup = streams;
+        // A free event, or a poll capped at 100 ms.
+        caps.wakeup_bound = Duration::from_millis(if streams { 150 } else { 300 });
+        // Waiters re-check at the holder's server-reported expiry.
+        caps.recovery_bound = Duration::from_secs(1);
+        // A session is its lock documents' `expiresAt`: nothing in the store
+        // dies with a connection.
+        caps.survives_reconnect = true;
+        caps
     }
 
     async fn open(

@@ -1,9 +1,9 @@
-//! URL parsing: dlock's own query options, name validation, a redacted display.
+//! URL reading: dlock's own query options, name validation, the driver's URL.
 
 use std::fmt;
 
 use dlock_core::Error;
-use dlock_core::url::redact;
+use dlock_core::url::StoreUrl;
 use mongodb::options::ConnectionString;
 
 /// The default database.
@@ -25,8 +25,9 @@ pub const DEFAULT_SESSIONS: &str = "sessions";
 /// | `dlock_sessions` | `sessions` | the session collection |
 /// | `dlock_mongos` | `refuse` | `allow` lets dlock work through `mongos` routers (see [`MongosPolicy`]) |
 ///
-/// Everything else (credentials, `authSource`, `tls`, `replicaSet`,
-/// `readPreference`, timeouts, ...) is the driver's and is checked by it.
+/// Any other `dlock_…` option is an [`Error::InvalidUrl`]. Everything else
+/// (credentials, `authSource`, `tls`, `replicaSet`, `readPreference`,
+/// timeouts, ...) is the driver's, passed through and checked by it.
 ///
 /// ```
 /// use dlock_mongo::MongoOptions;
@@ -40,13 +41,18 @@ pub const DEFAULT_SESSIONS: &str = "sessions";
 /// ```
 #[derive(Clone)]
 pub struct MongoOptions {
-    /// The URL handed to the driver (with the password; never log it).
-    url: String,
+    /// The URL handed to the driver: dlock's options taken out (with the
+    /// password: only `expose` it to the driver).
+    url: StoreUrl,
     database: String,
     locks: String,
     sessions: String,
     mongos: MongosPolicy,
 }
+
+/// The prefix of dlock's own query options; the driver has none that starts
+/// so.
+const OWN_PREFIX: &str = "dlock_";
 
 /// What [`MongoBackend::connect`](crate::MongoBackend::connect) does when the
 /// server is a `mongos` router (a sharded cluster), set with the URL option
@@ -78,79 +84,76 @@ pub enum MongosPolicy {
 }
 
 impl MongoOptions {
-    /// Parses `mongodb://` and `mongodb+srv://` URLs, taking out `dlock_db`,
-    /// `dlock_locks` and `dlock_sessions`, and checks the rest with the
-    /// driver's parser (no DNS look-up yet: `mongodb+srv` records are resolved
-    /// by [`MongoBackend::connect`](crate::MongoBackend::connect)).
+    /// Reads `mongodb://` and `mongodb+srv://` URLs, taking out `dlock_db`,
+    /// `dlock_locks`, `dlock_sessions` and `dlock_mongos`, and checks the
+    /// rest with the driver's parser (no DNS look-up yet: `mongodb+srv`
+    /// records are resolved by
+    /// [`MongoBackend::connect`](crate::MongoBackend::connect)).
+    ///
+    /// Every other query option is the driver's and is left in the URL
+    /// handed to it: its parser knows its options (some forty, with
+    /// case-insensitive names, repeatable `readPreferenceTags`, and new ones
+    /// in new driver versions) and refuses the ones it does not, so dlock
+    /// passes them through rather than keeping a copy of that list that
+    /// would drift. Only an unknown option named `dlock_…` is refused here:
+    /// no driver reads those, and a misspelt `dlock_lokcs` must not put the
+    /// locks in the default collection.
     ///
     /// Anything wrong is [`Error::InvalidUrl`], without the password.
-    pub fn from_url(url: &str) -> Result<Self, Error> {
-        let bad = |reason: &str| Error::invalid_url(url, scrub(reason, url));
-        let (scheme, rest) = url
-            .split_once("://")
-            .ok_or_else(|| bad("expected mongodb:// or mongodb+srv://"))?;
-        if !matches!(scheme, "mongodb" | "mongodb+srv") {
-            return Err(bad("expected mongodb:// or mongodb+srv://"));
+    pub fn from_url<U>(url: U) -> Result<Self, Error>
+    where
+        U: TryInto<StoreUrl, Error = Error>,
+    {
+        let url = url.try_into()?;
+        if !matches!(url.scheme(), "mongodb" | "mongodb+srv") || !url.has_authority() {
+            return Err(url.invalid("expected mongodb:// or mongodb+srv://"));
         }
-        let (base, query) = match rest.split_once('?') {
-            Some((base, query)) => (base, Some(query)),
-            None => (rest, None),
+        if url.hosts().is_empty() {
+            return Err(url.invalid("no host"));
+        }
+        if url.fragment().is_some() {
+            return Err(url.invalid("a #fragment means nothing to MongoDB"));
+        }
+        let mut options = url.options();
+        let database = options.string("dlock_db")?;
+        let locks = options.string("dlock_locks")?;
+        let sessions = options.string("dlock_sessions")?;
+        let mongos = match options.string("dlock_mongos")?.as_deref() {
+            None | Some("refuse") => MongosPolicy::Refuse,
+            Some("allow") => MongosPolicy::Allow,
+            Some(other) => {
+                return Err(
+                    url.invalid(format!("dlock_mongos={other:?}: expected refuse or allow"))
+                );
+            }
         };
-        if base.is_empty() || base.starts_with('/') {
-            return Err(bad("no host"));
-        }
-        let mut database = DEFAULT_DATABASE.to_owned();
-        let mut locks = DEFAULT_LOCKS.to_owned();
-        let mut sessions = DEFAULT_SESSIONS.to_owned();
-        let mut mongos = MongosPolicy::default();
-        let mut kept = Vec::new();
-        for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
-            let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-            match k {
-                "dlock_db" => database = v.to_owned(),
-                "dlock_locks" => locks = v.to_owned(),
-                "dlock_sessions" => sessions = v.to_owned(),
-                "dlock_mongos" => {
-                    mongos = match v {
-                        "refuse" => MongosPolicy::Refuse,
-                        "allow" => MongosPolicy::Allow,
-                        _ => {
-                            return Err(bad(&format!(
-                                "dlock_mongos={v:?}: expected refuse or allow"
-                            )));
-                        }
-                    }
-                }
-                _ if k.starts_with("dlock_") => {
-                    return Err(bad(&format!(
-                        "unknown dlock option {k:?} (known: dlock_db, dlock_locks, \
-                         dlock_sessions, dlock_mongos)"
-                    )));
-                }
-                _ => kept.push(pair),
+        for key in options.unread() {
+            if !key.starts_with(OWN_PREFIX) {
+                options.pass(key);
             }
         }
-        check_database(&database).map_err(|r| bad(&r))?;
-        check_collection(&locks).map_err(|r| bad(&r))?;
-        check_collection(&sessions).map_err(|r| bad(&r))?;
+        options.finish()?;
+        let database = database.unwrap_or_else(|| DEFAULT_DATABASE.to_owned());
+        let locks = locks.unwrap_or_else(|| DEFAULT_LOCKS.to_owned());
+        let sessions = sessions.unwrap_or_else(|| DEFAULT_SESSIONS.to_owned());
+        check_database(&database).map_err(|r| url.invalid(r))?;
+        check_collection(&locks).map_err(|r| url.invalid(r))?;
+        check_collection(&sessions).map_err(|r| url.invalid(r))?;
         if locks == sessions {
-            return Err(bad("dlock_locks and dlock_sessions must differ"));
+            return Err(url.invalid("dlock_locks and dlock_sessions must differ"));
         }
-        let mut driver_url = format!("{scheme}://{base}");
-        if query.is_some() && !kept.is_empty() {
-            driver_url.push('?');
-            driver_url.push_str(&kept.join("&"));
-        }
-        // The driver's own checks (hosts, ports, option values), offline.
-        ConnectionString::parse(&driver_url)
-            .map_err(|e| bad(&format!("not a valid MongoDB URL: {}", e.kind)))?;
-        Ok(Self {
-            url: driver_url,
+        let url = url.with_query_filtered(|key| !key.starts_with(OWN_PREFIX))?;
+        let options = Self {
+            url,
             database,
             locks,
             sessions,
             mongos,
-        })
+        };
+        // The driver's own checks (hosts, ports, option values), offline.
+        ConnectionString::parse(options.driver_url())
+            .map_err(|e| options.driver_refused("not a valid MongoDB URL", &e))?;
+        Ok(options)
     }
 
     /// The database holding both collections.
@@ -202,24 +205,19 @@ impl MongoOptions {
 
     /// The URL handed to the driver (with the password; never log it).
     pub(crate) fn driver_url(&self) -> &str {
-        &self.url
+        self.url.expose()
     }
-}
 
-/// Removes the URL's password from a driver message, in case one quotes it.
-pub(crate) fn scrub(message: &str, url: &str) -> String {
-    match password(url) {
-        Some(p) if !p.is_empty() => message.replace(p, "***"),
-        _ => message.to_owned(),
+    /// An [`Error::InvalidUrl`] for a URL the driver refused: `what`, then
+    /// the driver's reason with the password taken out, in case it quotes
+    /// it.
+    pub(crate) fn driver_refused(&self, what: &str, e: &mongodb::error::Error) -> Error {
+        let mut reason = format!("{what}: {}", e.kind);
+        if let Some(password) = self.url.password().filter(|p| !p.is_empty()) {
+            reason = reason.replace(password, "***");
+        }
+        self.url.invalid(reason)
     }
-}
-
-/// The password part of `scheme://user:password@...`, as written.
-fn password(url: &str) -> Option<&str> {
-    let rest = &url[url.find("://")? + 3..];
-    let authority = &rest[..rest.find(['/', '?']).unwrap_or(rest.len())];
-    let userinfo = &authority[..authority.rfind('@')?];
-    userinfo.split_once(':').map(|(_, p)| p)
 }
 
 /// MongoDB database names: 1-63 bytes; dlock allows `[A-Za-z0-9_-]`
@@ -263,14 +261,14 @@ pub(crate) fn check_collection(name: &str) -> Result<(), String> {
 
 impl fmt::Display for MongoOptions {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&redact(&self.url))
+        fmt::Display::fmt(&self.url, f)
     }
 }
 
 impl fmt::Debug for MongoOptions {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("MongoOptions")
-            .field("url", &self.to_string())
+            .field("url", &self.url)
             .field("database", &self.database)
             .field("locks", &self.locks)
             .field("sessions", &self.sessions)
@@ -353,6 +351,9 @@ mod tests {
             "mongodb://u:hunter2@h/?serverSelectionTimeoutMS=soon",
             "mongodb+srv://u:hunter2@h:27017/",
             "mongodb+srv://u:hunter2@h1,h2/",
+            "mongodb://u:hunter2@h/?dlock_db=a&dlock_db=b",
+            "mongodb://u:hunter2@h/#frag",
+            "mongodb://u:hunter2@h/?replicaSett=rs0",
         ] {
             match MongoOptions::from_url(url) {
                 Err(e @ Error::InvalidUrl { .. }) => {
@@ -404,13 +405,48 @@ mod tests {
     }
 
     #[test]
-    fn scrub_removes_the_password() {
-        assert_eq!(
-            scrub("bad password hunter2!", "mongodb://u:hunter2@h/"),
-            "bad password ***!"
+    fn driver_messages_lose_the_password() {
+        let o = MongoOptions::from_url("mongodb://u:hun%2Fter2@h/").unwrap();
+        let e = mongodb::error::Error::from(std::io::Error::other("bad password hun/ter2!"));
+        let e = o.driver_refused("refused", &e);
+        assert!(matches!(e, Error::InvalidUrl { .. }), "{e:?}");
+        assert!(
+            e.to_string()
+                .ends_with("refused: I/O error: bad password ***!"),
+            "{e}"
         );
-        assert_eq!(scrub("x", "mongodb://h/"), "x");
-        assert_eq!(password("mongodb://u:p:q@h/x?y=@"), Some("p:q"));
-        assert_eq!(password("mongodb://u@h"), None);
+        let o = MongoOptions::from_url("mongodb://h/").unwrap();
+        let e = mongodb::error::Error::from(std::io::Error::other("x"));
+        assert!(
+            o.driver_refused("y", &e)
+                .to_string()
+                .ends_with("y: I/O error: x")
+        );
+    }
+
+    /// The driver's options pass through as written, repeated ones too; an
+    /// unknown `dlock_` option is refused by name, an unknown driver option
+    /// by the driver.
+    #[test]
+    fn driver_options_pass_through() {
+        let url = "mongodb://u:p%40ss@[::1]:27017,h2/admin?readPreference=secondaryPreferred\
+                   &readPreferenceTags=dc:ny&dlock_db=ops&readPreferenceTags=&W=majority";
+        let o = MongoOptions::from_url(url).unwrap();
+        assert_eq!(o.database(), "ops");
+        assert_eq!(
+            o.driver_url(),
+            "mongodb://u:p%40ss@[::1]:27017,h2/admin?readPreference=secondaryPreferred\
+             &readPreferenceTags=dc:ny&readPreferenceTags=&W=majority"
+        );
+        let e = MongoOptions::from_url("mongodb://u:hunter2@h/?dlock_lokcs=x&w=1").unwrap_err();
+        assert!(
+            e.to_string().contains("unknown option \"dlock_lokcs\""),
+            "{e}"
+        );
+        let e = MongoOptions::from_url("mongodb://u:hunter2@h/?replicaSett=rs0").unwrap_err();
+        assert!(e.to_string().contains("replicasett"), "{e}");
+        assert!(!e.to_string().contains("hunter2"), "{e}");
+        let e = MongoOptions::from_url("mongodb://h/?dlock_db=a&dlock_db=b").unwrap_err();
+        assert!(e.to_string().contains("twice"), "{e}");
     }
 }

@@ -22,8 +22,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use dlock_conformance::servers::{Servers, ServicesCommand};
 use dlock_conformance::wire::{hosts_of, with_hosts};
-use dlock_conformance::{Capabilities, Harness, conformance_tests};
-use dlock_core::{Backend, Error};
+use dlock_conformance::{Harness, Profile, conformance_tests};
+use dlock_core::{Backend, Capabilities, Error};
 use dlock_mongo::MongoBackend;
 use tokio::sync::OnceCell;
 
@@ -85,14 +85,15 @@ fn services_endpoint() -> String {
     format!("127.0.0.1:{}", 17017 + offset)
 }
 
-/// Whether wake-ups use change streams, found once per test binary (`false`
-/// if the server cannot be reached: the case then fails in
-/// `dlock_conformance::run` with the command that starts it).
-static CHANGE_STREAMS: OnceCell<bool> = OnceCell::const_new();
+/// What a backend on this deployment declares (whether wake-ups use change
+/// streams depends on the deployment), found once per test binary; the
+/// weakest promises if the server cannot be reached (every case then fails
+/// in `dlock_conformance::run` with the command that starts it).
+static DECLARED: OnceCell<Capabilities> = OnceCell::const_new();
 
 struct MongoHarness {
     url: String,
-    change_streams: bool,
+    declared: Capabilities,
 }
 
 impl MongoHarness {
@@ -104,18 +105,16 @@ impl MongoHarness {
             "dlock_mongos",
             "allow",
         );
-        let change_streams = *CHANGE_STREAMS
+        let declared = DECLARED
             .get_or_init(|| async {
                 match MongoBackend::connect(&url).await {
-                    Ok(backend) => backend.change_streams(),
-                    Err(_) => false,
+                    Ok(backend) => backend.capabilities(),
+                    Err(_) => Capabilities::default(),
                 }
             })
-            .await;
-        Self {
-            url,
-            change_streams,
-        }
+            .await
+            .clone();
+        Self { url, declared }
     }
 }
 
@@ -125,26 +124,15 @@ impl Harness for MongoHarness {
         "mongo"
     }
 
-    fn capabilities(&self) -> Capabilities {
-        let mut caps = Capabilities::new(Duration::from_secs(1));
-        caps.durable_tokens = true;
-        caps.notify_wakeup = self.change_streams;
-        caps.wakeup_bound = if self.change_streams {
-            Duration::from_millis(150)
-        } else {
-            Duration::from_millis(300)
-        };
-        // Waiters re-check at the holder's server-reported expiry.
-        caps.recovery_bound = Duration::from_secs(1);
-        // A session is its lock documents' `expiresAt`: nothing in the store
-        // dies with a connection.
-        caps.survives_reconnect = true;
-        caps
+    fn profile(&self) -> Profile {
+        Profile::new(Duration::from_secs(1), self.declared.clone())
     }
 
     async fn connect(&self) -> Result<Arc<dyn Backend>, Error> {
         let backend = MongoBackend::connect(&self.url).await?;
         backend.ping().await?;
+        // Every case checks that the backend promises what it is tested for.
+        assert_eq!(backend.capabilities(), self.declared);
         Ok(Arc::new(backend))
     }
 
@@ -185,6 +173,7 @@ impl Harness for MongoHarness {
             "mongodb+srv://127.0.0.1:17017/",
             "mongo://127.0.0.1:17017",
             "mongodb://127.0.0.1:17017/?dlock_mongos=sometimes",
+            "mongodb://127.0.0.1:17017/?dlock_lokcs=misspelt",
             "mongodb://127.0.0.1:17017/?tls=true&tlsCAFile=/nonexistent/ca.pem",
         ]
         .map(String::from)
@@ -237,4 +226,29 @@ fn test_urls_get_options_set() {
         "mongodb://u:p@127.0.0.1:9/?replicaSet=rs0&directConnection=true"
     );
     assert!(direct_url("mongodb+srv://u:p@c.example.net/", &via).is_err());
+}
+
+/// A backend declares change-stream wake-ups exactly when its waiters use
+/// them, and the rest of what the harness used to declare by hand.
+#[tokio::test]
+async fn capabilities_follow_the_deployment() {
+    if dlock_conformance::skip_requested("mongo", "capabilities_follow_the_deployment") {
+        return;
+    }
+    let h = MongoHarness::from_env().await;
+    let backend = MongoBackend::connect(&h.url)
+        .await
+        .expect("start the server with `scripts/services up mongo`");
+    let caps = backend.capabilities();
+    let streams = backend.change_streams();
+    assert_eq!(caps.notify_wakeup, streams);
+    let bound = if streams { 150 } else { 300 };
+    assert_eq!(caps.wakeup_bound, Duration::from_millis(bound));
+    assert!(caps.durable_tokens && caps.survives_reconnect, "{caps:?}");
+    assert!(
+        !caps.fair && !caps.no_herd && !caps.restart_loses_locks,
+        "{caps:?}"
+    );
+    assert_eq!(caps.recovery_bound, Duration::from_secs(1));
+    assert_eq!(caps, h.declared);
 }

@@ -270,6 +270,22 @@ impl StoreUrl {
         self.rebuilt(None, None, Some(query), None)
     }
 
+    /// The same URL with the query option `key` set to `value` (encoded),
+    /// replacing every earlier `key`.
+    pub fn with_option(&self, key: &str, value: &str) -> Result<Self, Error> {
+        let encoded: String = ::url::form_urlencoded::Serializer::new(String::new())
+            .append_pair(key, value)
+            .finish();
+        let mut kept: Vec<&str> = self
+            .pairs
+            .iter()
+            .filter(|p| p.key != key)
+            .map(|p| p.raw.as_str())
+            .collect();
+        kept.push(&encoded);
+        self.rebuilt(None, None, Some(Some(kept.join("&"))), None)
+    }
+
     /// The same URL with another fragment (`None` removes it).
     pub fn with_fragment(&self, fragment: Option<&str>) -> Result<Self, Error> {
         self.rebuilt(None, None, None, Some(fragment.map(str::to_owned)))
@@ -429,10 +445,19 @@ fn parse_host(text: &str) -> Result<HostPort, String> {
             None => (text, None),
         }
     };
-    if !host.starts_with('[') {
-        if host.is_empty() {
-            return Err(format!("{text:?} has no host name"));
+    if host.is_empty() {
+        return Err(format!("{text:?} has no host name"));
+    }
+    if host.contains('%') {
+        // A percent-encoded Unix socket path (`%2Ftmp%2Fmongodb.sock`), as
+        // libpq and MongoDB write it.
+        let path = decode(host).map_err(|why| format!("host {host:?} {why}"))?;
+        if !path.starts_with('/') {
+            return Err(format!(
+                "host {host:?}: only a Unix socket path (%2F...) may be percent-encoded"
+            ));
         }
+    } else if !host.starts_with('[') {
         ::url::Host::parse(host).map_err(|e| format!("bad host {host:?}: {e}"))?;
     }
     let port = port

@@ -43,6 +43,9 @@ fn forms_without_hosts() {
     let u = url("sqlite::memory:");
     assert!(!u.has_authority());
     assert_eq!(u.path(), ":memory:");
+    let u = url("mongodb://%2Ftmp%2Fmongodb-27017.sock/?x=1");
+    assert_eq!(u.hosts()[0].host, "%2Ftmp%2Fmongodb-27017.sock");
+    assert!(reason("mongodb://%41bc").contains("Unix socket"));
     let u = url("sqlite://dlock.db");
     assert_eq!(u.hosts()[0].host, "dlock.db");
 }
@@ -145,6 +148,15 @@ fn rebuilt_urls_keep_everything_else() {
         .with_scheme("etcds")
         .unwrap();
     assert_eq!(v.expose(), "etcds://u:p%2F@h1:1,h2:2/pre");
+    let v = u
+        .with_option("a", "x&y")
+        .unwrap()
+        .with_option("new", "1")
+        .unwrap();
+    assert_eq!(
+        v.expose(),
+        "etcd://u:p%2F@h1:1,h2:2/pre?keep=x%20y&a=x%26y&new=1#f"
+    );
     let one = u.with_hosts(&u.hosts()[1..]).unwrap();
     assert_eq!(one.hosts().len(), 1);
     assert!(url("sqlite::memory:").with_hosts(&proxies).is_err());

@@ -10,8 +10,9 @@ use dlock_core::{Backend, Capabilities, Error, LockName, Session, SessionOptions
 
 use crate::faults::{Faults, FaultyBackend};
 use crate::process::Process;
+use crate::servers::SERVICES_VAR;
 use crate::servers::Servers;
-use crate::wire::{Link, ProxyLink};
+use crate::wire::{Link, proxy_link};
 
 /// What the cases expect of one deployment under test: the TTL they use,
 /// whether handles are reentrant, and what the store declares about itself
@@ -219,9 +220,18 @@ pub trait Harness: Send + Sync {
     /// backend has one). Cases call it once per simulated process.
     async fn connect(&self) -> Result<Arc<dyn Backend>, Error>;
 
-    /// The command that starts this store's server, shown when it is down.
+    /// How to start this store's server (a command or a sentence), shown
+    /// when it is down. The default names the supervisor command in
+    /// `DLOCK_SERVICES` if it is set.
     fn start_hint(&self) -> String {
-        format!("scripts/services up {}", self.store())
+        match std::env::var(SERVICES_VAR) {
+            Ok(command) if !command.is_empty() => format!("`{command} up {}`", self.store()),
+            _ => format!(
+                "start a {} server where the harness expects it (a supervisor command \
+                 in {SERVICES_VAR} would be named here)",
+                self.store()
+            ),
+        }
     }
 
     /// Opens a backend from a URL, as `dlocks::connect` would; `None` if the
@@ -270,31 +280,30 @@ pub trait Harness: Send + Sync {
     /// harness has none. The default puts one TCP proxy in front of each
     /// endpoint.
     async fn link(&self) -> Option<Result<Arc<dyn Link>, Error>> {
-        let endpoints = self.endpoints();
-        if endpoints.is_empty() {
-            return None;
-        }
-        Some(
-            ProxyLink::start(&endpoints)
-                .await
-                .map(|l| Arc::new(l) as Arc<dyn Link>)
-                .map_err(|e| Error::unavailable("proxy", e)),
-        )
+        proxy_link(&self.endpoints()).await
     }
 
     /// A new client whose every connection crosses `link`. The default
     /// connects through the link's proxies ([`Harness::connect_via`]).
     async fn connect_over(&self, link: &dyn Link) -> Result<Arc<dyn Backend>, Error> {
-        match link.addrs() {
-            Some(addrs) => self.connect_via(&addrs).await,
-            None => Err(Error::Config("this link has no proxy addresses".into())),
-        }
+        connect_over_proxies(self, link).await
     }
 
     /// Process control of the store's servers; `None` if the harness has
     /// none (the server-fault cases then say they were skipped).
     fn servers(&self) -> Option<Arc<dyn Servers>> {
         None
+    }
+}
+
+/// [`Harness::connect_over`] for a link made of proxies.
+pub(crate) async fn connect_over_proxies<H: Harness + ?Sized>(
+    harness: &H,
+    link: &dyn Link,
+) -> Result<Arc<dyn Backend>, Error> {
+    match link.addrs() {
+        Some(addrs) => harness.connect_via(&addrs).await,
+        None => Err(Error::Config("this link has no proxy addresses".into())),
     }
 }
 

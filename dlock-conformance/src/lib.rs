@@ -1,11 +1,20 @@
 //! The dlock conformance suite: every adapter proves itself against a real
 //! server with the same cases.
 //!
-//! An adapter's `tests/conformance.rs` is one macro call over a [`Harness`]:
+//! An adapter's `tests/conformance.rs` is one macro call over a [`Harness`],
+//! most simply an [`AdapterHarness`] built from the adapter and a URL:
 //!
 //! ```ignore
-//! use dlock_conformance::conformance_tests;
-//! conformance_tests!(my_adapter::TestHarness::from_env());
+//! use std::time::Duration;
+//! use dlock_conformance::{AdapterHarness, conformance_tests};
+//!
+//! conformance_tests!(
+//!     AdapterHarness::new("my-store", my_adapter::MyAdapter)
+//!         .default_url("mystore://127.0.0.1:7000") // or $DLOCK_TEST_MY_STORE_URL
+//!         .ttl(Duration::from_secs(1))
+//!         .services(["my-store"]) // server faults through $DLOCK_SERVICES
+//!         .bad_urls(["mystore://", "mystore://h:1?no_such_option=1"])
+//! );
 //! ```
 //!
 //! It expands to one `#[tokio::test]` per case (the calling crate needs
@@ -31,6 +40,7 @@
 //! memory backend's in-process link), the server faults from the harness's
 //! [`servers::Servers`], the in-process ones from [`faults`].
 
+mod adapter_harness;
 pub mod cases;
 pub mod checker;
 pub mod faults;
@@ -44,6 +54,7 @@ use std::io::Write;
 use std::pin::Pin;
 use std::time::Duration;
 
+pub use adapter_harness::AdapterHarness;
 pub use harness::{Ctx, Failure, Harness, LegacyCapabilities, Outcome, Profile, Verdict};
 
 /// The first API's name of [`LegacyCapabilities`]: **deprecated**, for
@@ -96,7 +107,7 @@ where
     }
     if let Err(e) = harness.connect().await {
         panic!(
-            "{store}::{case}: cannot reach the {store} server ({e}); start it with `{}` \
+            "{store}::{case}: cannot reach the {store} server ({e}); to start it: {}; \
              or set DLOCK_TEST_SKIP={store}",
             harness.start_hint()
         );
@@ -159,11 +170,22 @@ fn init_tracing() {
 /// [`CASES`], named like it) for `$harness` (an expression evaluated afresh
 /// in each test).
 ///
+/// `conformance_tests!(mod NAME, $harness)` puts them in a module `NAME`
+/// (which sees the items of the calling module), so that one test file can
+/// test several deployments.
+///
 /// Cases that kill, pause or restart servers run alone: while one runs, no
 /// other case of the same test binary does (cargo runs test binaries one
 /// after another, so nothing else touches the servers either).
 #[macro_export]
 macro_rules! conformance_tests {
+    (mod $module:ident, $harness:expr $(,)?) => {
+        mod $module {
+            #[allow(unused_imports)]
+            use super::*;
+            $crate::conformance_tests!($harness);
+        }
+    };
     ($harness:expr) => {
         $crate::__with_cases!(__conformance_cases!($harness));
     };

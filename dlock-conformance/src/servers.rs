@@ -4,8 +4,9 @@
 //! The harness supplies them ([`Harness::servers`](crate::Harness::servers)),
 //! so an adapter outside this repository brings its own process control; the
 //! suite never looks for scripts of its own. [`ServicesCommand`] drives any
-//! command with the `scripts/services` interface (this repository's, or one
-//! written alike); [`MemoryServers`] controls the in-process memory server.
+//! supervisor command with the interface it documents, named by the
+//! environment variable `DLOCK_SERVICES` ([`ServicesCommand::from_env`]);
+//! [`MemoryServers`] controls the in-process memory server.
 
 use std::fmt;
 use std::path::PathBuf;
@@ -14,8 +15,13 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use dlock_core::memory::MemoryBackend;
+use dlock_core::url::StoreUrl;
 
 use crate::Failure;
+
+/// The environment variable that names the supervisor command of the test
+/// servers (see [`ServicesCommand`]): a path to an executable.
+pub const SERVICES_VAR: &str = "DLOCK_SERVICES";
 
 /// Process control of the deployment under test. Nodes are numbered in the
 /// harness's endpoint order.
@@ -98,20 +104,34 @@ pub trait Servers: Send + Sync + fmt::Debug {
         let _ = (node, by);
         None
     }
+
+    /// The client endpoints (`host:port`) of the nodes this controls, in
+    /// node order, where it knows them. The server-fault cases compare them
+    /// with [`Harness::endpoints`](crate::Harness::endpoints) and skip when
+    /// they differ: faults on servers that are not the ones under test
+    /// prove nothing.
+    async fn endpoints(&self) -> Option<Result<Vec<String>, Failure>> {
+        None
+    }
 }
 
-/// [`Servers`] through a command with the `scripts/services` interface:
-/// `CMD kill|up|wipe|snapshot|pause|resume|isolate|rejoin NAME` and
-/// `CMD leader GROUP` (which prints the leader's NAME). A `snapshot` or
-/// `isolate` that exits with status 3 means "not supported".
+/// [`Servers`] through a supervisor command (the dlock repository's
+/// `scripts/services`, or one written alike) with this interface:
+///
+/// - `CMD kill|up|wipe|snapshot|pause|resume|isolate|rejoin NAME...`: the
+///   operation on each node; exit status 3 means "not supported for this
+///   server" (`wipe`, `snapshot` and `isolate` may say so);
+/// - `CMD leader GROUP`: prints the NAME of the group's leader;
+/// - `CMD status NAME...`: one line per node, `NAME STATE URL ...`: the URL
+///   its clients use (the suite checks it is the URL under test).
+///
+/// The suite finds the command in the environment variable `DLOCK_SERVICES`
+/// ([`ServicesCommand::from_env`]), never by a path of its own.
 ///
 /// ```no_run
 /// use dlock_conformance::servers::ServicesCommand;
-/// let servers = ServicesCommand::new(
-///     concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/services"),
-///     ["etcd-c1", "etcd-c2", "etcd-c3"],
-/// )
-/// .group("etcd-cluster");
+/// let servers = ServicesCommand::from_env(["etcd-c1", "etcd-c2", "etcd-c3"])
+///     .map(|s| s.group("etcd-cluster"));
 /// ```
 #[derive(Debug, Clone)]
 pub struct ServicesCommand {
@@ -135,6 +155,35 @@ impl ServicesCommand {
             names: names.into_iter().map(Into::into).collect(),
             group: None,
         }
+    }
+
+    /// Nodes `names` controlled by the command in `DLOCK_SERVICES`; `None`
+    /// (and, once per process, a line on stderr saying the server-fault
+    /// cases are skipped) when it is unset.
+    pub fn from_env<I, S>(names: I) -> Option<Self>
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        match std::env::var_os(SERVICES_VAR).filter(|c| !c.is_empty()) {
+            Some(command) => Some(Self::new(command, names)),
+            None => {
+                static NOTE: std::sync::Once = std::sync::Once::new();
+                NOTE.call_once(|| {
+                    crate::loud(&format!(
+                        "NOTE {SERVICES_VAR} is not set: the cases that kill, pause or \
+                         restart servers say SKIPPED (set it to a supervisor command, such \
+                         as the dlock repository's scripts/services)"
+                    ));
+                });
+                None
+            }
+        }
+    }
+
+    /// The command line that starts every node (`CMD up NAME...`).
+    pub fn start_command(&self) -> String {
+        format!("{} up {}", self.command.display(), self.names.join(" "))
     }
 
     /// The cluster's group name, for `leader`.
@@ -250,6 +299,33 @@ impl Servers for ServicesCommand {
     async fn rejoin(&self, node: usize) -> Result<(), Failure> {
         self.must("rejoin", node).await
     }
+
+    async fn endpoints(&self) -> Option<Result<Vec<String>, Failure>> {
+        let mut args = vec!["status".to_owned()];
+        args.extend(self.names.iter().cloned());
+        Some(match self.run(args).await {
+            Ok((0, out)) => self
+                .names
+                .iter()
+                .map(|name| status_endpoint(&out, name))
+                .collect::<Result<Vec<Vec<String>>, Failure>>()
+                .map(|hosts| hosts.concat()),
+            Ok(_) => return None,
+            Err(e) => Err(e),
+        })
+    }
+}
+
+/// The hosts of `name`'s URL in `status` output (`NAME STATE URL ...` lines).
+fn status_endpoint(status: &str, name: &str) -> Result<Vec<String>, Failure> {
+    let url = status
+        .lines()
+        .map(|line| line.split_whitespace().collect::<Vec<_>>())
+        .find(|fields| fields.first() == Some(&name))
+        .and_then(|fields| fields.get(2).copied())
+        .ok_or_else(|| Failure(format!("`status {name}` printed no URL for {name}")))?;
+    let url = StoreUrl::parse(url).map_err(|e| Failure(format!("`status {name}`: {e}")))?;
+    Ok(url.hosts().iter().map(ToString::to_string).collect())
 }
 
 /// [`Servers`] for the in-process memory server: one node, whose "disk"

@@ -1,96 +1,35 @@
 //! The whole conformance suite on the in-memory reference backend, in both
-//! of its lease models, with its in-process links and server control.
+//! of its lease models, with its in-process links and server control. Each
+//! test gets its own private server, so cases cannot disturb each other.
 
-use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
-use dlock_conformance::servers::{MemoryServers, Servers};
-use dlock_conformance::wire::{Link, MemoryLink};
-use dlock_conformance::{Harness, Profile, conformance_tests};
-use dlock_core::memory::MemoryBackend;
-use dlock_core::{Backend, Error};
+use dlock_conformance::servers::MemoryServers;
+use dlock_conformance::wire::MemoryLink;
+use dlock_conformance::{AdapterHarness, conformance_tests};
+use dlock_core::memory::{Link, MemoryAdapter, MemoryBackend};
 
-/// Each test gets its own private service, so cases cannot disturb each other.
-struct Memory {
-    store: &'static str,
-    server: MemoryBackend,
-}
-
-impl Memory {
-    fn per_hold() -> Self {
-        Memory {
-            store: "memory",
-            server: MemoryBackend::new(),
-        }
-    }
-
-    fn session_leases() -> Self {
-        Memory {
-            store: "memory-leases",
-            server: MemoryBackend::new().session_leases(),
-        }
-    }
-}
-
-#[async_trait]
-impl Harness for Memory {
-    fn store(&self) -> &str {
-        self.store
-    }
-
-    fn profile(&self) -> Profile {
-        Profile::new(Duration::from_millis(300), self.server.capabilities())
-    }
-
-    async fn connect(&self) -> Result<Arc<dyn Backend>, Error> {
-        Ok(Arc::new(self.server.linked().0))
-    }
-
-    async fn connect_url(&self, url: &str) -> Option<Result<Arc<dyn Backend>, Error>> {
-        Some(MemoryBackend::connect(url).map(|b| Arc::new(b) as Arc<dyn Backend>))
-    }
-
-    fn bad_urls(&self) -> Vec<String> {
-        [
+fn memory(store: &str, server: MemoryBackend) -> AdapterHarness {
+    let (plain, linked, counted) = (server.clone(), server.clone(), server.clone());
+    AdapterHarness::new(store, MemoryAdapter)
+        .url("memory://")
+        .ttl(Duration::from_millis(300))
+        .connect_with(move |_| std::future::ready(Ok(plain.linked().0)))
+        .links(
+            || MemoryLink(Link::new()),
+            move |link| std::future::ready(Ok(linked.with_link(link.0))),
+        )
+        .servers(Some(MemoryServers(server)))
+        .leftovers(move |_, prefix| std::future::ready(Ok(counted.objects(&prefix))))
+        .bad_urls([
             "memory:/x",
             "memory://a b",
             "memory://x/y",
             "memory://u:p@x",
             "memory://x?fair=1",
             "redis://x",
-        ]
-        .map(String::from)
-        .to_vec()
-    }
-
-    async fn leftover_objects(&self, prefix: &str) -> Option<Result<usize, Error>> {
-        Some(Ok(self.server.objects(prefix)))
-    }
-
-    async fn link(&self) -> Option<Result<Arc<dyn Link>, Error>> {
-        Some(Ok(Arc::new(MemoryLink(dlock_core::memory::Link::new()))))
-    }
-
-    async fn connect_over(&self, link: &dyn Link) -> Result<Arc<dyn Backend>, Error> {
-        let link = link
-            .as_any()
-            .downcast_ref::<MemoryLink>()
-            .ok_or_else(|| Error::Config("not a memory link".into()))?;
-        Ok(Arc::new(self.server.with_link(link.0.clone())))
-    }
-
-    fn servers(&self) -> Option<Arc<dyn Servers>> {
-        Some(Arc::new(MemoryServers(self.server.clone())))
-    }
+        ])
 }
 
-mod per_hold {
-    use super::*;
-    conformance_tests!(Memory::per_hold());
-}
-
-mod session_leases {
-    use super::*;
-    conformance_tests!(Memory::session_leases());
-}
+conformance_tests!(mod per_hold, memory("memory", MemoryBackend::new()));
+conformance_tests!(mod session_leases, memory("memory-leases", MemoryBackend::new().session_leases()));

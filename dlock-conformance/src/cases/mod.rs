@@ -109,6 +109,18 @@ macro_rules! ensure {
 }
 pub(crate) use ensure;
 
+/// Unwraps what a case needs (`Ok`), or returns the verdict that the case
+/// does not apply (`Err`).
+macro_rules! or_skip {
+    ($needed:expr) => {
+        match $needed {
+            Ok(needed) => needed,
+            Err(verdict) => return verdict,
+        }
+    };
+}
+pub(crate) use or_skip;
+
 pub(crate) fn passed() -> Outcome {
     Ok(Verdict::Passed)
 }

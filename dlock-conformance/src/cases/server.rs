@@ -9,7 +9,7 @@ use std::time::Duration;
 use dlock_core::{FencingToken, LockGuard, Session};
 use tokio::time::{Instant, sleep};
 
-use super::{ensure, passed, skipped, within};
+use super::{ensure, or_skip, passed, skipped, within};
 use crate::checker::FencedRegister;
 use crate::servers::Servers;
 use crate::wire::Fault;
@@ -42,12 +42,25 @@ impl Drop for Restore {
     }
 }
 
-fn servers(h: &dyn Harness) -> Option<(Arc<dyn Servers>, Restore)> {
-    let servers = h.servers()?;
+/// The harness's process control, with a guard that brings every node back
+/// when dropped; or the verdict that the case does not apply.
+async fn servers(h: &dyn Harness) -> Result<Result<(Arc<dyn Servers>, Restore), Outcome>, Failure> {
+    let Some(servers) = h.servers() else {
+        return Ok(Err(skipped(NO_SERVERS)));
+    };
+    if let Some(controlled) = servers.endpoints().await {
+        let (controlled, tested) = (controlled?, h.endpoints());
+        if !tested.is_empty() && controlled != tested {
+            return Ok(Err(skipped(format!(
+                "the harness controls the servers at {controlled:?}, not the ones under test \
+                 ({tested:?})"
+            ))));
+        }
+    }
     let restore = Restore {
         servers: servers.clone(),
     };
-    Some((servers, restore))
+    Ok(Ok((servers, restore)))
 }
 
 /// Whether `a` either keeps a valid lock (the store agrees) or has learned
@@ -85,9 +98,7 @@ pub async fn tokens_after_restart(h: &dyn Harness) -> Outcome {
     if !ctx.caps.durable_tokens {
         return skipped("backend does not declare durable tokens");
     }
-    let Some((servers, _restore)) = servers(h) else {
-        return skipped(NO_SERVERS);
-    };
+    let (servers, _restore) = or_skip!(servers(h).await?);
     let name = ctx.name("x");
     let a = ctx.client().await?;
     let g = a.lock(&name)?.acquire().await?;
@@ -155,9 +166,7 @@ fn wait_for(session: &Session, name: &dlock_core::LockName) -> Result<Waiting, F
 /// fenced write is refused.
 pub async fn server_paused_past_ttl(h: &dyn Harness) -> Outcome {
     let ctx = Ctx::new(h, "server_paused_past_ttl");
-    let Some((servers, _restore)) = servers(h) else {
-        return skipped(NO_SERVERS);
-    };
+    let (servers, _restore) = or_skip!(servers(h).await?);
     let t = ctx.caps.ttl;
     let name = ctx.name("x");
     let (a, b) = (ctx.client().await?, ctx.client().await?);
@@ -209,9 +218,7 @@ pub async fn server_paused_past_ttl(h: &dyn Harness) -> Outcome {
 /// lock, or `SessionLost` if its session did not survive).
 pub async fn server_restart_while_held(h: &dyn Harness) -> Outcome {
     let ctx = Ctx::new(h, "server_restart_while_held");
-    let Some((servers, _restore)) = servers(h) else {
-        return skipped(NO_SERVERS);
-    };
+    let (servers, _restore) = or_skip!(servers(h).await?);
     let name = ctx.name("x");
     let (a, b) = (ctx.client().await?, ctx.client().await?);
     let ga = a.lock(&name)?.acquire().await?;
@@ -260,9 +267,7 @@ pub async fn server_restart_while_held(h: &dyn Harness) -> Outcome {
 /// declares that restarts lose locks), and tokens keep increasing.
 pub async fn node_restarted_from_old_snapshot(h: &dyn Harness) -> Outcome {
     let ctx = Ctx::new(h, "node_restarted_from_old_snapshot");
-    let Some((servers, _restore)) = servers(h) else {
-        return skipped(NO_SERVERS);
-    };
+    let (servers, _restore) = or_skip!(servers(h).await?);
     let Some(link) = ctx.link().await? else {
         return skipped("the harness cannot put a link between a client and the store");
     };
@@ -328,9 +333,7 @@ pub async fn node_restarted_from_old_snapshot(h: &dyn Harness) -> Outcome {
 /// get the lock (in order where the backend is fair).
 pub async fn leader_killed_while_held(h: &dyn Harness) -> Outcome {
     let ctx = Ctx::new(h, "leader_killed_while_held");
-    let Some((servers, _restore)) = servers(h) else {
-        return skipped(NO_SERVERS);
-    };
+    let (servers, _restore) = or_skip!(servers(h).await?);
     let Some(leader) = servers.leader().await else {
         return skipped("the store has no leader");
     };
@@ -408,9 +411,7 @@ pub async fn leader_killed_while_held(h: &dyn Harness) -> Outcome {
 /// passes before B, on the majority side, gets the lock.
 pub async fn node_isolated_from_peers(h: &dyn Harness) -> Outcome {
     let ctx = Ctx::new(h, "node_isolated_from_peers");
-    let Some((servers, _restore)) = servers(h) else {
-        return skipped(NO_SERVERS);
-    };
+    let (servers, _restore) = or_skip!(servers(h).await?);
     let Some(leader) = servers.leader().await else {
         return skipped("the store has no leader");
     };
@@ -465,9 +466,7 @@ pub async fn node_isolated_from_peers(h: &dyn Harness) -> Outcome {
 /// and A hears of the loss at its next renewal.
 pub async fn server_clock_jumps(h: &dyn Harness) -> Outcome {
     let ctx = Ctx::new(h, "server_clock_jumps");
-    let Some((servers, _restore)) = servers(h) else {
-        return skipped(NO_SERVERS);
-    };
+    let (servers, _restore) = or_skip!(servers(h).await?);
     let t = ctx.caps.ttl;
     let name = ctx.name("x");
     let (a, b) = (ctx.client().await?, ctx.client().await?);

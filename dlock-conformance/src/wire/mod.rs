@@ -14,7 +14,9 @@ use std::any::Any;
 use std::fmt;
 use std::io;
 use std::net::SocketAddr;
+use std::sync::Arc;
 
+use dlock_core::Error;
 pub use dlock_core::memory::{Fault, Flow, LinkState};
 pub use proxy::Proxy;
 
@@ -90,6 +92,19 @@ impl Link for ProxyLink {
     }
 }
 
+/// A new [`ProxyLink`] in front of `endpoints`; `None` if there are none.
+pub(crate) async fn proxy_link(endpoints: &[String]) -> Option<Result<Arc<dyn Link>, Error>> {
+    if endpoints.is_empty() {
+        return None;
+    }
+    Some(
+        ProxyLink::start(endpoints)
+            .await
+            .map(|l| Arc::new(l) as Arc<dyn Link>)
+            .map_err(|e| Error::unavailable("proxy", e)),
+    )
+}
+
 /// The memory backend's in-process link as a [`Link`] with one node.
 #[derive(Debug, Clone)]
 pub struct MemoryLink(pub dlock_core::memory::Link);
@@ -112,6 +127,12 @@ impl Link for MemoryLink {
 /// The `host:port` list of a URL's authority (`scheme://[user@]h1:p1,h2:p2/...`),
 /// for harnesses to list their endpoints.
 ///
+/// **Deprecated**: parse the URL once with
+/// [`StoreUrl`](dlock_core::url::StoreUrl) and read
+/// [`hosts()`](dlock_core::url::StoreUrl::hosts) (or use
+/// [`AdapterHarness`](crate::AdapterHarness), which does); kept while
+/// adapters move to it.
+///
 /// ```
 /// use dlock_conformance::wire::hosts_of;
 /// assert_eq!(hosts_of("etcd://u:p@a:1,b:2/pre?x=1"), ["a:1", "b:2"]);
@@ -127,6 +148,11 @@ pub fn hosts_of(url: &str) -> Vec<String> {
 }
 
 /// `url` with its hosts replaced by `addrs` (userinfo, path and query kept).
+///
+/// **Deprecated**: use
+/// [`StoreUrl::with_hosts`](dlock_core::url::StoreUrl::with_hosts) (or
+/// [`AdapterHarness`](crate::AdapterHarness), which does); kept while
+/// adapters move to it.
 ///
 /// ```
 /// use dlock_conformance::wire::with_hosts;

@@ -1,0 +1,79 @@
+//! `ServicesCommand` against a fake supervisor: its `status` tells the
+//! suite which servers it controls, and the server-fault cases touch them
+//! only when they are the ones under test.
+#![cfg(unix)]
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::PathBuf;
+
+use dlock_conformance::servers::{Servers, ServicesCommand};
+use dlock_conformance::{AdapterHarness, Harness, Verdict, cases};
+use dlock_core::memory::{MemoryAdapter, MemoryBackend};
+
+/// A supervisor that logs its arguments, serves `memory://NAME` for each
+/// NAME, and does nothing else.
+fn fake_supervisor(test: &str) -> (PathBuf, PathBuf) {
+    let dir = std::env::temp_dir().join(format!("dlock-services-{test}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (script, log) = (dir.join("services"), dir.join("log"));
+    let _ = std::fs::remove_file(&log);
+    std::fs::write(
+        &script,
+        format!(
+            "#!/bin/sh\necho \"$@\" >> '{}'\n\
+             if [ \"$1\" = status ]; then shift; for n in \"$@\"; do echo \"$n up memory://$n\"; done; fi\n",
+            log.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    (script, log)
+}
+
+fn harness(url: &str, servers: ServicesCommand) -> AdapterHarness {
+    let server = MemoryBackend::new();
+    AdapterHarness::new("fake", MemoryAdapter)
+        .url(url)
+        .connect_with(move |_| std::future::ready(Ok(server.linked().0)))
+        .servers(Some(servers))
+}
+
+#[tokio::test]
+async fn status_lists_the_endpoints_in_node_order() {
+    let (script, _) = fake_supervisor("status");
+    let servers = ServicesCommand::new(&script, ["b", "a"]);
+    let endpoints = servers.endpoints().await.expect("status is supported");
+    assert_eq!(endpoints.unwrap(), ["b", "a"]);
+    assert_eq!(
+        servers.start_command(),
+        format!("{} up b a", script.display())
+    );
+}
+
+#[tokio::test]
+async fn servers_not_under_test_are_left_alone() {
+    let (script, log) = fake_supervisor("mismatch");
+    let h = harness("memory://other", ServicesCommand::new(&script, ["node"]));
+    h.connect().await.unwrap();
+    let verdict = cases::tokens_after_restart(&h).await.unwrap();
+    let Verdict::Skipped(why) = verdict else {
+        panic!("ran on servers that are not under test");
+    };
+    assert!(why.contains("not the ones under test"), "{why}");
+    assert_eq!(std::fs::read_to_string(&log).unwrap(), "status node\n");
+}
+
+#[tokio::test]
+async fn servers_under_test_are_used() {
+    let (script, log) = fake_supervisor("match");
+    let h = harness("memory://node", ServicesCommand::new(&script, ["node"]));
+    h.connect().await.unwrap();
+    let verdict = cases::tokens_after_restart(&h).await.unwrap();
+    assert_eq!(verdict, Verdict::Passed);
+    let log = std::fs::read_to_string(&log).unwrap();
+    // Then the case puts every node back as it found it.
+    assert!(
+        log.starts_with("status node\nkill node\nup node\n"),
+        "{log}"
+    );
+}

@@ -113,6 +113,49 @@ pub trait Adapter: Send + Sync + Debug + 'static {
     async fn connect(&self, url: &StoreUrl) -> Result<Arc<dyn Backend>, Error>;
 }
 
+/// Implements [`Adapter`] for a unit struct whose backend type has an
+/// async `connect(&StoreUrl)`: every adapter crate's `impl Adapter` is the
+/// same three lines, so it is written once, here.
+///
+/// ```
+/// use dlock_core::{Error, memory::MemoryBackend, url::StoreUrl};
+///
+/// /// `memory://` under a second name.
+/// #[derive(Debug, Clone, Copy, Default)]
+/// pub struct Scratch;
+///
+/// struct ScratchBackend;
+/// impl ScratchBackend {
+///     async fn connect(url: &StoreUrl) -> Result<MemoryBackend, Error> {
+///         MemoryBackend::connect(&url.with_scheme("memory")?)
+///     }
+/// }
+///
+/// dlock_core::impl_adapter!(Scratch, name: "scratch", schemes: &["scratch"], connect: ScratchBackend::connect);
+/// ```
+#[macro_export]
+macro_rules! impl_adapter {
+    ($adapter:ty, name: $name:expr, schemes: $schemes:expr, connect: $($connect:ident)::+ $(,)?) => {
+        #[$crate::__async_trait]
+        impl $crate::Adapter for $adapter {
+            fn name(&self) -> &'static str {
+                $name
+            }
+
+            fn schemes(&self) -> &'static [&'static str] {
+                $schemes
+            }
+
+            async fn connect(
+                &self,
+                url: &$crate::url::StoreUrl,
+            ) -> ::std::result::Result<::std::sync::Arc<dyn $crate::Backend>, $crate::Error> {
+                ::std::result::Result::Ok(::std::sync::Arc::new($($connect)::+(url).await?))
+            }
+        }
+    };
+}
+
 /// What a scheme maps to.
 #[derive(Debug, Clone)]
 enum Entry {

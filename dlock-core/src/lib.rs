@@ -50,7 +50,7 @@
 //! guard releases in the background; dropping the last handle of a session
 //! closes it in the background.
 
-mod adapter;
+pub mod adapter;
 pub mod backend;
 mod clock;
 mod error;
@@ -67,6 +67,9 @@ pub mod url;
 pub mod wake;
 
 pub use adapter::{Adapter, Capabilities, Registry, registry};
+
+#[doc(hidden)]
+pub use async_trait::async_trait as __async_trait;
 pub use backend::Backend;
 pub use error::{BoxError, Error, Result};
 pub use guard::{LockGuard, LostReason};

@@ -1,5 +1,5 @@
 //! dlock on etcd: `etcd://[user:password@]h1:p1,h2:p2,h3:p3[/prefix]`, or
-//! `etcds://...` for TLS. [`EtcdAdapter`] is the [`Adapter`] of both schemes
+//! `etcds://...` for TLS. [`EtcdAdapter`] is the [`Adapter`](dlock_core::Adapter) of both schemes
 //! (register it in a [`Registry`](dlock_core::Registry)), with the
 //! [`Capabilities`] every etcd backend promises; [`EtcdBackend::connect`]
 //! opens one directly.
@@ -104,8 +104,7 @@ use async_trait::async_trait;
 use dlock_core::backend::RawSession;
 use dlock_core::url::StoreUrl;
 use dlock_core::{
-    Adapter, Backend, Capabilities, Error, FencingToken, LockInfo, LockName, SessionId,
-    SessionOptions, name,
+    Backend, Capabilities, Error, FencingToken, LockInfo, LockName, SessionId, SessionOptions, name,
 };
 use etcd_client::{
     Certificate, Client, Compare, CompareOp, ConnectOptions, GetOptions, Identity, SortOrder,
@@ -123,7 +122,7 @@ pub const MIN_TTL: Duration = Duration::from_secs(1);
 /// The key prefix used unless the URL has a path.
 pub const DEFAULT_PREFIX: &str = "dlock";
 
-/// The `etcd://` and `etcds://` [`Adapter`]: register it to open etcd URLs
+/// The `etcd://` and `etcds://` [`Adapter`](dlock_core::Adapter): register it to open etcd URLs
 /// through a [`Registry`](dlock_core::Registry).
 ///
 /// ```no_run
@@ -161,20 +160,7 @@ impl EtcdAdapter {
     }
 }
 
-#[async_trait]
-impl Adapter for EtcdAdapter {
-    fn name(&self) -> &'static str {
-        BACKEND
-    }
-
-    fn schemes(&self) -> &'static [&'static str] {
-        &["etcd", "etcds"]
-    }
-
-    async fn connect(&self, url: &StoreUrl) -> Result<Arc<dyn Backend>, Error> {
-        Ok(Arc::new(EtcdBackend::connect(url).await?))
-    }
-}
+dlock_core::impl_adapter!(EtcdAdapter, name: BACKEND, schemes: &["etcd", "etcds"], connect: EtcdBackend::connect);
 
 /// A lock service on an etcd cluster (see the [crate docs](crate)).
 #[derive(Clone)]
@@ -880,6 +866,9 @@ mod tests {
         assert!(c.survives_reconnect && !c.restart_loses_locks);
         assert_eq!(c.wakeup_bound, Duration::from_millis(150));
         assert_eq!(c.recovery_bound, Duration::from_millis(1500));
-        assert_eq!(EtcdAdapter.schemes(), ["etcd", "etcds"]);
+        assert_eq!(
+            dlock_core::Adapter::schemes(&EtcdAdapter),
+            ["etcd", "etcds"]
+        );
     }
 }

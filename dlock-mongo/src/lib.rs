@@ -242,8 +242,7 @@ use async_trait::async_trait;
 use dlock_core::backend::RawSession;
 use dlock_core::url::StoreUrl;
 use dlock_core::{
-    Adapter, Backend, Capabilities, Error, FencingToken, LockInfo, LockName, SessionId,
-    SessionOptions, name,
+    Backend, Capabilities, Error, FencingToken, LockInfo, LockName, SessionId, SessionOptions, name,
 };
 use futures::TryStreamExt;
 use mongodb::bson::{Bson, Document, doc};
@@ -305,7 +304,7 @@ impl Deployment {
     }
 }
 
-/// The MongoDB [`Adapter`]: `mongodb://` and `mongodb+srv://` URLs, opened
+/// The MongoDB [`Adapter`](dlock_core::Adapter): `mongodb://` and `mongodb+srv://` URLs, opened
 /// with [`MongoBackend::connect`].
 ///
 /// ```no_run
@@ -321,20 +320,7 @@ impl Deployment {
 #[derive(Debug, Clone, Copy, Default)]
 pub struct MongoAdapter;
 
-#[async_trait]
-impl Adapter for MongoAdapter {
-    fn name(&self) -> &'static str {
-        SCHEME
-    }
-
-    fn schemes(&self) -> &'static [&'static str] {
-        &["mongodb", "mongodb+srv"]
-    }
-
-    async fn connect(&self, url: &StoreUrl) -> Result<Arc<dyn Backend>, Error> {
-        Ok(Arc::new(MongoBackend::connect(url).await?))
-    }
-}
+dlock_core::impl_adapter!(MongoAdapter, name: SCHEME, schemes: &["mongodb", "mongodb+srv"], connect: MongoBackend::connect);
 
 /// A lock service on one MongoDB deployment (see the [crate docs](crate)).
 ///

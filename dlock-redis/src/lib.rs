@@ -179,7 +179,7 @@
 //!
 //! # As a pluggable adapter
 //!
-//! [`RedisAdapter`] is this crate's [`Adapter`]: it answers to
+//! [`RedisAdapter`] is this crate's [`Adapter`](dlock_core::Adapter): it answers to
 //! [`SCHEMES`] (`redis`, `rediss`, `redlock`), so that a [`Registry`]
 //! (`dlocks::connect` uses [`dlock_core::registry()`]) opens these URLs like
 //! any other store's. What a backend promises beyond the safety invariants
@@ -202,8 +202,7 @@ use async_trait::async_trait;
 use dlock_core::backend::RawSession;
 use dlock_core::url::StoreUrl;
 use dlock_core::{
-    Adapter, Backend, Capabilities, Error, FencingToken, LockInfo, LockName, SessionId,
-    SessionOptions, name,
+    Backend, Capabilities, Error, FencingToken, LockInfo, LockName, SessionId, SessionOptions, name,
 };
 use futures::future::join_all;
 
@@ -223,7 +222,7 @@ const ADMIN_TIMEOUT: Duration = Duration::from_secs(5);
 /// The URL schemes of this crate: `redis`, `rediss` (TLS) and `redlock`.
 pub const SCHEMES: &[&str] = &["redis", "rediss", "redlock"];
 
-/// The Redis and Redlock [`Adapter`]: opens the [`SCHEMES`] with
+/// The Redis and Redlock [`Adapter`](dlock_core::Adapter): opens the [`SCHEMES`] with
 /// [`RedisBackend::connect`].
 ///
 /// ```no_run
@@ -241,20 +240,7 @@ pub const SCHEMES: &[&str] = &["redis", "rediss", "redlock"];
 #[derive(Debug, Clone, Copy, Default)]
 pub struct RedisAdapter;
 
-#[async_trait]
-impl Adapter for RedisAdapter {
-    fn name(&self) -> &'static str {
-        "redis"
-    }
-
-    fn schemes(&self) -> &'static [&'static str] {
-        SCHEMES
-    }
-
-    async fn connect(&self, url: &StoreUrl) -> Result<Arc<dyn Backend>, Error> {
-        Ok(Arc::new(RedisBackend::connect(url).await?))
-    }
-}
+dlock_core::impl_adapter!(RedisAdapter, name: "redis", schemes: SCHEMES, connect: RedisBackend::connect);
 
 /// A lock service on Redis or Redlock (see the [crate docs](crate)).
 #[derive(Clone)]
@@ -764,7 +750,10 @@ mod tests {
 
     #[test]
     fn the_adapter_names_its_schemes() {
-        assert_eq!(RedisAdapter.schemes(), ["redis", "rediss", "redlock"]);
+        assert_eq!(
+            dlock_core::Adapter::schemes(&RedisAdapter),
+            ["redis", "rediss", "redlock"]
+        );
         let registry = dlock_core::Registry::new();
         registry.register(RedisAdapter).unwrap();
         assert_eq!(registry.schemes(), ["redis", "rediss", "redlock"]);

@@ -121,8 +121,7 @@ use async_trait::async_trait;
 use dlock_core::backend::RawSession;
 use dlock_core::url::StoreUrl;
 use dlock_core::{
-    Adapter, Backend, Capabilities, Error, FencingToken, LockInfo, LockName, SessionId,
-    SessionOptions, name,
+    Backend, Capabilities, Error, FencingToken, LockInfo, LockName, SessionId, SessionOptions, name,
 };
 use sqlx::any::{AnyConnectOptions, AnyPoolOptions, AnyRow};
 use sqlx::{AnyConnection, AnyPool, Connection, Row};
@@ -143,7 +142,7 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// firewall or proxy may have dropped them); fresher ones are used at once.
 const IDLE_CHECK: Duration = Duration::from_secs(30);
 
-/// The SQL [`Adapter`]: `postgres://`, `postgresql://`, `mysql://`,
+/// The SQL [`Adapter`](dlock_core::Adapter): `postgres://`, `postgresql://`, `mysql://`,
 /// `mariadb://` and `sqlite://` URLs, opened with [`SqlBackend::connect`].
 /// A scheme whose feature is not compiled in is
 /// [`Error::FeatureDisabled`].
@@ -159,20 +158,7 @@ const IDLE_CHECK: Duration = Duration::from_secs(30);
 #[derive(Debug, Clone, Copy, Default)]
 pub struct SqlAdapter;
 
-#[async_trait]
-impl Adapter for SqlAdapter {
-    fn name(&self) -> &'static str {
-        "sql"
-    }
-
-    fn schemes(&self) -> &'static [&'static str] {
-        &["postgres", "postgresql", "mysql", "mariadb", "sqlite"]
-    }
-
-    async fn connect(&self, url: &StoreUrl) -> Result<Arc<dyn Backend>, Error> {
-        Ok(Arc::new(SqlBackend::connect(url).await?))
-    }
-}
+dlock_core::impl_adapter!(SqlAdapter, name: "sql", schemes: &["postgres", "postgresql", "mysql", "mariadb", "sqlite"], connect: SqlBackend::connect);
 
 /// A lock service on one SQL database (see the [crate docs](crate)).
 #[derive(Clone)]

@@ -1,5 +1,5 @@
 //! dlock on ZooKeeper: `zk://[user:password@]h1:p1,h2:p2,h3:p3[/root]`.
-//! [`ZkAdapter`] is the [`Adapter`] of the scheme (register it in a
+//! [`ZkAdapter`] is the [`Adapter`](dlock_core::Adapter) of the scheme (register it in a
 //! [`Registry`](dlock_core::Registry)), with the [`Capabilities`] every
 //! ZooKeeper backend promises; [`ZkBackend::connect`] opens one directly.
 //!
@@ -113,8 +113,7 @@ use async_trait::async_trait;
 use dlock_core::backend::RawSession;
 use dlock_core::url::StoreUrl;
 use dlock_core::{
-    Adapter, Backend, Capabilities, Error, FencingToken, LockInfo, LockName, SessionId,
-    SessionOptions, name,
+    Backend, Capabilities, Error, FencingToken, LockInfo, LockName, SessionId, SessionOptions, name,
 };
 use zookeeper_client as zk;
 
@@ -362,7 +361,7 @@ async fn half_tick(config: &Config) -> Result<Duration, Error> {
     Err(last.unwrap_or_else(|| Error::unavailable(BACKEND, "no probe session")))
 }
 
-/// The `zk://` [`Adapter`]: register it to open ZooKeeper URLs through a
+/// The `zk://` [`Adapter`](dlock_core::Adapter): register it to open ZooKeeper URLs through a
 /// [`Registry`](dlock_core::Registry).
 ///
 /// ```no_run
@@ -398,20 +397,7 @@ impl ZkAdapter {
     }
 }
 
-#[async_trait]
-impl Adapter for ZkAdapter {
-    fn name(&self) -> &'static str {
-        BACKEND
-    }
-
-    fn schemes(&self) -> &'static [&'static str] {
-        &["zk"]
-    }
-
-    async fn connect(&self, url: &StoreUrl) -> Result<Arc<dyn Backend>, Error> {
-        Ok(Arc::new(ZkBackend::connect(url).await?))
-    }
-}
+dlock_core::impl_adapter!(ZkAdapter, name: BACKEND, schemes: &["zk"], connect: ZkBackend::connect);
 
 /// A lock service on a ZooKeeper ensemble (see the [crate docs](crate)).
 #[derive(Clone)]
@@ -690,7 +676,7 @@ mod tests {
         assert!(c.survives_reconnect && !c.restart_loses_locks);
         assert_eq!(c.wakeup_bound, Duration::from_millis(150));
         assert_eq!(c.recovery_bound, Duration::from_millis(1000));
-        assert_eq!(ZkAdapter.schemes(), ["zk"]);
+        assert_eq!(dlock_core::Adapter::schemes(&ZkAdapter), ["zk"]);
     }
 
     #[test]

@@ -42,8 +42,7 @@ use tokio::time::{Instant, sleep_until};
 use crate::backend::{Attempt, ExpiryModel, Hold, RawSession, Take};
 use crate::url::StoreUrl;
 use crate::{
-    Adapter, Backend, Capabilities, Error, FencingToken, LockInfo, LockName, SessionId,
-    SessionOptions, name,
+    Backend, Capabilities, Error, FencingToken, LockInfo, LockName, SessionId, SessionOptions, name,
 };
 pub use clock::ServerClock;
 pub use link::{Fault, Flow, Link, LinkState};
@@ -52,25 +51,12 @@ use server::{BACKEND, Leases, Run, Server, TakeArgs};
 /// The smallest TTL of the memory backend.
 pub const MIN_TTL: Duration = Duration::from_millis(20);
 
-/// The `memory://` [`Adapter`]: registered in [`registry()`](crate::registry)
+/// The `memory://` [`Adapter`](crate::Adapter): registered in [`registry()`](crate::registry)
 /// from the start.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct MemoryAdapter;
 
-#[async_trait]
-impl Adapter for MemoryAdapter {
-    fn name(&self) -> &'static str {
-        BACKEND
-    }
-
-    fn schemes(&self) -> &'static [&'static str] {
-        &["memory"]
-    }
-
-    async fn connect(&self, url: &StoreUrl) -> Result<Arc<dyn Backend>, Error> {
-        Ok(Arc::new(MemoryBackend::connect(url)?))
-    }
-}
+crate::impl_adapter!(MemoryAdapter, name: BACKEND, schemes: &["memory"], connect: MemoryBackend::connect_url);
 
 /// An in-memory lock service (see the [module docs](self)).
 #[derive(Clone)]
@@ -145,6 +131,11 @@ impl MemoryBackend {
             .or_insert_with(|| Arc::new(Server::new()))
             .clone();
         Ok(Self::on(server, Some(instance.to_owned())))
+    }
+
+    /// [`MemoryBackend::connect`], async as adapters are.
+    async fn connect_url(url: &StoreUrl) -> Result<Self, Error> {
+        Self::connect(url)
     }
 
     /// Grants to whoever asks first after a release instead of in arrival

@@ -60,6 +60,7 @@ async fn waiter_survives(url: &str, fault: Fault, dark: Duration) {
 
 /// The store stays dark past `--wait`: the documented status for an
 /// unreachable store (69) or for a wait that ran out (75), never 1.
+#[cfg(any(feature = "postgres", feature = "redis"))]
 async fn dark_past_the_budget(url: &str) {
     let upstream = hosts_of(url).into_iter().next().expect("a host");
     let proxy = Proxy::start(&upstream).await.expect("proxy");

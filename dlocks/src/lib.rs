@@ -38,12 +38,13 @@
 //! The `dlock` command (`cargo install dlock-cli`) runs a command under a lock:
 //! see `dlock --help`.
 
-use std::sync::Arc;
+use std::sync::{Arc, Once};
 
 #[doc(inline)]
 pub use dlock_core::{
-    Backend, Error, FenceGate, FencingToken, Lock, LockGuard, LockInfo, LockName, LostReason,
-    Result, Session, SessionId, SessionOptions, StaleToken, backend, memory,
+    Adapter, Backend, Capabilities, Error, FenceGate, FencingToken, Lock, LockGuard, LockInfo,
+    LockName, LostReason, Registry, Result, Session, SessionId, SessionOptions, StaleToken,
+    backend, impl_adapter, memory, url,
 };
 
 /// SQL databases: PostgreSQL, MySQL/MariaDB, SQLite.
@@ -74,7 +75,49 @@ pub use dlock_mongo as mongo;
 /// The URL used when none is given: an SQLite file in the current directory.
 pub const DEFAULT_URL: &str = "sqlite://dlock.db";
 
-/// Opens the backend a URL names.
+/// Every scheme the facade knows, with the Cargo feature that compiles its
+/// adapter in.
+pub const KNOWN_SCHEMES: &[(&[&str], &str)] = &[
+    (&["sqlite"], "sqlite"),
+    (&["postgres", "postgresql"], "postgres"),
+    (&["mysql", "mariadb"], "mysql"),
+    (&["redis", "rediss", "redlock"], "redis"),
+    (&["etcd", "etcds"], "etcd"),
+    (&["zk"], "zk"),
+    (&["mongodb", "mongodb+srv"], "mongo"),
+];
+
+/// The process-wide [`Registry`] with every adapter this build compiles in
+/// (and `memory://`); the schemes of the others give
+/// [`Error::FeatureDisabled`].
+///
+/// An adapter registered in [`dlock_core::registry`] before the first call
+/// keeps its schemes: a third-party adapter may take the place of a built-in
+/// one.
+pub fn registry() -> &'static Registry {
+    static BUILT_IN: Once = Once::new();
+    let registry = dlock_core::registry();
+    BUILT_IN.call_once(|| {
+        // Errors only where an adapter registered earlier holds the scheme.
+        #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+        let _ = registry.register(sql::SqlAdapter);
+        #[cfg(feature = "redis")]
+        let _ = registry.register(redis::RedisAdapter);
+        #[cfg(feature = "etcd")]
+        let _ = registry.register(etcd::EtcdAdapter);
+        #[cfg(feature = "zk")]
+        let _ = registry.register(zk::ZkAdapter);
+        #[cfg(feature = "mongo")]
+        let _ = registry.register(mongo::MongoAdapter);
+        for (schemes, feature) in KNOWN_SCHEMES {
+            registry.mark_disabled(schemes, feature);
+        }
+    });
+    registry
+}
+
+/// Opens the backend a URL names, with the adapter registered for its
+/// scheme (see [`registry`]).
 ///
 /// A URL whose backend is known but not compiled in gives
 /// [`Error::FeatureDisabled`] naming the feature to enable; an unknown or
@@ -83,51 +126,35 @@ pub const DEFAULT_URL: &str = "sqlite://dlock.db";
 /// # Cancel safety
 /// Cancel safe: nothing is left behind but idempotently created tables.
 pub async fn connect(url: &str) -> Result<Arc<dyn Backend>> {
-    let scheme = url.split_once(':').map(|(s, _)| s).unwrap_or("");
-    let disabled = |feature: &'static str| Error::FeatureDisabled {
-        scheme: scheme.to_owned(),
-        feature,
-    };
-    match scheme {
-        "memory" => Ok(Arc::new(memory::MemoryBackend::connect(url)?)),
-        "sqlite" if cfg!(feature = "sqlite") => sql_connect(url).await,
-        "postgres" | "postgresql" if cfg!(feature = "postgres") => sql_connect(url).await,
-        "mysql" | "mariadb" if cfg!(feature = "mysql") => sql_connect(url).await,
-        "sqlite" => Err(disabled("sqlite")),
-        "postgres" | "postgresql" => Err(disabled("postgres")),
-        "mysql" | "mariadb" => Err(disabled("mysql")),
-        #[cfg(feature = "redis")]
-        "redis" | "rediss" | "redlock" => Ok(Arc::new(redis::RedisBackend::connect(url).await?)),
-        #[cfg(not(feature = "redis"))]
-        "redis" | "rediss" | "redlock" => Err(disabled("redis")),
-        #[cfg(feature = "etcd")]
-        "etcd" | "etcds" => Ok(Arc::new(etcd::EtcdBackend::connect(url).await?)),
-        #[cfg(not(feature = "etcd"))]
-        "etcd" | "etcds" => Err(disabled("etcd")),
-        #[cfg(feature = "zk")]
-        "zk" => Ok(Arc::new(zk::ZkBackend::connect(url).await?)),
-        #[cfg(not(feature = "zk"))]
-        "zk" => Err(disabled("zk")),
-        #[cfg(feature = "mongo")]
-        "mongodb" | "mongodb+srv" => Ok(Arc::new(mongo::MongoBackend::connect(url).await?)),
-        #[cfg(not(feature = "mongo"))]
-        "mongodb" | "mongodb+srv" => Err(disabled("mongo")),
-        _ => Err(Error::invalid_url(
-            url,
-            "unknown scheme; expected memory://, sqlite://, postgres://, mysql://, redis://, \
-             redlock://, etcd://, zk:// or mongodb://",
-        )),
-    }
+    registry().connect(url).await
 }
 
-#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
-async fn sql_connect(url: &str) -> Result<Arc<dyn Backend>> {
-    Ok(Arc::new(sql::SqlBackend::connect(url).await?))
-}
-
-#[cfg(not(any(feature = "sqlite", feature = "postgres", feature = "mysql")))]
-async fn sql_connect(url: &str) -> Result<Arc<dyn Backend>> {
-    Err(Error::invalid_url(url, "no SQL backend compiled in"))
+/// Registers a third-party adapter: afterwards [`connect`] opens its URLs
+/// like any built-in one's. A scheme that already has an adapter is an
+/// [`Error::Config`].
+///
+/// ```
+/// # async fn demo() -> Result<(), dlocks::Error> {
+/// use std::sync::Arc;
+/// use dlocks::{Error, memory::MemoryBackend, url::StoreUrl};
+///
+/// /// `scratch://NAME`: an in-process store under its own scheme.
+/// #[derive(Debug, Clone, Copy)]
+/// struct Scratch;
+/// struct ScratchBackend;
+/// impl ScratchBackend {
+///     async fn connect(url: &StoreUrl) -> Result<MemoryBackend, Error> {
+///         MemoryBackend::connect(&url.with_scheme("memory")?)
+///     }
+/// }
+/// dlocks::impl_adapter!(Scratch, name: "scratch", schemes: &["scratch"], connect: ScratchBackend::connect);
+///
+/// dlocks::register(Scratch)?;
+/// let backend = dlocks::connect("scratch://jobs").await?;
+/// # Ok(()) }
+/// ```
+pub fn register(adapter: impl Adapter) -> Result<()> {
+    registry().register(adapter)
 }
 
 #[cfg(test)]
@@ -154,6 +181,69 @@ mod tests {
             "{e:?}"
         );
         assert!(e.to_string().contains("enable the `mongo` feature"), "{e}");
+    }
+
+    fn compiled(feature: &str) -> bool {
+        match feature {
+            "sqlite" => cfg!(feature = "sqlite"),
+            "postgres" => cfg!(feature = "postgres"),
+            "mysql" => cfg!(feature = "mysql"),
+            "redis" => cfg!(feature = "redis"),
+            "etcd" => cfg!(feature = "etcd"),
+            "zk" => cfg!(feature = "zk"),
+            "mongo" => cfg!(feature = "mongo"),
+            other => panic!("unknown feature {other}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn every_known_scheme_is_compiled_in_or_names_its_feature() {
+        for (schemes, feature) in KNOWN_SCHEMES {
+            for scheme in *schemes {
+                if compiled(feature) {
+                    continue; // needs its server: the adapter crates test it
+                }
+                let e = connect(&format!("{scheme}://127.0.0.1:1/x"))
+                    .await
+                    .unwrap_err();
+                assert!(
+                    matches!(&e, Error::FeatureDisabled { feature: f, .. } if f == feature),
+                    "{scheme}: {e:?}"
+                );
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn a_third_party_adapter_is_connected_like_a_built_in_one() {
+        #[derive(Debug)]
+        struct Twin;
+        struct TwinBackend;
+        impl TwinBackend {
+            async fn connect(url: &url::StoreUrl) -> Result<memory::MemoryBackend> {
+                memory::MemoryBackend::connect(&url.with_scheme("memory")?)
+            }
+        }
+        impl_adapter!(Twin, name: "twin", schemes: &["twin"], connect: TwinBackend::connect);
+        register(Twin).unwrap();
+        assert!(registry().schemes().contains(&"twin".to_owned()));
+        let a = connect("twin://facade").await.unwrap();
+        let b = connect("memory://facade").await.unwrap();
+        let session = a.session(SessionOptions::new()).await.unwrap();
+        let held = session.lock("x").unwrap().try_acquire().await.unwrap();
+        assert!(held.is_some());
+        let other = b.session(SessionOptions::new()).await.unwrap();
+        assert!(
+            other
+                .lock("x")
+                .unwrap()
+                .try_acquire()
+                .await
+                .unwrap()
+                .is_none()
+        );
+        let e = register(Twin).unwrap_err();
+        assert!(matches!(e, Error::Config(_)), "{e:?}");
     }
 
     #[tokio::test]

@@ -280,11 +280,7 @@ impl AdapterHarness {
     /// ([`ServicesCommand::from_env`]), for nodes `names` in the URL's host
     /// order. When the variable is unset, the server-fault cases say
     /// `SKIPPED`.
-    pub fn services<I, S>(mut self, names: I) -> Self
-    where
-        I: IntoIterator<Item = S>,
-        S: Into<String>,
-    {
+    pub fn services(mut self, names: impl IntoIterator<Item = impl Into<String>>) -> Self {
         self.service_names = names.into_iter().map(Into::into).collect();
         self.services = ServicesCommand::from_env(self.service_names.clone());
         self
@@ -306,11 +302,7 @@ impl AdapterHarness {
 
     /// URLs the adapter must refuse with [`Error::InvalidUrl`] or
     /// [`Error::Config`].
-    pub fn bad_urls<I, S>(mut self, urls: I) -> Self
-    where
-        I: IntoIterator<Item = S>,
-        S: Into<String>,
-    {
+    pub fn bad_urls(mut self, urls: impl IntoIterator<Item = impl Into<String>>) -> Self {
         self.bad_urls = urls.into_iter().map(Into::into).collect();
         self
     }

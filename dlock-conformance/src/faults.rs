@@ -6,7 +6,6 @@
 //! store itself stays real. (Faults below the adapter — a TCP proxy, killing
 //! the server — come with the adapters that need them.)
 
-use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::Duration;
@@ -98,6 +97,7 @@ fn lost_reply() -> Error {
 }
 
 /// A backend that forwards to a real one, with [`Faults`] in between.
+#[derive(Debug)]
 pub struct FaultyBackend {
     inner: Arc<dyn Backend>,
     faults: Arc<Faults>,
@@ -112,15 +112,6 @@ impl FaultyBackend {
             faults: faults.clone(),
         });
         (backend, faults)
-    }
-}
-
-impl fmt::Debug for FaultyBackend {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("FaultyBackend")
-            .field("inner", &self.inner)
-            .field("faults", &self.faults)
-            .finish()
     }
 }
 

@@ -229,7 +229,7 @@ macro_rules! __kind {
 pub type CaseFn = for<'a> fn(&'a dyn Harness) -> Pin<Box<dyn Future<Output = Outcome> + Send + 'a>>;
 
 /// One conformance case, as [`CASES`] lists it.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 pub struct CaseInfo {
     /// The case's name: its function in [`cases`] and its test's name.
     pub name: &'static str,
@@ -241,17 +241,6 @@ pub struct CaseInfo {
     pub faults: &'static str,
     /// The case itself, for running it with [`run`].
     pub body: CaseFn,
-}
-
-impl std::fmt::Debug for CaseInfo {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CaseInfo")
-            .field("name", &self.name)
-            .field("kind", &self.kind)
-            .field("invariants", &self.invariants)
-            .field("faults", &self.faults)
-            .finish_non_exhaustive()
-    }
 }
 
 #[doc(hidden)]

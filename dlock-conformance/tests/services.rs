@@ -50,27 +50,30 @@ async fn status_lists_the_endpoints_in_node_order() {
     );
 }
 
-#[tokio::test]
-async fn servers_not_under_test_are_left_alone() {
-    let (script, log) = fake_supervisor("mismatch");
-    let h = harness("memory://other", ServicesCommand::new(&script, ["node"]));
+/// `tokens_after_restart` on a store at `url` whose supervisor serves
+/// `memory://node`: its verdict, and what the supervisor was asked.
+async fn restart_case(test: &str, url: &str) -> (Verdict, String) {
+    let (script, log) = fake_supervisor(test);
+    let h = harness(url, ServicesCommand::new(&script, ["node"]));
     h.connect().await.unwrap();
     let verdict = cases::tokens_after_restart(&h).await.unwrap();
+    (verdict, std::fs::read_to_string(&log).unwrap())
+}
+
+#[tokio::test]
+async fn servers_not_under_test_are_left_alone() {
+    let (verdict, log) = restart_case("mismatch", "memory://other").await;
     let Verdict::Skipped(why) = verdict else {
         panic!("ran on servers that are not under test");
     };
     assert!(why.contains("not the ones under test"), "{why}");
-    assert_eq!(std::fs::read_to_string(&log).unwrap(), "status node\n");
+    assert_eq!(log, "status node\n");
 }
 
 #[tokio::test]
 async fn servers_under_test_are_used() {
-    let (script, log) = fake_supervisor("match");
-    let h = harness("memory://node", ServicesCommand::new(&script, ["node"]));
-    h.connect().await.unwrap();
-    let verdict = cases::tokens_after_restart(&h).await.unwrap();
+    let (verdict, log) = restart_case("match", "memory://node").await;
     assert_eq!(verdict, Verdict::Passed);
-    let log = std::fs::read_to_string(&log).unwrap();
     // Then the case puts every node back as it found it.
     assert!(
         log.starts_with("status node\nkill node\nup node\n"),

@@ -6,16 +6,14 @@ use dlock_core::{Error, FencingToken, SessionOptions};
 use futures::{StreamExt, TryStreamExt, stream};
 use tokio::time::sleep;
 
-use super::{ensure, eventually, passed, queued};
+use super::{ensure, eventually, passed, queued, start};
 use crate::{Ctx, Failure, Harness, Outcome};
 
 /// S2, S3: `inspect` reports holder, token and reason; `validate` accepts only
 /// the current token; `list` finds held locks by prefix; all change with the
 /// next holder.
 pub async fn inspect_and_validate(h: &dyn Harness) -> Outcome {
-    let ctx = Ctx::new(h, "inspect_and_validate");
-    let name = ctx.name("x");
-    let t = ctx.caps.ttl;
+    let (ctx, name, t) = start(h, "inspect_and_validate");
     let (a, b, admin) = (ctx.client().await?, ctx.client().await?, ctx.admin().await?);
     ensure!(
         admin.inspect(&name).await?.is_none(),

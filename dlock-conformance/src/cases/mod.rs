@@ -92,12 +92,24 @@ macro_rules! __with_cases {
 }
 
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
-use dlock_core::{Backend, LockName, Session};
+use dlock_core::{Backend, FencingToken, LockGuard, LockName, LostReason, Session};
+use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep, timeout};
 
-use crate::{Failure, Outcome, Verdict};
+use crate::faults::Faults;
+use crate::wire::Link;
+use crate::{Ctx, Failure, Harness, Outcome, Verdict};
+
+/// What most cases start with: their context, their lock `x` and the case
+/// TTL.
+pub(crate) fn start<'h>(h: &'h dyn Harness, case: &str) -> (Ctx<'h>, LockName, Duration) {
+    let ctx = Ctx::new(h, case);
+    let (name, t) = (ctx.name("x"), ctx.caps.ttl);
+    (ctx, name, t)
+}
 
 /// Fails the case with a formatted message unless `cond` holds.
 macro_rules! ensure {
@@ -121,6 +133,23 @@ macro_rules! or_skip {
 }
 pub(crate) use or_skip;
 
+/// Why a case that needs a link says `SKIPPED`.
+pub(crate) const NO_LINK: &str = "the harness cannot put a link between a client and the store";
+
+/// A new link, or the verdict that the case does not apply.
+pub(crate) async fn new_link(ctx: &Ctx<'_>) -> Result<Result<Arc<dyn Link>, Outcome>, Failure> {
+    Ok(ctx.link().await?.ok_or_else(|| skipped(NO_LINK)))
+}
+
+/// `Ok` where the backend declares `declared`, else the verdict that the
+/// case does not apply: "backend does not declare `what`".
+pub(crate) fn declares(declared: bool, what: &str) -> Result<(), Outcome> {
+    match declared {
+        true => Ok(()),
+        false => Err(skipped(format!("backend does not declare {what}"))),
+    }
+}
+
 pub(crate) fn passed() -> Outcome {
     Ok(Verdict::Passed)
 }
@@ -138,6 +167,18 @@ pub(crate) async fn within<T>(
     timeout(limit, fut)
         .await
         .map_err(|_| Failure(format!("{what}: not done within {limit:?}")))
+}
+
+/// Awaits a spawned task for at most `limit`: its output, or a failure
+/// naming `what` if it did not end in time or panicked.
+pub(crate) async fn joined<T>(
+    limit: Duration,
+    what: &str,
+    task: JoinHandle<T>,
+) -> Result<T, Failure> {
+    within(limit, what, task)
+        .await?
+        .map_err(|e| Failure(format!("{what}: {e}")))
 }
 
 /// Polls `check` until it returns true, for at most `limit`.
@@ -188,6 +229,109 @@ pub(crate) async fn queued(
         },
     )
     .await
+}
+
+/// Whether `session` finds `name` taken: its `try_acquire` gets nothing.
+pub(crate) async fn busy(session: &Session, name: &LockName) -> Result<bool, Failure> {
+    Ok(session.lock(name)?.try_acquire().await?.is_none())
+}
+
+/// S2: `after` (a later grant's token) is larger than `before`; `context`
+/// follows the numbers in the failure (`" across a restart"`).
+pub(crate) fn increased(
+    after: FencingToken,
+    before: FencingToken,
+    context: &str,
+) -> Result<(), Failure> {
+    ensure!(after > before, "token {after} after {before}{context}");
+    Ok(())
+}
+
+/// Watches a guard's `lost()`: when it fired and why.
+pub(crate) fn watch_lost(guard: &LockGuard) -> JoinHandle<(LostReason, Instant)> {
+    let lost = guard.lost();
+    tokio::spawn(async move { (lost.await, Instant::now()) })
+}
+
+/// B takes A's lock, waiting at most `limit`; S4 as one client sees
+/// another: B's acquire returns no earlier than A's local validity
+/// deadline, on this process's monotonic clock. B's guard and when it got it.
+pub(crate) async fn takes_over(
+    b: &Session,
+    a: &LockGuard,
+    limit: Duration,
+    what: &str,
+) -> Result<(LockGuard, Instant), Failure> {
+    let gb = b.lock(a.name())?.acquire_timeout(limit).await?;
+    let b_got = Instant::now();
+    let deadline = a.deadline();
+    ensure!(
+        deadline <= b_got,
+        "{what}: B got the lock {:?} before A's local deadline (S4)",
+        deadline - b_got
+    );
+    Ok((gb, b_got))
+}
+
+/// Fails unless `g` still holds its lock, by its own account and by the
+/// store's (`admin.validate`).
+pub(crate) async fn still_held(
+    admin: &dyn Backend,
+    g: &LockGuard,
+    what: &str,
+) -> Result<(), Failure> {
+    ensure!(
+        g.is_held(),
+        "{what}: the holder's guard says it lost the lock"
+    );
+    ensure!(
+        admin.validate(g.name(), g.token()).await?,
+        "{what}: the store does not validate the holder's token"
+    );
+    Ok(())
+}
+
+/// L1: `b` gets `name` (waiting at most `limit`), and it was free within a
+/// TTL plus the recovery bound of `since` (when its holder crashed, or its
+/// grant was orphaned).
+pub(crate) async fn recovered(
+    ctx: &Ctx<'_>,
+    b: &Session,
+    name: &LockName,
+    since: Instant,
+    limit: Duration,
+    what: &str,
+) -> Result<LockGuard, Failure> {
+    let g = b.lock(name)?.acquire_timeout(limit).await?;
+    let took = since.elapsed();
+    let bound = ctx.caps.ttl + ctx.caps.recovery_bound;
+    ensure!(
+        took <= bound,
+        "{what}: free only after {took:?} (bound {bound:?})"
+    );
+    Ok(g)
+}
+
+/// The next holder got the lock `took` after a release: within half a TTL
+/// plus the wake-up bound (what a cancelled or orphaned waiter left would
+/// hold it up for a TTL).
+pub(crate) fn prompt(ctx: &Ctx<'_>, took: Duration, what: &str) -> Result<(), Failure> {
+    ensure!(
+        took <= ctx.caps.ttl / 2 + ctx.caps.wakeup_bound,
+        "{what} {took:?}"
+    );
+    Ok(())
+}
+
+/// Where the in-process fault cases start: A, behind fault switches, and B,
+/// healthy; A holds `x`.
+pub(crate) async fn faulty_holder(
+    ctx: &Ctx<'_>,
+) -> Result<(Session, Arc<Faults>, Session, LockGuard), Failure> {
+    let (a, faults) = ctx.faulty_client().await?;
+    let b = ctx.client().await?;
+    let ga = a.lock(ctx.name("x"))?.acquire().await?;
+    Ok((a, faults, b, ga))
 }
 
 /// Median time of an uncontended acquire + release: the backend's round

@@ -7,7 +7,7 @@ use dlock_core::Error;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
-use super::{ensure, passed, round_trip, skipped};
+use super::{busy, declares, ensure, increased, or_skip, passed, round_trip};
 use crate::checker::{FencedRegister, History, Op, Phase};
 use crate::{Ctx, Failure, Harness, Outcome};
 
@@ -141,7 +141,7 @@ pub async fn try_acquire(h: &dyn Harness) -> Outcome {
     ga.release().await?;
     let gb = b.lock(&name)?.try_acquire().await?;
     let gb = gb.ok_or_else(|| Failure("try_acquire after release said busy".into()))?;
-    ensure!(gb.token() > first, "token {} after {first}", gb.token());
+    increased(gb.token(), first, "")?;
     gb.release().await?;
     passed()
 }
@@ -205,9 +205,7 @@ pub async fn timeouts(h: &dyn Harness) -> Outcome {
 /// (ownership is per handle).
 pub async fn reentrancy(h: &dyn Harness) -> Outcome {
     let ctx = Ctx::new(h, "reentrancy");
-    if !ctx.caps.reentrant {
-        return skipped("backend does not declare reentrancy");
-    }
+    or_skip!(declares(ctx.caps.reentrant, "reentrancy"));
     let name = ctx.name("x");
     let (a, b) = (ctx.client().await?, ctx.client().await?);
     let lock = a.lock(&name)?;
@@ -224,20 +222,20 @@ pub async fn reentrancy(h: &dyn Harness) -> Outcome {
         "a clone of the holding handle shared its hold (ownership is per handle)"
     );
     ensure!(
-        a.lock(&name)?.try_acquire().await?.is_none(),
+        busy(&a, &name).await?,
         "another handle of the same session took a held lock"
     );
     g2.release().await?;
     drop(g3);
     ensure!(g1.is_held(), "inner releases freed the outer hold");
     ensure!(
-        b.lock(&name)?.try_acquire().await?.is_none(),
+        busy(&b, &name).await?,
         "lock was free while the outer guard was live"
     );
     let t1 = g1.token();
     g1.release().await?;
     let gb = b.lock(&name)?.acquire_timeout(ctx.caps.ttl).await?;
-    ensure!(gb.token() > t1, "token {} after {t1}", gb.token());
+    increased(gb.token(), t1, "")?;
     gb.release().await?;
     passed()
 }

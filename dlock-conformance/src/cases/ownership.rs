@@ -6,8 +6,8 @@ use dlock_core::backend::Hold;
 use dlock_core::{Error, FencingToken};
 use tokio::time::sleep;
 
-use super::{ensure, passed, within};
-use crate::{Ctx, Failure, Harness, Outcome};
+use super::{busy, ensure, faulty_holder, increased, joined, passed, still_held, within};
+use crate::{Ctx, Harness, Outcome};
 
 fn not_held(r: &Result<(), Error>) -> bool {
     matches!(r, Err(Error::NotHeld { .. }))
@@ -63,7 +63,7 @@ pub async fn release_by_non_owner(h: &dyn Harness) -> Outcome {
         "store no longer validates the holder's token"
     );
     ensure!(
-        b.lock(&name)?.try_acquire().await?.is_none(),
+        busy(&b, &name).await?,
         "lock became free after a non-owner's release"
     );
     let old = ga.hold().clone();
@@ -78,11 +78,9 @@ pub async fn release_by_non_owner(h: &dyn Harness) -> Outcome {
 /// it; A's late release fails and does not free B's lock.
 pub async fn stale_release_after_expiry(h: &dyn Harness) -> Outcome {
     let ctx = Ctx::new(h, "stale_release_after_expiry");
-    let name = ctx.name("x");
     let t = ctx.caps.ttl;
-    let (a, faults) = ctx.faulty_client().await?;
-    let (b, admin) = (ctx.client().await?, ctx.admin().await?);
-    let ga = a.lock(&name)?.acquire().await?;
+    let (a, faults, b, ga) = faulty_holder(&ctx).await?;
+    let (name, admin) = (ga.name().clone(), ctx.admin().await?);
     let old = ga.hold().clone();
     faults.stall_renewals();
     let reason = within(t * 2, "lost() after renewals stopped", ga.lost()).await?;
@@ -91,12 +89,7 @@ pub async fn stale_release_after_expiry(h: &dyn Harness) -> Outcome {
         .lock(&name)?
         .acquire_timeout(t + ctx.caps.recovery_bound)
         .await?;
-    ensure!(
-        gb.token() > old.token,
-        "token {} after {}",
-        gb.token(),
-        old.token
-    );
+    increased(gb.token(), old.token, "")?;
     let late = ga.release().await;
     ensure!(
         late.is_err(),
@@ -107,14 +100,7 @@ pub async fn stale_release_after_expiry(h: &dyn Harness) -> Outcome {
         matches!(raw, Err(Error::NotHeld { .. } | Error::SessionLost { .. })),
         "a late raw release gave {raw:?}"
     );
-    ensure!(
-        gb.is_held(),
-        "the new holder lost the lock to a stale release"
-    );
-    ensure!(
-        admin.validate(&name, gb.token()).await?,
-        "the store freed the new holder's lock"
-    );
+    still_held(&*admin, &gb, "after a stale release").await?;
     gb.release().await?;
     passed()
 }
@@ -123,11 +109,9 @@ pub async fn stale_release_after_expiry(h: &dyn Harness) -> Outcome {
 /// must neither fail the release nor free B, who got the lock in between.
 pub async fn stale_release_retried_after_lost_reply(h: &dyn Harness) -> Outcome {
     let ctx = Ctx::new(h, "stale_release_retried_after_lost_reply");
-    let name = ctx.name("x");
     let t = ctx.caps.ttl;
-    let (a, faults) = ctx.faulty_client().await?;
-    let (b, admin) = (ctx.client().await?, ctx.admin().await?);
-    let ga = a.lock(&name)?.acquire().await?;
+    let (_a, faults, b, ga) = faulty_holder(&ctx).await?;
+    let (name, admin) = (ga.name().clone(), ctx.admin().await?);
     let b_lock = b.lock(&name)?;
     let waiter = tokio::spawn(async move { b_lock.acquire_timeout(t * 10).await });
     super::queued(&*admin, &name, 1, t / 3).await?;
@@ -137,15 +121,9 @@ pub async fn stale_release_retried_after_lost_reply(h: &dyn Harness) -> Outcome 
         released.is_ok(),
         "release whose first reply was lost gave {released:?}"
     );
-    let gb = within(t * 10, "waiter after release", waiter)
-        .await?
-        .map_err(|e| Failure(format!("waiter task: {e}")))??;
+    let gb = joined(t * 10, "waiter after release", waiter).await??;
     sleep(Duration::from_millis(50)).await; // let any straggling retry land
-    ensure!(gb.is_held(), "the new holder lost the lock");
-    ensure!(
-        admin.validate(&name, gb.token()).await?,
-        "a retried release freed the new holder's lock"
-    );
+    still_held(&*admin, &gb, "after a retried release").await?;
     gb.release().await?;
     passed()
 }

@@ -6,10 +6,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use dlock_core::{FencingToken, LockGuard, Session};
+use dlock_core::{FencingToken, LockGuard, LockName, Session};
 use tokio::time::{Instant, sleep};
 
-use super::{ensure, or_skip, passed, skipped, within};
+use super::{declares, ensure, increased, joined, new_link, or_skip, passed, skipped, within};
 use crate::checker::FencedRegister;
 use crate::servers::Servers;
 use crate::wire::Fault;
@@ -42,9 +42,13 @@ impl Drop for Restore {
     }
 }
 
-/// The harness's process control, with a guard that brings every node back
-/// when dropped; or the verdict that the case does not apply.
-async fn servers(h: &dyn Harness) -> Result<Result<(Arc<dyn Servers>, Restore), Outcome>, Failure> {
+/// What the server cases start with: the context of `case`, the harness's
+/// process control, and a guard that brings every node back when dropped;
+/// or the verdict that the case does not apply.
+async fn with_servers<'h>(
+    h: &'h dyn Harness,
+    case: &str,
+) -> Result<Result<(Ctx<'h>, Arc<dyn Servers>, Restore), Outcome>, Failure> {
     let Some(servers) = h.servers() else {
         return Ok(Err(skipped(NO_SERVERS)));
     };
@@ -60,7 +64,29 @@ async fn servers(h: &dyn Harness) -> Result<Result<(Arc<dyn Servers>, Restore), 
     let restore = Restore {
         servers: servers.clone(),
     };
-    Ok(Ok((servers, restore)))
+    Ok(Ok((Ctx::new(h, case), servers, restore)))
+}
+
+/// A holds `name`, and its first fenced write was accepted; B is another
+/// client.
+async fn fenced_holder(
+    ctx: &Ctx<'_>,
+    name: &LockName,
+) -> Result<(Session, Session, FencedRegister, LockGuard), Failure> {
+    let (a, b) = (ctx.client().await?, ctx.client().await?);
+    let register = FencedRegister::new();
+    let ga = a.lock(name)?.acquire().await?;
+    ensure!(register.write(0, ga.token()), "A's first write refused");
+    Ok((a, b, register, ga))
+}
+
+/// The node leading the cluster now, or the verdict that the case does not
+/// apply (a store without a leader).
+async fn leader(servers: &dyn Servers) -> Result<Result<usize, Outcome>, Failure> {
+    match servers.leader().await {
+        Some(leader) => Ok(Ok(leader?)),
+        None => Ok(Err(skipped("the store has no leader"))),
+    }
 }
 
 /// Whether `a` either keeps a valid lock (the store agrees) or has learned
@@ -94,11 +120,8 @@ async fn keeps_or_knows(ctx: &Ctx<'_>, a: &LockGuard, what: &str) -> Result<bool
 /// S2 for backends with durable tokens: a token issued after every server
 /// was killed and restarted with its data is larger than every token before.
 pub async fn tokens_after_restart(h: &dyn Harness) -> Outcome {
-    let ctx = Ctx::new(h, "tokens_after_restart");
-    if !ctx.caps.durable_tokens {
-        return skipped("backend does not declare durable tokens");
-    }
-    let (servers, _restore) = or_skip!(servers(h).await?);
+    or_skip!(declares(h.profile().durable_tokens, "durable tokens"));
+    let (ctx, servers, _restore) = or_skip!(with_servers(h, "tokens_after_restart").await?);
     let name = ctx.name("x");
     let a = ctx.client().await?;
     let g = a.lock(&name)?.acquire().await?;
@@ -112,11 +135,7 @@ pub async fn tokens_after_restart(h: &dyn Harness) -> Outcome {
         .lock(&name)?
         .acquire_timeout(ctx.caps.ttl * 4 + ctx.caps.recovery_bound * 4)
         .await?;
-    ensure!(
-        g.token() > before,
-        "token {} after a restart, {before} before it",
-        g.token()
-    );
+    increased(g.token(), before, " across a restart")?;
     g.release().await?;
     passed()
 }
@@ -135,9 +154,7 @@ async fn next_holder(
 ) -> Result<(LockGuard, Instant), Failure> {
     let t = ctx.caps.ttl;
     let bound = t * 6 + ctx.caps.recovery_bound * 4;
-    let (outcome, at) = within(bound, &format!("the waiter {what}"), waiter)
-        .await?
-        .map_err(|e| Failure(e.to_string()))?;
+    let (outcome, at) = joined(bound, &format!("the waiter {what}"), waiter).await?;
     match outcome {
         Ok(g) => Ok((g, at)),
         Err(dlock_core::Error::SessionLost { .. }) => {
@@ -165,14 +182,9 @@ fn wait_for(session: &Session, name: &dlock_core::LockName) -> Result<Waiting, F
 /// `SessionLost` and a fresh client gets it) with a larger token, and A's
 /// fenced write is refused.
 pub async fn server_paused_past_ttl(h: &dyn Harness) -> Outcome {
-    let ctx = Ctx::new(h, "server_paused_past_ttl");
-    let (servers, _restore) = or_skip!(servers(h).await?);
-    let t = ctx.caps.ttl;
-    let name = ctx.name("x");
-    let (a, b) = (ctx.client().await?, ctx.client().await?);
-    let register = FencedRegister::new();
-    let ga = a.lock(&name)?.acquire().await?;
-    ensure!(register.write(0, ga.token()), "A's first write refused");
+    let (ctx, servers, _restore) = or_skip!(with_servers(h, "server_paused_past_ttl").await?);
+    let (t, name) = (ctx.caps.ttl, ctx.name("x"));
+    let (_a, b, register, ga) = fenced_holder(&ctx, &name).await?;
     let waiter = wait_for(&b, &name)?;
     sleep(t / 10).await;
     for node in 0..servers.nodes() {
@@ -194,12 +206,7 @@ pub async fn server_paused_past_ttl(h: &dyn Harness) -> Outcome {
         ga.deadline() <= b_got,
         "the lock was granted before A's local deadline"
     );
-    ensure!(
-        gb.token() > ga.token(),
-        "token {} after {}",
-        gb.token(),
-        ga.token()
-    );
+    increased(gb.token(), ga.token(), "")?;
     ensure!(
         register.write(1, gb.token()),
         "the new holder's write refused"
@@ -217,13 +224,9 @@ pub async fn server_paused_past_ttl(h: &dyn Harness) -> Outcome {
 /// tokens keep increasing where they are durable; B's acquire ends (with the
 /// lock, or `SessionLost` if its session did not survive).
 pub async fn server_restart_while_held(h: &dyn Harness) -> Outcome {
-    let ctx = Ctx::new(h, "server_restart_while_held");
-    let (servers, _restore) = or_skip!(servers(h).await?);
+    let (ctx, servers, _restore) = or_skip!(with_servers(h, "server_restart_while_held").await?);
     let name = ctx.name("x");
-    let (a, b) = (ctx.client().await?, ctx.client().await?);
-    let ga = a.lock(&name)?.acquire().await?;
-    let register = FencedRegister::new();
-    ensure!(register.write(0, ga.token()), "A's first write refused");
+    let (_a, b, register, ga) = fenced_holder(&ctx, &name).await?;
     let waiter = wait_for(&b, &name)?;
     servers.kill_all().await?;
     servers.start_all().await?;
@@ -250,11 +253,7 @@ pub async fn server_restart_while_held(h: &dyn Harness) -> Outcome {
         "A's stale write accepted after a restart"
     );
     if ctx.caps.durable_tokens {
-        ensure!(
-            gb.token() > a_token,
-            "token {} after {a_token} across a restart",
-            gb.token()
-        );
+        increased(gb.token(), a_token, " across a restart")?;
     }
     gb.release().await?;
     passed()
@@ -266,11 +265,9 @@ pub async fn server_restart_while_held(h: &dyn Harness) -> Outcome {
 /// may be granted it while A still believes it holds it (unless the backend
 /// declares that restarts lose locks), and tokens keep increasing.
 pub async fn node_restarted_from_old_snapshot(h: &dyn Harness) -> Outcome {
-    let ctx = Ctx::new(h, "node_restarted_from_old_snapshot");
-    let (servers, _restore) = or_skip!(servers(h).await?);
-    let Some(link) = ctx.link().await? else {
-        return skipped("the harness cannot put a link between a client and the store");
-    };
+    let (ctx, servers, _restore) =
+        or_skip!(with_servers(h, "node_restarted_from_old_snapshot").await?);
+    let link = or_skip!(new_link(&ctx).await?);
     let name = ctx.name("x");
     let t = ctx.caps.ttl;
     let n = link.nodes();
@@ -308,7 +305,7 @@ pub async fn node_restarted_from_old_snapshot(h: &dyn Harness) -> Outcome {
                 gb.token(),
                 ga.deadline().saturating_duration_since(Instant::now())
             );
-            ensure!(gb.token() > first, "token {} after {first}", gb.token());
+            increased(gb.token(), first, "")?;
             gb.release().await?;
         }
         sleep(t / 10).await;
@@ -319,11 +316,7 @@ pub async fn node_restarted_from_old_snapshot(h: &dyn Harness) -> Outcome {
         .lock(&name)?
         .acquire_timeout(t * 4 + Duration::from_secs(90))
         .await?;
-    ensure!(
-        gb.token() > first,
-        "token {} after {first} across old snapshots",
-        gb.token()
-    );
+    increased(gb.token(), first, " across old snapshots")?;
     gb.release().await?;
     passed()
 }
@@ -332,12 +325,8 @@ pub async fn node_restarted_from_old_snapshot(h: &dyn Harness) -> Outcome {
 /// two clients wait. No two holders at once, tokens increase, the waiters
 /// get the lock (in order where the backend is fair).
 pub async fn leader_killed_while_held(h: &dyn Harness) -> Outcome {
-    let ctx = Ctx::new(h, "leader_killed_while_held");
-    let (servers, _restore) = or_skip!(servers(h).await?);
-    let Some(leader) = servers.leader().await else {
-        return skipped("the store has no leader");
-    };
-    let leader = leader?;
+    let (ctx, servers, _restore) = or_skip!(with_servers(h, "leader_killed_while_held").await?);
+    let leader = or_skip!(leader(&*servers).await?);
     let t = ctx.caps.ttl;
     let name = ctx.name("x");
     let register = Arc::new(FencedRegister::new());
@@ -372,13 +361,12 @@ pub async fn leader_killed_while_held(h: &dyn Harness) -> Outcome {
     let mut results = Vec::new();
     for waiter in waiters {
         results.push(
-            within(
+            joined(
                 t * 10 + Duration::from_secs(30),
                 "a waiter after the leader was killed",
                 waiter,
             )
-            .await?
-            .map_err(|e| Failure(e.to_string()))??,
+            .await??,
         );
     }
     servers.start_all().await?;
@@ -410,15 +398,9 @@ pub async fn leader_killed_while_held(h: &dyn Harness) -> Outcome {
 /// confirmed by what the lone node answers on its own: A's local deadline
 /// passes before B, on the majority side, gets the lock.
 pub async fn node_isolated_from_peers(h: &dyn Harness) -> Outcome {
-    let ctx = Ctx::new(h, "node_isolated_from_peers");
-    let (servers, _restore) = or_skip!(servers(h).await?);
-    let Some(leader) = servers.leader().await else {
-        return skipped("the store has no leader");
-    };
-    let leader = leader?;
-    let Some(link) = ctx.link().await? else {
-        return skipped("the harness cannot put a link between a client and the store");
-    };
+    let (ctx, servers, _restore) = or_skip!(with_servers(h, "node_isolated_from_peers").await?);
+    let leader = or_skip!(leader(&*servers).await?);
+    let link = or_skip!(new_link(&ctx).await?);
     let n = link.nodes();
     let follower = (leader + 1) % n;
     for node in (0..n).filter(|&i| i != follower) {
@@ -465,14 +447,9 @@ pub async fn node_isolated_from_peers(h: &dyn Harness) -> Outcome {
 /// are outside S4 by design. The fenced register refuses A's stale write,
 /// and A hears of the loss at its next renewal.
 pub async fn server_clock_jumps(h: &dyn Harness) -> Outcome {
-    let ctx = Ctx::new(h, "server_clock_jumps");
-    let (servers, _restore) = or_skip!(servers(h).await?);
-    let t = ctx.caps.ttl;
-    let name = ctx.name("x");
-    let (a, b) = (ctx.client().await?, ctx.client().await?);
-    let register = FencedRegister::new();
-    let ga = a.lock(&name)?.acquire().await?;
-    ensure!(register.write(0, ga.token()), "A's first write refused");
+    let (ctx, servers, _restore) = or_skip!(with_servers(h, "server_clock_jumps").await?);
+    let (t, name) = (ctx.caps.ttl, ctx.name("x"));
+    let (a, b, register, ga) = fenced_holder(&ctx, &name).await?;
     match servers.step_clock(0, t * 2).await {
         None => return skipped("the harness cannot step the server's clock"),
         Some(r) => r?,
@@ -481,12 +458,7 @@ pub async fn server_clock_jumps(h: &dyn Harness) -> Outcome {
     drop(b);
     let b = ctx.client().await?;
     let gb = b.lock(&name)?.acquire_timeout(t).await?;
-    ensure!(
-        gb.token() > ga.token(),
-        "token {} after {}",
-        gb.token(),
-        ga.token()
-    );
+    increased(gb.token(), ga.token(), "")?;
     ensure!(register.write(1, gb.token()), "B's write refused");
     ensure!(
         !register.write(0, ga.token()),

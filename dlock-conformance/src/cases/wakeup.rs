@@ -6,7 +6,7 @@ use std::time::Duration;
 use tokio::task::JoinSet;
 use tokio::time::{Instant, sleep};
 
-use super::{ensure, median, passed, queued, skipped, within};
+use super::{declares, ensure, joined, median, or_skip, passed, queued, start};
 use crate::checker::{FencedRegister, History, Op, Phase};
 use crate::{Ctx, Failure, Harness, Outcome};
 
@@ -28,9 +28,7 @@ fn random_between(lo: Duration, hi: Duration) -> Duration {
 /// L2: a waiter gets a released lock promptly (median over rounds, with the
 /// release at random moments relative to the waiter's fallback timer).
 pub async fn wakeup_latency(h: &dyn Harness) -> Outcome {
-    let ctx = Ctx::new(h, "wakeup_latency");
-    let name = ctx.name("x");
-    let t = ctx.caps.ttl;
+    let (ctx, name, t) = start(h, "wakeup_latency");
     let (a, b) = (ctx.client().await?, ctx.client().await?);
     let bound = fast_bound(&ctx, b.poll_fallback());
     let mut latencies = Vec::new();
@@ -44,9 +42,7 @@ pub async fn wakeup_latency(h: &dyn Harness) -> Outcome {
         sleep(random_between(t / 4, t)).await;
         let released = Instant::now();
         ga.release().await?;
-        let (got, g) = within(t * 20, "waiter", waiter)
-            .await?
-            .map_err(|e| Failure(format!("waiter: {e}")))?;
+        let (got, g) = joined(t * 20, "waiter", waiter).await?;
         g?.release().await?;
         latencies.push(got.saturating_duration_since(released));
     }
@@ -61,9 +57,7 @@ pub async fn wakeup_latency(h: &dyn Harness) -> Outcome {
 /// L2: releases racing with the waiter's first take and subscription are
 /// not missed (at most 2 of 20 rounds may be slow).
 pub async fn wakeup_release_before_subscribe(h: &dyn Harness) -> Outcome {
-    let ctx = Ctx::new(h, "wakeup_release_before_subscribe");
-    let name = ctx.name("x");
-    let t = ctx.caps.ttl;
+    let (ctx, name, t) = start(h, "wakeup_release_before_subscribe");
     let (a, b) = (ctx.client().await?, ctx.client().await?);
     let bound = if ctx.caps.notify_wakeup {
         ctx.caps.wakeup_bound.min(b.poll_fallback() / 2)
@@ -86,9 +80,7 @@ pub async fn wakeup_release_before_subscribe(h: &dyn Harness) -> Outcome {
         }
         let released = Instant::now();
         ga.release().await?;
-        let (got, g) = within(t * 20, "waiter", waiter)
-            .await?
-            .map_err(|e| Failure(format!("waiter: {e}")))?;
+        let (got, g) = joined(t * 20, "waiter", waiter).await?;
         g?.release().await?;
         let latency = got.saturating_duration_since(released);
         if latency > bound {
@@ -106,9 +98,7 @@ pub async fn wakeup_release_before_subscribe(h: &dyn Harness) -> Outcome {
 /// L2, L1: with notifications lost, the fallback timer still wakes the waiter;
 /// a holder that dies without releasing is noticed at its expiry.
 pub async fn wakeup_dead_notification_channel(h: &dyn Harness) -> Outcome {
-    let ctx = Ctx::new(h, "wakeup_dead_notification_channel");
-    let name = ctx.name("x");
-    let t = ctx.caps.ttl;
+    let (ctx, name, t) = start(h, "wakeup_dead_notification_channel");
     let (b, deaf) = ctx.faulty_client().await?;
     deaf.deafen();
     let a = ctx.client().await?;
@@ -118,9 +108,7 @@ pub async fn wakeup_dead_notification_channel(h: &dyn Harness) -> Outcome {
     sleep(t / 3).await;
     let released = Instant::now();
     ga.release().await?;
-    let (g, got) = within(t * 20, "deaf waiter", waiter)
-        .await?
-        .map_err(|e| Failure(format!("waiter: {e}")))?;
+    let (g, got) = joined(t * 20, "deaf waiter", waiter).await?;
     g?.release().await?;
     let bound = b.poll_fallback().mul_f64(1.1) + ctx.caps.wakeup_bound;
     let took = got.saturating_duration_since(released);
@@ -138,9 +126,7 @@ pub async fn wakeup_dead_notification_channel(h: &dyn Harness) -> Outcome {
     let crashed = Instant::now();
     drop(gc);
     drop(c);
-    let (g, got) = within(t * 20, "deaf waiter after crash", waiter)
-        .await?
-        .map_err(|e| Failure(format!("waiter: {e}")))?;
+    let (g, got) = joined(t * 20, "deaf waiter after crash", waiter).await?;
     g?.release().await?;
     let took = got.saturating_duration_since(crashed);
     let bound = t + ctx.caps.recovery_bound;
@@ -220,9 +206,7 @@ pub async fn many_waiters_one_handoff_each(h: &dyn Harness) -> Outcome {
 /// cancelled in the middle of the queue blocks nobody.
 pub async fn fifo_with_cancelled_waiter(h: &dyn Harness) -> Outcome {
     let ctx = Ctx::new(h, "fifo_with_cancelled_waiter");
-    if !ctx.caps.fair {
-        return skipped("backend does not declare fair (FIFO) ordering");
-    }
+    or_skip!(declares(ctx.caps.fair, "fair (FIFO) ordering"));
     let name = ctx.name("x");
     let t = ctx.caps.ttl;
     let admin = ctx.admin().await?;
@@ -252,12 +236,8 @@ pub async fn fifo_with_cancelled_waiter(h: &dyn Harness) -> Outcome {
     ga.release().await?;
     let w3 = handles.pop().expect("three waiters");
     let w1 = handles.remove(0);
-    let (_, w1_released) = within(t * 30, "first waiter", w1)
-        .await?
-        .map_err(|e| Failure(format!("waiter 1: {e}")))??;
-    let (w3_granted, _) = within(t * 30, "third waiter", w3)
-        .await?
-        .map_err(|e| Failure(format!("waiter 3: {e}")))??;
+    let (_, w1_released) = joined(t * 30, "first waiter", w1).await??;
+    let (w3_granted, _) = joined(t * 30, "third waiter", w3).await??;
     let order = order.lock().unwrap().clone();
     ensure!(order == [1, 3], "grant order {order:?}, expected [1, 3]");
     ensure!(

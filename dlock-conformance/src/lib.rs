@@ -23,10 +23,16 @@
 //! parallel against one server. A case that does not apply to the harness's
 //! [`Profile`] (the case TTL and the store's declared
 //! [`Capabilities`](dlock_core::Capabilities)) passes with a loud `SKIPPED`
-//! line on stderr saying why. If the server is down, every case fails with the command that
-//! starts it, unless `DLOCK_TEST_SKIP` names the store (comma-separated), in
-//! which case each case says it was skipped. With `DLOCK_TEST_TIMES` set,
-//! every case prints `TIME <store>::<case> <seconds>` (CI's time budget).
+//! line on stderr saying why. If the server is down, every case fails saying
+//! how to start it, unless `DLOCK_TEST_SKIP` names the store
+//! (comma-separated), in which case each case says it was skipped. With
+//! `DLOCK_TEST_TIMES` set, every case prints `TIME <store>::<case> <seconds>`
+//! (CI's time budget).
+//!
+//! The cases that kill, pause or restart servers need process control: a
+//! supervisor command named by the environment variable `DLOCK_SERVICES`
+//! (see [`servers::ServicesCommand`]; the dlock repository's
+//! `scripts/services env` exports it). Without it they say `SKIPPED`.
 //!
 //! # Cases and the invariants they guard
 //!

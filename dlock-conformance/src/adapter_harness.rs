@@ -44,7 +44,7 @@ struct Links {
 /// | harness part | default | change it with |
 /// |---|---|---|
 /// | a client ([`Harness::connect`]) | the adapter on the URL, then `ping()` | [`connect_with`](Self::connect_with), [`ready`](Self::ready) |
-/// | the profile | TTL 1 s + what the backend declares at the first connect | [`ttl`](Self::ttl), [`tweak`](Self::tweak) |
+/// | the profile | TTL 1 s + what the backend declares at the first connect (every later client must declare the same) | [`ttl`](Self::ttl), [`tweak`](Self::tweak) |
 /// | wire faults | one TCP proxy per host of the URL; clients use `url.with_hosts(proxies)` | [`proxied_option`](Self::proxied_option), [`no_proxies`](Self::no_proxies), [`links`](Self::links) |
 /// | server faults | none (those cases say `SKIPPED`) | [`services`](Self::services) (+ [`group`](Self::group)), [`servers`](Self::servers) |
 /// | bad-URL checks | the adapter, through a [`Registry`] of its own | [`bad_urls`](Self::bad_urls) |
@@ -390,7 +390,15 @@ impl Harness for AdapterHarness {
         let backend = self.open(self.store_url()?).await?;
         backend.ping().await?;
         let backend = self.readied(backend).await?;
-        let _ = self.declared.set(backend.capabilities());
+        let declared = backend.capabilities();
+        let first = self.declared.get_or_init(|| declared.clone());
+        if *first != declared {
+            return Err(Error::Config(format!(
+                "the {} backend declares {declared:?} now but {first:?} at the first connect: \
+                 the cases would expect what it no longer promises",
+                self.store
+            )));
+        }
         Ok(backend)
     }
 

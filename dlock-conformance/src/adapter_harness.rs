@@ -43,7 +43,7 @@ struct Links {
 ///
 /// | harness part | default | change it with |
 /// |---|---|---|
-/// | a client ([`Harness::connect`]) | the adapter on the URL, then `ping()` | [`connect_with`](Self::connect_with), [`ready`](Self::ready) |
+/// | a client ([`Harness::connect`]) | the adapter on the URL, then `ping()` and [`Backend::wait_ready`] | [`connect_with`](Self::connect_with), [`ready`](Self::ready) |
 /// | the profile | TTL 1 s + what the backend declares at the first connect (every later client must declare the same) | [`ttl`](Self::ttl), [`tweak`](Self::tweak) |
 /// | wire faults | one TCP proxy per host of the URL; clients use `url.with_hosts(proxies)` | [`proxied_option`](Self::proxied_option), [`no_proxies`](Self::no_proxies), [`links`](Self::links) |
 /// | server faults | none (those cases say `SKIPPED`) | [`services`](Self::services) (+ [`group`](Self::group)), [`servers`](Self::servers) |
@@ -339,6 +339,9 @@ impl AdapterHarness {
     }
 
     async fn readied(&self, backend: Arc<dyn Backend>) -> Result<Arc<dyn Backend>, Error> {
+        // A store that may not grant yet (a Redis restart guard) is waited
+        // out, as a user who wants to test at once would.
+        backend.wait_ready(Duration::from_secs(10)).await?;
         if let Some(ready) = &self.ready {
             ready(backend.clone()).await?;
         }

@@ -123,6 +123,20 @@ pub trait Backend: Send + Sync + Debug {
         crate::Capabilities::default()
     }
 
+    /// Waits, at most `limit`, until this deployment may grant locks. Most
+    /// may at once (the default); a Redis node guarding against a restart
+    /// refuses grants for its `max_ttl` after dlock first sees it.
+    ///
+    /// # Errors
+    /// [`Error::Unavailable`] if it is still not ready after `limit`.
+    ///
+    /// # Cancel safety
+    /// Cancel safe.
+    async fn wait_ready(&self, limit: Duration) -> Result<(), Error> {
+        let _ = limit;
+        Ok(())
+    }
+
     /// The largest TTL this deployment can honour: [`MAX_TTL`](crate::MAX_TTL)
     /// unless the store bounds it (a Redis restart guard refuses grants for
     /// its `max_ttl` after a restart, so no session may outlive that).

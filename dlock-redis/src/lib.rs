@@ -120,7 +120,7 @@
 //!
 //! **Cost**: after every restart or failover, and the first time dlock sees
 //! a server, the node waits `max_ttl` (default 60 s; set it close to the TTL
-//! you use) before it grants. [`RedisBackend::wait_ready`] takes that wait
+//! you use) before it grants. [`Backend::wait_ready`](dlock_core::Backend::wait_ready) takes that wait
 //! up front, e.g. at service start.
 //!
 //! **Single Redis: guard opt-in.** Without it (the default), a restart
@@ -387,7 +387,8 @@ impl RedisBackend {
         Ok(total)
     }
 
-    /// Waits until a majority of the nodes may grant, at most `limit`.
+    /// [`Backend::wait_ready`]: waits until a majority of the nodes may
+    /// grant, at most `limit`.
     ///
     /// With the restart guard on (Redlock; Redis with `restart_guard=true`),
     /// a node refuses grants for `max_ttl` after dlock first sees its server
@@ -396,7 +397,7 @@ impl RedisBackend {
     ///
     /// # Cancel safety
     /// Cancel safe.
-    pub async fn wait_ready(&self, limit: Duration) -> Result<(), Error> {
+    async fn wait_guards_out(&self, limit: Duration) -> Result<(), Error> {
         let min_uptime = self.inner.min_uptime();
         if min_uptime.is_zero() {
             return Ok(());
@@ -481,6 +482,10 @@ impl Backend for RedisBackend {
 
     fn min_ttl(&self) -> Duration {
         MIN_TTL
+    }
+
+    async fn wait_ready(&self, limit: Duration) -> Result<(), Error> {
+        self.wait_guards_out(limit).await
     }
 
     fn capabilities(&self) -> Capabilities {

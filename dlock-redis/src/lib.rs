@@ -120,7 +120,7 @@
 //!
 //! **Cost**: after every restart or failover, and the first time dlock sees
 //! a server, the node waits `max_ttl` (default 60 s; set it close to the TTL
-//! you use) before it grants. [`Backend::wait_ready`](dlock_core::Backend::wait_ready) takes that wait
+//! you use) before it grants. [`Backend::wait_ready`] takes that wait
 //! up front, e.g. at service start.
 //!
 //! **Single Redis: guard opt-in.** Without it (the default), a restart

@@ -76,7 +76,8 @@ pub struct Capabilities {
 }
 
 impl Default for Capabilities {
-    /// The weakest promises: unfair, polled, nothing survives a restart.
+    /// The weakest promises: unfair, polled, nothing survives a restart (not
+    /// even held locks), so an adapter claims each strength explicitly.
     fn default() -> Self {
         Self {
             fair: false,
@@ -84,7 +85,7 @@ impl Default for Capabilities {
             notify_wakeup: false,
             no_herd: false,
             survives_reconnect: false,
-            restart_loses_locks: false,
+            restart_loses_locks: true,
             wakeup_bound: Duration::from_millis(250),
             recovery_bound: Duration::from_secs(1),
         }

@@ -141,6 +141,8 @@ impl EtcdAdapter {
     /// [`Backend::capabilities`] of an [`EtcdBackend`] answers).
     pub fn capabilities(&self) -> Capabilities {
         let mut c = Capabilities::default();
+        // Held locks survive a restart: raft persists every write before it is acknowledged.
+        c.restart_loses_locks = false;
         // FIFO by create revision.
         c.fair = true;
         // Tokens are create revisions: etcd's global revision, durable

@@ -546,9 +546,20 @@ impl MongoBackend {
     }
 }
 
+/// Majority and journaled: on a replica set majority implies the journal
+/// (by default), but on a standalone `mongod` majority is `w:1`, which
+/// acknowledges before the journal flush: a `kill -9` could then lose the
+/// last grant or token (S1, S2).
+fn write_concern() -> WriteConcern {
+    WriteConcern::builder()
+        .w(mongodb::options::Acknowledgment::Majority)
+        .journal(true)
+        .build()
+}
+
 fn collection_options() -> CollectionOptions {
     CollectionOptions::builder()
-        .write_concern(WriteConcern::majority())
+        .write_concern(write_concern())
         .read_concern(ReadConcern::majority())
         .selection_criteria(SelectionCriteria::ReadPreference(ReadPreference::Primary))
         .build()
@@ -681,6 +692,8 @@ impl Backend for MongoBackend {
     fn capabilities(&self) -> Capabilities {
         let streams = self.inner.watcher.is_some();
         let mut caps = Capabilities::default();
+        // Held locks survive a restart: lock documents are written with majority write concern, journaled.
+        caps.restart_loses_locks = false;
         // Majority-committed, journaled lock documents, never deleted.
         caps.durable_tokens = true;
         caps.notify_wakeup = streams;
@@ -838,7 +851,9 @@ mod tests {
     #[test]
     fn collections_use_majority_on_the_primary() {
         let o = collection_options();
-        assert_eq!(o.write_concern, Some(WriteConcern::majority()));
+        let w = o.write_concern.expect("a write concern");
+        assert_eq!(w.w, Some(mongodb::options::Acknowledgment::Majority));
+        assert_eq!(w.journal, Some(true));
         assert_eq!(
             o.read_concern.map(|r| r.level),
             Some(ReadConcern::majority().level)

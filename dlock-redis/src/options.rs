@@ -115,8 +115,15 @@ impl RedisOptions {
         }
         options.finish()?;
 
-        if max_ttl.is_some_and(|d| d.is_zero()) {
-            return Err(url.invalid("max_ttl must be above zero, such as 30s, 1500ms or 2m"));
+        // Bounded both ways: a max_ttl that wraps when sent to the script as
+        // milliseconds (`18446744073709551s616ms`) would switch the restart
+        // guard off while sessions of any length were allowed (S1).
+        if max_ttl.is_some_and(|d| d < crate::MIN_TTL || d > dlock_core::MAX_TTL) {
+            return Err(url.invalid(format!(
+                "max_ttl must be from {:?} to {:?}, such as 30s, 1500ms or 2m",
+                crate::MIN_TTL,
+                dlock_core::MAX_TTL
+            )));
         }
         if scheme == "rediss" && tls_option == Some(false) {
             return Err(url.invalid("rediss:// always uses TLS; drop tls=false"));
@@ -289,6 +296,14 @@ mod tests {
             ("redlock://a:1,b:2,c:3?max_ttl=forever", "max_ttl"),
             ("redlock://u:hunter2@a:1,b:2,c:3?max_ttl=5", "max_ttl"),
             ("redlock://u:hunter2@a:1,b:2,c:3?max_ttl=0s", "max_ttl"),
+            (
+                "redlock://a:1,b:2,c:3?max_ttl=18446744073709551s616ms",
+                "max_ttl must be from",
+            ),
+            (
+                "redis://h?restart_guard=true&max_ttl=500us",
+                "max_ttl must be from",
+            ),
             (
                 "redlock://u:hunter2@a:1,b:2,c:3?restart_guard=false",
                 "always guards",

@@ -35,17 +35,69 @@ pub const DEFAULT_TABLE: &str = "dlock_locks";
 /// The prefix of dlock's own query options; sqlx has none that starts so.
 const OWN_PREFIX: &str = "dlock_";
 
+/// The URL options sqlx 0.8 reads for PostgreSQL and MySQL. Any other is
+/// refused here: sqlx-postgres logs an unknown one *with its value* (a
+/// secret such as `sslpassword` would land in the log, S9) and sqlx-mysql
+/// ignores it silently (a misspelt `ssl-mode` would fall back to
+/// unverified TLS). SQLite's parser refuses unknown options itself.
+const POSTGRES_OPTIONS: &[&str] = &[
+    "sslmode",
+    "ssl-mode",
+    "sslrootcert",
+    "ssl-root-cert",
+    "ssl-ca",
+    "sslcert",
+    "ssl-cert",
+    "sslkey",
+    "ssl-key",
+    "statement-cache-capacity",
+    "host",
+    "hostaddr",
+    "port",
+    "dbname",
+    "user",
+    "password",
+    "application_name",
+    "options",
+];
+const MYSQL_OPTIONS: &[&str] = &[
+    "sslmode",
+    "ssl-mode",
+    "sslca",
+    "ssl-ca",
+    "charset",
+    "collation",
+    "sslcert",
+    "ssl-cert",
+    "sslkey",
+    "ssl-key",
+    "statement-cache-capacity",
+    "socket",
+    "timezone",
+    "time-zone",
+];
+
+/// Whether the driver of `dialect` reads the URL option `key`.
+fn driver_reads(dialect: Dialect, key: &str) -> bool {
+    match dialect {
+        Dialect::Postgres => POSTGRES_OPTIONS.contains(&key) || key.starts_with("options["),
+        Dialect::MySql => MYSQL_OPTIONS.contains(&key),
+        Dialect::Sqlite => !key.starts_with(OWN_PREFIX),
+    }
+}
+
 impl SqlOptions {
     /// Reads `postgres://`, `postgresql://`, `mysql://`, `mariadb://` or
     /// `sqlite://` URLs, taking out `dlock_table` and `dlock_pool`.
     ///
-    /// Every other query option belongs to sqlx (`sslmode`, `sslrootcert`,
+    /// The other query options belong to sqlx (`sslmode`, `sslrootcert`,
     /// `ssl-mode`, `charset`, `statement-cache-capacity`, SQLite's `mode`
-    /// and `cache`, ...) and is left in the URL handed to it, which checks
-    /// it: the drivers have dozens, which change between sqlx versions, and a
-    /// list of them here would refuse the ones it forgot. Only an unknown
-    /// option named `dlock_…` is refused here, since no driver reads those: a
-    /// misspelt `dlock_tabel` must not leave the locks in the default table.
+    /// and `cache`, ...) and are left in the URL handed to it. For
+    /// PostgreSQL and MySQL only the options sqlx reads pass (see
+    /// `POSTGRES_OPTIONS`): its parsers log or ignore the others. SQLite's
+    /// refuses unknown options itself. An unknown `dlock_…` option is always
+    /// refused: a misspelt `dlock_tabel` must not leave the locks in the
+    /// default table.
     pub fn from_url<U>(url: U) -> Result<Self, Error>
     where
         U: TryInto<StoreUrl, Error = Error>,
@@ -59,9 +111,13 @@ impl SqlOptions {
             _ => return Err(expected()),
         };
         check_compiled(dialect)?;
+        // `vfs=memdb` gives each pooled connection a private database: two
+        // sessions of one process could both hold a lock (S1).
         let in_memory = dialect == Dialect::Sqlite
             && (url.path().contains(":memory:")
-                || url.query_pairs().any(|(k, v)| k == "mode" && v == "memory"));
+                || url
+                    .query_pairs()
+                    .any(|(k, v)| (k == "mode" && v == "memory") || (k == "vfs" && v == "memdb")));
         if in_memory {
             return Err(url.invalid(IN_MEMORY));
         }
@@ -88,7 +144,7 @@ impl SqlOptions {
             )));
         }
         for key in options.unread() {
-            if !key.starts_with(OWN_PREFIX) {
+            if driver_reads(dialect, key) {
                 options.pass(key);
             }
         }
@@ -133,6 +189,8 @@ impl SqlOptions {
     pub fn capabilities(&self) -> Capabilities {
         let listens = self.dialect == Dialect::Postgres;
         let mut caps = Capabilities::default();
+        // Held locks survive a restart: a committed row survives a restart.
+        caps.restart_loses_locks = false;
         (caps.durable_tokens, caps.survives_reconnect) = (true, true);
         caps.notify_wakeup = listens;
         caps.wakeup_bound = Duration::from_millis(if listens { 150 } else { 300 });
@@ -172,6 +230,12 @@ fn explain_in_memory(e: Error) -> Error {
                 reason: IN_MEMORY.to_owned(),
             }
         }
+        // `sqlite://:memory:` reads as a malformed host, which StoreUrl does
+        // not show (it could be a password missing its `@`).
+        Error::InvalidUrl { url, reason } if url == "sqlite://***" => Error::InvalidUrl {
+            url,
+            reason: format!("{reason}; if this is :memory:, {IN_MEMORY}"),
+        },
         e => e,
     }
 }
@@ -301,6 +365,35 @@ mod tests {
             assert!(!e.to_string().contains("hunter2"), "{e}");
             assert!(!format!("{e:?}").contains("hunter2"), "{e:?}");
         }
+    }
+
+    /// From the review of the StoreUrl port: options sqlx-postgres would log
+    /// with their value, or sqlx-mysql would silently ignore, and an SQLite
+    /// VFS that gives each connection its own database.
+    #[test]
+    fn options_the_driver_would_log_or_ignore_are_refused() {
+        for (url, says) in [
+            (
+                "postgres://u@h/db?sslpassword=s3cret",
+                "unknown option \"sslpassword\"",
+            ),
+            (
+                "mysql://u@h/db?ssl_mode=VERIFY_IDENTITY",
+                "unknown option \"ssl_mode\"",
+            ),
+            (
+                "mysql://u@h/db?sslmdoe=verify-full",
+                "unknown option \"sslmdoe\"",
+            ),
+            ("sqlite:///tmp/x.db?vfs=memdb", "in-memory"),
+        ] {
+            let e = SqlOptions::from_url(url).unwrap_err().to_string();
+            assert!(e.contains(says), "{url}: {e}");
+            assert!(!e.contains("s3cret"), "{url}: {e}");
+        }
+        SqlOptions::from_url("postgres://u@h/db?sslmode=verify-full&options[search_path]=x")
+            .unwrap();
+        SqlOptions::from_url("mysql://u@h/db?ssl-mode=VERIFY_IDENTITY&charset=utf8mb4").unwrap();
     }
 
     #[test]

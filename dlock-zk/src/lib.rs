@@ -380,6 +380,8 @@ impl ZkAdapter {
     /// [`Backend::capabilities`] of a [`ZkBackend`] answers).
     pub fn capabilities(&self) -> Capabilities {
         let mut c = Capabilities::default();
+        // Held locks survive a restart: ZooKeeper logs every write to disk before it is acknowledged.
+        c.restart_loses_locks = false;
         // FIFO by sequence.
         c.fair = true;
         // Tokens are czxids: global, strictly increasing, durable.

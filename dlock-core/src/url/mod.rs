@@ -112,10 +112,10 @@ impl StoreUrl {
     /// Parses `text`; an error names what is wrong without the password.
     pub fn parse(text: &str) -> Result<Self, Error> {
         let bad = |reason: String| Error::invalid_url(text, reason);
-        if let Some(c) = text.chars().find(|c| c.is_whitespace() || c.is_control()) {
-            return Err(bad(format!(
-                "contains {c:?}; percent-encode spaces and control characters"
-            )));
+        if text.contains(|c: char| c.is_whitespace() || c.is_control()) {
+            return Err(bad(
+                "contains a space or control character; percent-encode it".into(),
+            ));
         }
         let (scheme, rest) = text
             .split_once(':')
@@ -125,7 +125,9 @@ impl StoreUrl {
                 .chars()
                 .all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'));
         if !scheme_ok {
-            return Err(bad(format!("{scheme:?} is not a URL scheme")));
+            return Err(bad(
+                "the text before the first : is not a URL scheme (expected SCHEME://...)".into(),
+            ));
         }
         let (rest, fragment) = match rest.split_once('#') {
             Some((r, f)) => (r, Some(f.to_owned())),
@@ -145,15 +147,22 @@ impl StoreUrl {
                     .split_once("//")
                     .is_some_and(|(_, t)| after_authority(t).contains('@')) =>
             {
-                return Err(bad(
-                    "an @ after the host: percent-encode / ? # @ % in the user name, password \
-                     and options (%2F %3F %23 %40 %25)"
+                return Err(Error::InvalidUrl {
+                    url: format!("{}://***", scheme.to_ascii_lowercase()),
+                    reason: "an @ after the host: percent-encode / ? # @ % in the user name, \
+                             password and options (%2F %3F %23 %40 %25)"
                         .into(),
-                ));
+                });
             }
             Some(hier) => {
                 let end = hier.find('/').unwrap_or(hier.len());
-                let authority = parse_authority(&hier[..end]).map_err(bad)?;
+                // A malformed authority may be a password without its `@`
+                // (`redis://u:s3cret`): none of it is shown.
+                let authority =
+                    parse_authority(&hier[..end]).map_err(|reason| Error::InvalidUrl {
+                        url: format!("{}://***", scheme.to_ascii_lowercase()),
+                        reason,
+                    })?;
                 (Some(authority), hier[end..].to_owned())
             }
             None => (None, rest.to_owned()),
@@ -411,7 +420,10 @@ fn parse_authority(text: &str) -> Result<Authority, String> {
     } else {
         hosts_text
             .split(',')
-            .map(parse_host)
+            .enumerate()
+            .map(|(i, host)| {
+                parse_host(host).map_err(|why| format!("host {} of the URL: {why}", i + 1))
+            })
             .collect::<Result<_, _>>()?
     };
     Ok(Authority {
@@ -429,13 +441,13 @@ fn parse_host(text: &str) -> Result<HostPort, String> {
     let (host, port) = if let Some(v6) = text.strip_prefix('[') {
         let (addr, after) = v6
             .split_once(']')
-            .ok_or_else(|| format!("{text:?}: an IPv6 address needs its closing ]"))?;
-        Ipv6Addr::from_str(addr).map_err(|_| format!("{text:?} is not an IPv6 address"))?;
+            .ok_or_else(|| "an IPv6 address needs its closing ]".to_owned())?;
+        Ipv6Addr::from_str(addr).map_err(|_| "not an IPv6 address".to_owned())?;
         let port = match after {
             "" => None,
             p => Some(
                 p.strip_prefix(':')
-                    .ok_or_else(|| format!("{text:?}: expected :PORT after ]"))?,
+                    .ok_or_else(|| "expected :PORT after ]".to_owned())?,
             ),
         };
         (&text[..addr.len() + 2], port)
@@ -446,24 +458,22 @@ fn parse_host(text: &str) -> Result<HostPort, String> {
         }
     };
     if host.is_empty() {
-        return Err(format!("{text:?} has no host name"));
+        return Err("no host name".into());
     }
     if host.contains('%') {
         // A percent-encoded Unix socket path (`%2Ftmp%2Fmongodb.sock`), as
         // libpq and MongoDB write it.
-        let path = decode(host).map_err(|why| format!("host {host:?} {why}"))?;
+        let path = decode(host).map_err(|why| format!("its name {why}"))?;
         if !path.starts_with('/') {
-            return Err(format!(
-                "host {host:?}: only a Unix socket path (%2F...) may be percent-encoded"
-            ));
+            return Err("only a Unix socket path (%2F...) may be percent-encoded".into());
         }
     } else if !host.starts_with('[') {
-        ::url::Host::parse(host).map_err(|e| format!("bad host {host:?}: {e}"))?;
+        ::url::Host::parse(host).map_err(|e| format!("not a host name ({e})"))?;
     }
     let port = port
         .map(|p| {
             p.parse::<u16>()
-                .map_err(|_| format!("port {p:?} of {host:?} is not a number from 0 to 65535"))
+                .map_err(|_| "its port is not a number from 0 to 65535".to_owned())
         })
         .transpose()?;
     Ok(HostPort {

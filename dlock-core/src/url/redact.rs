@@ -19,6 +19,10 @@ const SECRET_PARAMS: &[&str] = &[
     "secret_key",
     "api_key",
     "apikey",
+    // MongoDB: the client key's passphrase, and AWS credentials inside
+    // `authMechanismProperties=AWS_SESSION_TOKEN:...` (masked whole).
+    "tlscertificatekeyfilepassword",
+    "authmechanismproperties",
 ];
 
 const MASK: &str = "***";
@@ -42,6 +46,9 @@ const MASK: &str = "***";
 /// assert_eq!(redact("sqlite://dlock.db"), "sqlite://dlock.db");
 /// ```
 pub fn redact(url: &str) -> String {
+    if !looks_like_a_url(url) {
+        return NOT_SHOWN.to_owned();
+    }
     let url = redact_params(url);
     match ::url::Url::parse(&url) {
         Ok(parsed) if read_as_written(&url, &parsed) => redact_parsed(parsed),
@@ -99,35 +106,59 @@ fn redact_userinfo_loosely(url: &str) -> Cow<'_, str> {
     }
 }
 
-/// Masks the values of secret query parameters (`?password=…&x=1`). A
-/// secret value runs to the next `&` or `;`, so an unencoded `#` in it is
-/// hidden too.
+/// Masks the values of secret query parameters (`?password=…&x=1`),
+/// wherever a `?` or `&` starts one: the first `?` may sit inside an
+/// unencoded password. A secret value runs to the next `&` (as the query
+/// parsers split it), so an unencoded `?` or `#` in it is hidden too.
 fn redact_params(url: &str) -> String {
-    let Some(q) = url.find('?') else {
+    let Some(first) = url.find(['?', '&']) else {
         return url.to_owned();
     };
-    let (head, query) = url.split_at(q + 1);
     let mut out = String::with_capacity(url.len());
-    out.push_str(head);
-    let mut rest = query;
+    out.push_str(&url[..=first]);
+    let mut rest = &url[first + 1..];
     loop {
-        let end = rest.find(['&', ';']).unwrap_or(rest.len());
-        let pair = &rest[..end];
-        match pair.split_once('=') {
+        let pair_end = rest.find(['?', '&']).unwrap_or(rest.len());
+        let pair = &rest[..pair_end];
+        let end = match pair.split_once('=') {
             Some((key, _)) if is_secret(key) => {
                 out.push_str(key);
                 out.push('=');
                 out.push_str(MASK);
+                rest.find('&').unwrap_or(rest.len())
             }
-            _ => out.push_str(pair),
-        }
+            _ => {
+                out.push_str(pair);
+                pair_end
+            }
+        };
         if end == rest.len() {
             return out;
         }
-        out.push_str(&rest[end..end + 1]);
+        out.push_str(&rest[end..=end]);
         rest = &rest[end + 1..];
     }
 }
+
+/// Whether `text` reads as `scheme:` + something, the shape every store URL
+/// has; anything else (`host=db password=...`, `Server=h;Pwd=...`,
+/// `user:pw@host`) is not shown at all.
+fn looks_like_a_url(text: &str) -> bool {
+    if !text.contains([':', '@', '=', ';']) {
+        return true; // nothing that could hold a secret
+    }
+    let Some((scheme, rest)) = text.split_once(':') else {
+        return false;
+    };
+    let scheme_ok = scheme.starts_with(|c: char| c.is_ascii_alphabetic())
+        && scheme
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'));
+    scheme_ok && (rest.starts_with("//") || !rest.contains(['@', ';']))
+}
+
+/// What is shown of a text that is not a URL.
+pub(crate) const NOT_SHOWN: &str = "(not shown: not a URL)";
 
 fn is_secret(key: &str) -> bool {
     let decoded = ::url::form_urlencoded::parse(key.as_bytes())
@@ -141,7 +172,37 @@ fn is_secret(key: &str) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::redact;
+    use super::{NOT_SHOWN, redact};
+
+    /// From the review of the StoreUrl change: texts that are not URLs, or
+    /// whose first `?` sits in the password, or whose secret holds a `;`.
+    #[test]
+    fn secrets_in_texts_that_are_not_urls() {
+        for text in [
+            "postgres//app:s3cret@db/x",
+            "app:s3cret@db.internal:5432/x",
+            "Server=h;Uid=u;Pwd=s3cret",
+            "Server=h;Uid=u;Pwd=se:cret",
+            "host=db user=app password=s3cret",
+        ] {
+            assert_eq!(redact(text), NOT_SHOWN, "{text}");
+        }
+        let shown = redact("postgres://u:pa?ss@h/db?sslpassword=s3cret");
+        assert!(
+            !shown.contains("s3cret") && !shown.contains("pa?ss"),
+            "{shown}"
+        );
+        assert_eq!(
+            redact("postgres://u@h/db?password=ab;cd&x=1"),
+            "postgres://u@h/db?password=***&x=1"
+        );
+        assert_eq!(
+            redact(
+                "mongodb://h/?tlsCertificateKeyFilePassword=s3cret&authMechanismProperties=AWS_SESSION_TOKEN:s3cret"
+            ),
+            "mongodb://h/?tlsCertificateKeyFilePassword=***&authMechanismProperties=***"
+        );
+    }
 
     /// A password with every character that breaks naive parsing.
     const NASTY: &str = "p/@:?#%s";
@@ -159,7 +220,7 @@ mod tests {
         assert_eq!(redact("redis://user@h"), "redis://user@h");
         assert_eq!(redact("no scheme"), "no scheme");
         assert_eq!(redact("x://"), "x://");
-        assert_eq!(redact("postgres:u:p@h"), "postgres:u:***@h");
+        assert_eq!(redact("postgres:u:p@h"), NOT_SHOWN);
         assert_eq!(redact("h:1"), "h:1");
         assert_eq!(
             redact("postgres://u@h/db?sslmode=require&PassWord=x&application_name=a"),
@@ -205,7 +266,10 @@ mod tests {
                 for secret in [NASTY, &encoded, "p/@:", "?#%s", "%2F%40"] {
                     assert!(!shown.contains(secret), "{url:?} redacted to {shown:?}");
                 }
-                assert!(shown.contains("***"), "{url:?} redacted to {shown:?}");
+                assert!(
+                    shown.contains("***") || shown == NOT_SHOWN,
+                    "{url:?} redacted to {shown:?}"
+                );
             }
         }
     }

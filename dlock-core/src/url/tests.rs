@@ -75,7 +75,9 @@ fn malformed_urls_say_what_is_wrong() {
     assert!(reason("redis://:s3cret@h?x=%").contains("\"x\""));
     assert!(reason("redis://:s3cret@h?=1").contains("without a name"));
     assert!(reason("redis://:s3cret@h x").contains("percent-encode"));
-    assert!(reason("redis://:s3cret@h<i>").contains("bad host"));
+    assert!(reason("redis://:s3cret@h<i>").contains("host 1 of the URL: not a host name"));
+    assert!(!reason("redis://u:s3cret").contains("s3cret"));
+    assert!(!reason("redis://:s3cret").contains("s3cret"));
 }
 
 #[test]

@@ -129,6 +129,14 @@ impl Backend for FaultyBackend {
         self.inner.max_ttl()
     }
 
+    fn capabilities(&self) -> dlock_core::Capabilities {
+        self.inner.capabilities()
+    }
+
+    async fn wait_ready(&self, limit: Duration) -> Result<(), Error> {
+        self.inner.wait_ready(limit).await
+    }
+
     async fn open(
         &self,
         id: SessionId,

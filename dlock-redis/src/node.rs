@@ -564,6 +564,25 @@ impl Node {
         .await
     }
 
+    /// The server process's `run_id` (`INFO server`): two configured nodes
+    /// with one `run_id` are one server.
+    pub(crate) async fn run_id(&self, limit: Duration) -> Result<String, Error> {
+        let info: String = self
+            .request(limit, |mut c| async move {
+                redis::cmd("INFO").arg("server").query_async(&mut c).await
+            })
+            .await?;
+        info.lines()
+            .find_map(|l| l.strip_prefix("run_id:"))
+            .map(|id| id.trim().to_owned())
+            .ok_or_else(|| {
+                Error::protocol(
+                    BACKEND,
+                    format!("{}: INFO server shows no run_id", self.shown),
+                )
+            })
+    }
+
     #[allow(clippy::too_many_arguments)]
     pub(crate) async fn take(
         &self,

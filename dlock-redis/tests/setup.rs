@@ -388,3 +388,35 @@ async fn tls_from_the_url() {
         "an untrusted certificate gave {e:?}"
     );
 }
+
+/// S1: a Redlock listing one server twice under two spellings (the text
+/// differs, the server is the same) is refused at connect: its "majority"
+/// would count one server twice. Red before the run_id check: the connect
+/// succeeded and two of three "nodes" were one server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redlock_refuses_one_server_listed_twice() {
+    if skipped("redlock", "redlock_refuses_one_server_listed_twice") {
+        return;
+    }
+    let url = dlock_core::url::StoreUrl::parse(&redlock_url()).unwrap();
+    let first = url.hosts()[0].clone();
+    let port = first.port.unwrap_or(6379);
+    let mut hosts = url.hosts()[..3].to_vec();
+    // 127.0.0.1 and 127.1 name one address; localhost resolves to it.
+    hosts[1] = dlock_core::url::HostPort {
+        host: if first.host == "127.0.0.1" {
+            "127.1".into()
+        } else {
+            "localhost".into()
+        },
+        port: Some(port),
+    };
+    let twice = url.with_hosts(&hosts).unwrap();
+    let e = RedisBackend::connect(&twice).await.unwrap_err();
+    assert!(
+        matches!(e, Error::Config(ref m) if m.contains("same Redis server")),
+        "{e:?}"
+    );
+    let distinct = url.with_hosts(&url.hosts()[..3]).unwrap();
+    RedisBackend::connect(&distinct).await.unwrap();
+}

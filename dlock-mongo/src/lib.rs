@@ -340,8 +340,10 @@ pub(crate) struct Inner {
     options: MongoOptions,
     deployment: Deployment,
     /// The change stream's task, if one opened at connect (it reopens the
-    /// stream when it breaks).
-    watcher: Option<AbortOnDrop>,
+    /// stream when it breaks); kept for its `Drop`, which stops it.
+    _watcher: Option<AbortOnDrop>,
+    /// Whether the capabilities promise change-stream wake-ups (see connect).
+    notify_promised: bool,
 }
 
 struct AbortOnDrop(tokio::task::JoinHandle<()>);
@@ -449,6 +451,11 @@ impl MongoBackend {
         probe::check(&clients).await?;
         let hub = Arc::new(WakeHub::default());
         let stream_live = Arc::new(AtomicBool::new(false));
+        // What the capabilities promise: notifications wherever the server
+        // has change streams, also when opening one failed for another
+        // reason (a missing privilege, a blip): the suite's wake-up bounds
+        // then catch the broken path instead of quietly allowing a poll.
+        let mut notify_promised = deployment.has_change_streams();
         let watcher = if deployment.has_change_streams() {
             match notify::open(&conn.locks, None).await {
                 Ok(stream) => {
@@ -464,6 +471,7 @@ impl MongoBackend {
                 // streams says so (CommandNotSupported; "only supported on
                 // replica sets"): expected, waiters poll.
                 Err(e) if matches!(error_code(&e), Some(115 | 40573)) => {
+                    notify_promised = false;
                     tracing::info!(
                         error = %e.kind,
                         "the server has no change streams; waiters will poll"
@@ -489,7 +497,8 @@ impl MongoBackend {
                 stream_live,
                 options,
                 deployment,
-                watcher,
+                _watcher: watcher,
+                notify_promised,
             }),
         })
     }
@@ -690,7 +699,7 @@ impl Backend for MongoBackend {
     /// opened at connect (a replica set or sharded cluster that has them),
     /// else from a poll; a session survives reconnects. Not fair.
     fn capabilities(&self) -> Capabilities {
-        let streams = self.inner.watcher.is_some();
+        let streams = self.inner.notify_promised;
         let mut caps = Capabilities::default();
         // Held locks survive a restart: lock documents are written with majority write concern, journaled.
         caps.restart_loses_locks = false;

@@ -9,17 +9,20 @@
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use dlock_conformance::wire::{Fault, Proxy, hosts_of, with_hosts};
+use dlock_conformance::wire::{Fault, Proxy};
 use dlocks::SessionOptions;
+use dlocks::url::StoreUrl;
 
 const BIN: &str = env!("CARGO_BIN_EXE_dlock");
 
 /// A holder keeps `name` while the CLI, behind `proxy`, waits for it; the
 /// link is put under `fault` for `dark`, then healed, then the holder lets go.
 async fn waiter_survives(url: &str, fault: Fault, dark: Duration) {
-    let upstream = hosts_of(url).into_iter().next().expect("a host");
+    let parsed = StoreUrl::parse(url).expect("the test URL");
+    let upstream = parsed.hosts()[0].to_string();
     let proxy = Proxy::start(&upstream).await.expect("proxy");
-    let proxied = with_hosts(url, &[proxy.addr()]);
+    let proxied = parsed.with_hosts(&[proxy.addr()]).expect("proxied");
+    let proxied = proxied.expose();
     let name = format!("dlock-test/cli-blip-{:08x}", rand::random::<u32>());
     let backend = dlocks::connect(url).await.expect("connect");
     let holder = backend
@@ -30,7 +33,7 @@ async fn waiter_survives(url: &str, fault: Fault, dark: Duration) {
     let started = Instant::now();
     let child = Command::new(BIN)
         .args([
-            "run", &name, "--ttl", "2s", "--wait", "40s", "--url", &proxied, "--",
+            "run", &name, "--ttl", "2s", "--wait", "40s", "--url", proxied, "--",
         ])
         .args(["sh", "-c", "echo ran with $DLOCK_TOKEN"])
         .stdout(Stdio::piped())
@@ -62,16 +65,18 @@ async fn waiter_survives(url: &str, fault: Fault, dark: Duration) {
 /// unreachable store (69) or for a wait that ran out (75), never 1.
 #[cfg(any(feature = "postgres", feature = "redis"))]
 async fn dark_past_the_budget(url: &str) {
-    let upstream = hosts_of(url).into_iter().next().expect("a host");
+    let parsed = StoreUrl::parse(url).expect("the test URL");
+    let upstream = parsed.hosts()[0].to_string();
     let proxy = Proxy::start(&upstream).await.expect("proxy");
-    let proxied = with_hosts(url, &[proxy.addr()]);
+    let proxied = parsed.with_hosts(&[proxy.addr()]).expect("proxied");
+    let proxied = proxied.expose();
     let name = format!("dlock-test/cli-dark-{:08x}", rand::random::<u32>());
     let backend = dlocks::connect(url).await.expect("connect");
     let holder = backend.session(SessionOptions::new()).await.unwrap();
     let guard = holder.lock(name.as_str()).unwrap().acquire().await.unwrap();
     let child = Command::new(BIN)
         .args([
-            "run", &name, "--ttl", "2s", "--wait", "4s", "--url", &proxied, "--", "true",
+            "run", &name, "--ttl", "2s", "--wait", "4s", "--url", proxied, "--", "true",
         ])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

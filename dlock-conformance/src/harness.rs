@@ -66,71 +66,6 @@ impl DerefMut for Profile {
     }
 }
 
-/// The harness-side capabilities of the suite's first API, kept only so
-/// that harnesses written against it still compile.
-///
-/// **Deprecated**: implement [`Harness::profile`] and return a [`Profile`]
-/// (the store's own [`dlock_core::Capabilities`] plus the TTL); this type
-/// will be removed.
-#[derive(Debug, Clone)]
-#[non_exhaustive]
-pub struct LegacyCapabilities {
-    /// See [`dlock_core::Capabilities::fair`].
-    pub fair: bool,
-    /// See [`dlock_core::Capabilities::durable_tokens`].
-    pub durable_tokens: bool,
-    /// See [`dlock_core::Capabilities::notify_wakeup`].
-    pub notify_wakeup: bool,
-    /// See [`dlock_core::Capabilities::no_herd`].
-    pub no_herd: bool,
-    /// See [`Profile::reentrant`].
-    pub reentrant: bool,
-    /// See [`dlock_core::Capabilities::survives_reconnect`].
-    pub survives_reconnect: bool,
-    /// See [`dlock_core::Capabilities::restart_loses_locks`].
-    pub restart_loses_locks: bool,
-    /// See [`Profile::ttl`].
-    pub ttl: Duration,
-    /// See [`dlock_core::Capabilities::wakeup_bound`].
-    pub wakeup_bound: Duration,
-    /// See [`dlock_core::Capabilities::recovery_bound`].
-    pub recovery_bound: Duration,
-}
-
-impl LegacyCapabilities {
-    /// The old defaults: nothing declared, reentrant, bounds from the TTL.
-    pub fn new(ttl: Duration) -> Self {
-        Self {
-            fair: false,
-            durable_tokens: false,
-            notify_wakeup: false,
-            no_herd: false,
-            reentrant: true,
-            survives_reconnect: false,
-            restart_loses_locks: false,
-            ttl,
-            wakeup_bound: Duration::from_millis(250),
-            recovery_bound: ttl.max(Duration::from_secs(1)),
-        }
-    }
-}
-
-impl From<LegacyCapabilities> for Profile {
-    fn from(c: LegacyCapabilities) -> Self {
-        let mut profile = Profile::new(c.ttl, Capabilities::default());
-        profile.reentrant = c.reentrant;
-        profile.fair = c.fair;
-        profile.durable_tokens = c.durable_tokens;
-        profile.notify_wakeup = c.notify_wakeup;
-        profile.no_herd = c.no_herd;
-        profile.survives_reconnect = c.survives_reconnect;
-        profile.restart_loses_locks = c.restart_loses_locks;
-        profile.wakeup_bound = c.wakeup_bound;
-        profile.recovery_bound = c.recovery_bound;
-        profile
-    }
-}
-
 /// What a skipped case says, or why a case failed.
 pub type Outcome = Result<Verdict, Failure>;
 
@@ -198,23 +133,7 @@ pub trait Harness: Send + Sync {
     fn store(&self) -> &str;
 
     /// What the cases may expect: the TTL and what the store declares.
-    ///
-    /// Every harness implements it; the default only serves harnesses
-    /// written against the first API, which implement
-    /// [`capabilities`](Harness::capabilities) instead.
-    fn profile(&self) -> Profile {
-        self.capabilities().into()
-    }
-
-    /// **Deprecated**: implement [`profile`](Harness::profile) instead; kept
-    /// only so that harnesses written against the first API still compile.
-    /// Panics unless implemented.
-    fn capabilities(&self) -> LegacyCapabilities {
-        panic!(
-            "the {} harness implements neither Harness::profile nor Harness::capabilities",
-            self.store()
-        )
-    }
+    fn profile(&self) -> Profile;
 
     /// A new client of the store under test (a new connection where the
     /// backend has one). Cases call it once per simulated process.

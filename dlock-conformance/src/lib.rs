@@ -61,12 +61,7 @@ use std::pin::Pin;
 use std::time::Duration;
 
 pub use adapter_harness::AdapterHarness;
-pub use harness::{Ctx, Failure, Harness, LegacyCapabilities, Outcome, Profile, Verdict};
-
-/// The first API's name of [`LegacyCapabilities`]: **deprecated**, for
-/// harnesses not yet moved to [`Profile`].
-#[doc(hidden)]
-pub use harness::LegacyCapabilities as Capabilities;
+pub use harness::{Ctx, Failure, Harness, Outcome, Profile, Verdict};
 
 #[doc(hidden)]
 pub use tokio as __tokio;

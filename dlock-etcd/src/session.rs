@@ -601,21 +601,21 @@ impl Attempt for EtcdAttempt {
 mod server_tests {
     use super::*;
     use crate::EtcdBackend;
-    use dlock_conformance::wire::{Fault, Flow, Link, ProxyLink, hosts_of, with_hosts};
+    use dlock_conformance::wire::{Fault, Flow, Link, ProxyLink};
+    use dlock_core::url::StoreUrl;
     use tokio::time::{sleep, timeout};
 
-    fn url() -> Option<String> {
+    fn url() -> Option<StoreUrl> {
         if dlock_conformance::skip_requested("etcd", "session server test") {
             return None;
         }
-        Some(
-            std::env::var("DLOCK_TEST_ETCD_URL")
-                .unwrap_or_else(|_| "etcd://127.0.0.1:12379".into()),
-        )
+        let url = std::env::var("DLOCK_TEST_ETCD_URL")
+            .unwrap_or_else(|_| "etcd://127.0.0.1:12379".into());
+        Some(StoreUrl::parse(&url).expect("DLOCK_TEST_ETCD_URL"))
     }
 
-    async fn session_over(link: &ProxyLink, url: &str) -> EtcdSession {
-        let via = with_hosts(url, &link.addrs().unwrap());
+    async fn session_over(link: &ProxyLink, url: &StoreUrl) -> EtcdSession {
+        let via = url.with_hosts(&link.addrs().unwrap()).unwrap();
         let backend = EtcdBackend::connect(&via)
             .await
             .expect("etcd up (scripts/services up etcd)");
@@ -635,7 +635,8 @@ mod server_tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_late_keep_alive_reply_never_answers_a_later_request() {
         let Some(url) = url() else { return };
-        let link = ProxyLink::start(&hosts_of(&url)).await.unwrap();
+        let hosts: Vec<String> = url.hosts().iter().map(ToString::to_string).collect();
+        let link = ProxyLink::start(&hosts).await.unwrap();
         let session = session_over(&link, &url).await;
         session.keep_alive().await.expect("a first keep-alive");
         link.set_all(Fault::Flows {

@@ -3,7 +3,8 @@
 
 use std::time::Duration;
 
-use dlock_conformance::wire::{Fault, Link, ProxyLink, hosts_of, with_hosts};
+use dlock_conformance::wire::{Fault, Link, ProxyLink};
+use dlock_core::url::StoreUrl;
 use dlock_core::{Backend, SessionOptions};
 use dlock_etcd::EtcdBackend;
 
@@ -22,11 +23,13 @@ fn cluster_url() -> Option<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connects_while_a_minority_is_unreachable() {
     let Some(url) = cluster_url() else { return };
-    let link = ProxyLink::start(&hosts_of(&url)).await.unwrap();
+    let url = StoreUrl::parse(&url).unwrap();
+    let hosts: Vec<String> = url.hosts().iter().map(ToString::to_string).collect();
+    let link = ProxyLink::start(&hosts).await.unwrap();
     for dead in 0..3 {
         link.heal();
         link.set(dead, Fault::Cut);
-        let via = with_hosts(&url, &link.addrs().unwrap());
+        let via = url.with_hosts(&link.addrs().unwrap()).unwrap();
         for round in 0..5 {
             let backend = EtcdBackend::connect(&via)
                 .await

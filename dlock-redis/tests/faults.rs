@@ -15,7 +15,8 @@ use std::time::Duration;
 use common::{
     StartAll, command, node_url, redlock_servers, redlock_url, skipped, unique, with_options,
 };
-use dlock_conformance::wire::{Fault, Link, ProxyLink, hosts_of, with_hosts};
+use dlock_conformance::wire::{Fault, Link, ProxyLink};
+use dlock_core::url::StoreUrl;
 use dlock_core::{Backend, Error, LostReason, SessionOptions};
 use dlock_redis::RedisBackend;
 use tokio::time::{Instant, sleep};
@@ -309,10 +310,12 @@ async fn nodes_restored_from_old_snapshots_do_not_regrant() {
             .unwrap();
     }
 
-    let link = ProxyLink::start(&hosts_of(&url)).await.unwrap();
+    let parsed = StoreUrl::parse(&url).unwrap();
+    let hosts: Vec<String> = parsed.hosts().iter().map(ToString::to_string).collect();
+    let link = ProxyLink::start(&hosts).await.unwrap();
     link.set(3, Fault::Cut);
     link.set(4, Fault::Cut);
-    let a_backend = connect(&with_hosts(&url, &link.addrs().unwrap())).await;
+    let a_backend = connect(parsed.with_hosts(&link.addrs().unwrap()).unwrap().expose()).await;
     let a = a_backend
         .session(SessionOptions::new().ttl(ttl))
         .await

@@ -6,8 +6,9 @@
 use std::net::TcpListener;
 use std::time::Duration;
 
-use dlock_conformance::wire::{Fault, Proxy, with_hosts};
+use dlock_conformance::wire::{Fault, Proxy};
 use dlock_core::backend::Take;
+use dlock_core::url::StoreUrl;
 use dlock_core::{Backend, Error, LockName, SessionOptions};
 use dlock_sql::SqlBackend;
 use tokio::time::{Instant, timeout};
@@ -283,10 +284,9 @@ async fn listen_reconnect_wakes_waiters() {
     let Some(url) = url("postgres", "listen_reconnect_wakes_waiters") else {
         return;
     };
-    let proxy = Proxy::start(&dlock_conformance::wire::hosts_of(&url)[0])
-        .await
-        .unwrap();
-    let via = connect(&with_hosts(&url, &[proxy.addr()])).await;
+    let parsed = StoreUrl::parse(&url).unwrap();
+    let proxy = Proxy::start(&parsed.hosts()[0].to_string()).await.unwrap();
+    let via = connect(parsed.with_hosts(&[proxy.addr()]).unwrap().expose()).await;
     let direct = connect(&url).await;
     let lock = name("gap");
     let holder = direct
@@ -436,14 +436,10 @@ async fn dead_connections_give_their_slots_back(store: &str) {
     let Some(url) = url(store, "dead_connections_give_their_slots_back") else {
         return;
     };
-    let proxy = Proxy::start(&dlock_conformance::wire::hosts_of(&url)[0])
-        .await
-        .unwrap();
-    let backend = connect(&format!(
-        "{}&dlock_pool=2",
-        with_hosts(&url, &[proxy.addr()])
-    ))
-    .await;
+    let parsed = StoreUrl::parse(&url).unwrap();
+    let proxy = Proxy::start(&parsed.hosts()[0].to_string()).await.unwrap();
+    let proxied = parsed.with_hosts(&[proxy.addr()]).unwrap();
+    let backend = connect(proxied.with_option("dlock_pool", "2").unwrap().expose()).await;
     let lock = name("dead");
     // Two connections in the pool.
     let (a, b) = tokio::join!(backend.inspect(&lock), backend.inspect(&lock));

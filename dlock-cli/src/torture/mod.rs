@@ -25,8 +25,9 @@ use std::time::Duration;
 use dlock_conformance::checker::{Audit, Event, FencedRegister, History, Op, Phase};
 use dlock_conformance::process::Process;
 use dlock_conformance::servers::{MemoryServers, Servers, ServicesCommand};
-use dlock_conformance::wire::{Link, MemoryLink, ProxyLink, hosts_of, with_hosts};
+use dlock_conformance::wire::{Link, MemoryLink, ProxyLink};
 use dlock_core::memory::MemoryBackend;
+use dlock_core::url::StoreUrl;
 use dlocks::{Error, LockGuard, LockName, LostReason, Session, SessionOptions};
 use tokio::time::{Instant, sleep, timeout};
 
@@ -110,7 +111,8 @@ impl Deployment {
         let endpoints = if memory.is_some() || url.starts_with("sqlite:") {
             Vec::new()
         } else {
-            hosts_of(url)
+            let url = StoreUrl::parse(url)?;
+            url.hosts().iter().map(ToString::to_string).collect()
         };
         let servers: Option<Arc<dyn Servers>> = match (&memory, servers.map(String::as_str)) {
             (Some(m), _) => Some(Arc::new(MemoryServers(m.clone()))),
@@ -186,7 +188,10 @@ impl Deployment {
                     (Some(m), Some(l)) => Arc::new(m.with_link(l.0.clone())),
                     _ => match link.addrs() {
                         Some(addrs) if !addrs.is_empty() => {
-                            dlocks::connect(&with_hosts(&self.url, &addrs)).await?
+                            dlocks::connect(
+                                StoreUrl::parse(&self.url)?.with_hosts(&addrs)?.expose(),
+                            )
+                            .await?
                         }
                         _ => dlocks::connect(&self.url).await?,
                     },
@@ -322,7 +327,8 @@ impl ReOpen {
             (Some(m), Some(l)) => Arc::new(m.with_link(l.0.clone())),
             _ => match self.link.addrs() {
                 Some(addrs) if !addrs.is_empty() => {
-                    dlocks::connect(&with_hosts(&self.url, &addrs)).await?
+                    dlocks::connect(StoreUrl::parse(&self.url)?.with_hosts(&addrs)?.expose())
+                        .await?
                 }
                 _ => dlocks::connect(&self.url).await?,
             },

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dlock_conformance::servers::{Servers, ServicesCommand};
-use dlock_conformance::wire::hosts_of;
+use dlock_core::url::StoreUrl;
 
 /// This repository's `scripts/services`.
 pub(crate) const SERVICES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/services");
@@ -35,7 +35,8 @@ pub(crate) fn with_options(url: &str, options: &str) -> String {
 
 /// `redis://host:port` of Redlock node `i` (0-based, in URL order).
 pub(crate) fn node_url(i: usize) -> String {
-    format!("redis://{}", hosts_of(&redlock_url())[i])
+    let url = StoreUrl::parse(&redlock_url()).expect("DLOCK_TEST_REDLOCK_URL");
+    format!("redis://{}", url.hosts()[i])
 }
 
 /// Process control of the Redlock masters, in URL order.

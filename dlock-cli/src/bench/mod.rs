@@ -178,10 +178,21 @@ pub(crate) fn command_line(args: impl IntoIterator<Item = OsString>) -> String {
         .chain(
             args.into_iter()
                 .skip(1)
-                .map(|a| shell_quote(&dlock_core::url::redact(&a.to_string_lossy()))),
+                .map(|a| shell_quote(&redact_arg(&a.to_string_lossy()))),
         )
         .collect::<Vec<_>>()
         .join(" ")
+}
+
+/// An argument with any password hidden: a whole URL, or the value of
+/// `--flag=URL`. (Plain words are not URLs and pass unchanged.)
+fn redact_arg(arg: &str) -> String {
+    match arg.split_once('=') {
+        Some((flag, value)) if flag.starts_with("--") && !flag.contains(':') => {
+            format!("{flag}={}", dlock_core::url::redact(value))
+        }
+        _ => dlock_core::url::redact(arg),
+    }
 }
 
 /// `word` as a POSIX shell would need it: bare if it is plain, else in

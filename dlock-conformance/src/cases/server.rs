@@ -93,16 +93,19 @@ async fn leader(servers: &dyn Servers) -> Result<Result<usize, Outcome>, Failure
 /// that it lost it: never a holder that believes in a hold the store lost.
 async fn keeps_or_knows(ctx: &Ctx<'_>, a: &LockGuard, what: &str) -> Result<bool, Failure> {
     let bound = ctx.caps.ttl + ctx.caps.recovery_bound;
-    let until = Instant::now() + bound;
+    let mut until = Instant::now() + bound;
     // Connected inside the loop: right after a fault (a leader killed), a
-    // new client's first request can fail like any other.
+    // new client's first request can fail like any other. The time spent
+    // connecting (a restart guard's wait_ready, an election) is not A's.
     let mut admin = None;
     loop {
         if !a.is_held() {
             return Ok(false);
         }
         if admin.is_none() {
+            let connecting = Instant::now();
             admin = ctx.admin().await.ok();
+            until += connecting.elapsed();
         }
         if let Some(admin) = &admin
             && admin.validate(a.name(), a.token()).await.unwrap_or(false)

@@ -208,7 +208,7 @@ fn json(value: &impl Serialize) -> Result<String, Failure> {
 }
 
 /// Writes to stdout; a closed pipe (`dlock list | head -1`) is not an error.
-fn print(text: &str) -> Result<(), Failure> {
+pub(crate) fn print(text: &str) -> Result<(), Failure> {
     let mut stdout = io::stdout().lock();
     match stdout
         .write_all(text.as_bytes())

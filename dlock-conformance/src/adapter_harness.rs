@@ -167,7 +167,7 @@ impl AdapterHarness {
     pub fn url_option(mut self, key: &str, value: &str) -> Self {
         self.url = self
             .url
-            .and_then(|u| with_option(&u, key, value).map_err(|e| e.to_string()));
+            .and_then(|u| u.with_option(key, value).map_err(|e| e.to_string()));
         self
     }
 
@@ -458,7 +458,7 @@ impl Harness for AdapterHarness {
     async fn connect_via(&self, via: &[SocketAddr]) -> Result<Arc<dyn Backend>, Error> {
         let mut url = self.store_url()?.with_hosts(via)?;
         for (key, value) in &self.proxied_options {
-            url = with_option(&url, key, value)?;
+            url = url.with_option(key, value)?;
         }
         let backend = self.open(url).await?;
         self.readied(backend).await
@@ -490,22 +490,6 @@ impl Harness for AdapterHarness {
     }
 }
 
-/// `url` with the query option `key=value` (any `key` already there
-/// removed), written as given.
-fn with_option(url: &StoreUrl, key: &str, value: &str) -> Result<StoreUrl, Error> {
-    let kept = url.with_query_filtered(|k| k != key)?;
-    let text = kept.expose();
-    let (body, fragment) = match text.split_once('#') {
-        Some((body, fragment)) => (body, format!("#{fragment}")),
-        None => (text, String::new()),
-    };
-    let sep = match body.contains('?') {
-        true => '&',
-        false => '?',
-    };
-    StoreUrl::parse(&format!("{body}{sep}{key}={value}{fragment}"))
-}
-
 /// `url` with its path replaced by `path` (empty, or starting with `/`).
 fn with_path(url: &StoreUrl, path: &str) -> Result<StoreUrl, Error> {
     if !url.has_authority() || !(path.is_empty() || path.starts_with('/')) {
@@ -531,7 +515,7 @@ mod tests {
 
     #[test]
     fn options_are_set_once() {
-        let set = |u: &str, k, v| with_option(&url(u), k, v).unwrap().expose().to_owned();
+        let set = |u: &str, k, v| url(u).with_option(k, v).unwrap().expose().to_owned();
         assert_eq!(
             set("mongodb://h:1/?replicaSet=rs0", "a", "1"),
             "mongodb://h:1/?replicaSet=rs0&a=1"

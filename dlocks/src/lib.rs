@@ -76,15 +76,27 @@ pub use dlock_mongo as mongo;
 pub const DEFAULT_URL: &str = "sqlite://dlock.db";
 
 /// Every scheme the facade knows, with the Cargo feature that compiles its
-/// adapter in.
-pub const KNOWN_SCHEMES: &[(&[&str], &str)] = &[
-    (&["sqlite"], "sqlite"),
-    (&["postgres", "postgresql"], "postgres"),
-    (&["mysql", "mariadb"], "mysql"),
-    (&["redis", "rediss", "redlock"], "redis"),
-    (&["etcd", "etcds"], "etcd"),
-    (&["zk"], "zk"),
-    (&["mongodb", "mongodb+srv"], "mongo"),
+/// adapter in, and whether this build has that feature.
+pub const KNOWN_SCHEMES: &[(&[&str], &str, bool)] = &[
+    (&["sqlite"], "sqlite", cfg!(feature = "sqlite")),
+    (
+        &["postgres", "postgresql"],
+        "postgres",
+        cfg!(feature = "postgres"),
+    ),
+    (&["mysql", "mariadb"], "mysql", cfg!(feature = "mysql")),
+    (
+        &["redis", "rediss", "redlock"],
+        "redis",
+        cfg!(feature = "redis"),
+    ),
+    (&["etcd", "etcds"], "etcd", cfg!(feature = "etcd")),
+    (&["zk"], "zk", cfg!(feature = "zk")),
+    (
+        &["mongodb", "mongodb+srv"],
+        "mongo",
+        cfg!(feature = "mongo"),
+    ),
 ];
 
 /// The process-wide [`Registry`] with every adapter this build compiles in
@@ -111,29 +123,13 @@ pub fn registry() -> &'static Registry {
         let _ = registry.register(mongo::MongoAdapter);
         // Only the features not compiled in: a compiled-in adapter that lost
         // a scheme to an earlier registration must not be reported missing.
-        for (schemes, feature) in KNOWN_SCHEMES {
-            if !compiled_in(feature) {
+        for &(schemes, feature, compiled) in KNOWN_SCHEMES {
+            if !compiled {
                 registry.mark_disabled(schemes, feature);
             }
         }
     });
     registry
-}
-
-/// Which facade features this build has.
-const COMPILED: &[(&str, bool)] = &[
-    ("sqlite", cfg!(feature = "sqlite")),
-    ("postgres", cfg!(feature = "postgres")),
-    ("mysql", cfg!(feature = "mysql")),
-    ("redis", cfg!(feature = "redis")),
-    ("etcd", cfg!(feature = "etcd")),
-    ("zk", cfg!(feature = "zk")),
-    ("mongo", cfg!(feature = "mongo")),
-];
-
-/// Whether the facade feature `feature` is on in this build.
-fn compiled_in(feature: &str) -> bool {
-    COMPILED.iter().any(|&(f, on)| f == feature && on)
 }
 
 /// Opens the backend a URL names, with the adapter registered for its
@@ -205,16 +201,16 @@ mod tests {
 
     #[tokio::test]
     async fn every_known_scheme_is_compiled_in_or_names_its_feature() {
-        for (schemes, feature) in KNOWN_SCHEMES {
-            for scheme in *schemes {
-                if compiled_in(feature) {
+        for &(schemes, feature, compiled) in KNOWN_SCHEMES {
+            for scheme in schemes {
+                if compiled {
                     continue; // needs its server: the adapter crates test it
                 }
                 let e = connect(&format!("{scheme}://127.0.0.1:1/x"))
                     .await
                     .unwrap_err();
                 assert!(
-                    matches!(&e, Error::FeatureDisabled { feature: f, .. } if f == feature),
+                    matches!(&e, Error::FeatureDisabled { feature: f, .. } if *f == feature),
                     "{scheme}: {e:?}"
                 );
             }

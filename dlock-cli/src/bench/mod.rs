@@ -15,7 +15,7 @@ mod stats;
 
 use std::collections::HashMap;
 use std::ffi::OsString;
-use std::io::{self, IsTerminal, Write as _};
+use std::io::{self, IsTerminal};
 use std::path::Path;
 use std::time::{Duration, SystemTime};
 
@@ -23,6 +23,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use self::phases::Target;
 use self::report::{BackendReport, Report, Settings};
+use crate::admin::print;
 use crate::cli::BenchArgs;
 use crate::exit::{FAILURE, Failure};
 
@@ -215,21 +216,6 @@ fn write(dir: &Path, file: &str, text: &str) -> Result<(), Failure> {
     std::fs::create_dir_all(dir)
         .and_then(|()| std::fs::write(&path, text))
         .map_err(|e| Failure::new(FAILURE, format!("cannot write {}: {e}", path.display())))
-}
-
-/// Writes to stdout; a closed pipe is not an error.
-fn print(text: &str) -> Result<(), Failure> {
-    let mut stdout = io::stdout().lock();
-    match stdout
-        .write_all(text.as_bytes())
-        .and_then(|()| stdout.flush())
-    {
-        Err(e) if e.kind() != io::ErrorKind::BrokenPipe => Err(Failure::new(
-            FAILURE,
-            format!("cannot write to stdout: {e}"),
-        )),
-        _ => Ok(()),
-    }
 }
 
 /// Progress bars on stderr, or none (`--quiet`, or stderr not a terminal).

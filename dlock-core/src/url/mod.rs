@@ -120,11 +120,7 @@ impl StoreUrl {
         let (scheme, rest) = text
             .split_once(':')
             .ok_or_else(|| bad("no scheme: expected SCHEME://...".into()))?;
-        let scheme_ok = scheme.starts_with(|c: char| c.is_ascii_alphabetic())
-            && scheme
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'));
-        if !scheme_ok {
+        if !is_scheme(scheme) {
             return Err(bad(
                 "the text before the first : is not a URL scheme (expected SCHEME://...)".into(),
             ));
@@ -384,6 +380,15 @@ impl fmt::Debug for StoreUrl {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_tuple("StoreUrl").field(&self.redacted()).finish()
     }
+}
+
+/// Whether `text` is a URL scheme (RFC 3986: a letter, then letters,
+/// digits, `+`, `-` or `.`).
+fn is_scheme(text: &str) -> bool {
+    text.starts_with(|c: char| c.is_ascii_alphabetic())
+        && text
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'))
 }
 
 /// What follows the authority of `scheme://` + `text`: from the first `/`,

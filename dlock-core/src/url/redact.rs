@@ -150,11 +150,7 @@ fn looks_like_a_url(text: &str) -> bool {
     let Some((scheme, rest)) = text.split_once(':') else {
         return false;
     };
-    let scheme_ok = scheme.starts_with(|c: char| c.is_ascii_alphabetic())
-        && scheme
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'));
-    scheme_ok && (rest.starts_with("//") || !rest.contains(['@', ';']))
+    super::is_scheme(scheme) && (rest.starts_with("//") || !rest.contains(['@', ';']))
 }
 
 /// What is shown of a text that is not a URL.

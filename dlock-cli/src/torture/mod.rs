@@ -36,6 +36,11 @@ use self::report::{Row, Table};
 use crate::cli::TortureArgs;
 use crate::exit::{FAILURE, Failure, USAGE};
 
+/// How long a client keeps trying to open its first session while the
+/// deployment is unavailable (a ZooKeeper ensemble re-electing after the
+/// previous profile's restart takes seconds on a loaded machine).
+const OPEN_BOUND: Duration = Duration::from_secs(60);
+
 /// Runs `dlock torture`; returns the exit status (70 if a check failed that
 /// the profile does not excuse by design).
 pub(crate) async fn torture(urls: &[String], args: TortureArgs) -> Result<u8, Failure> {
@@ -175,28 +180,24 @@ impl Deployment {
     }
 
     /// A new client over `link`, opened inside `process`.
-    fn client(
-        &self,
-        process: &Process,
-        link: &dyn Link,
-        ttl: Duration,
-    ) -> Result<Session, Failure> {
-        let options = SessionOptions::new().ttl(ttl).label("dlock-torture");
+    ///
+    /// The previous profile may have left the deployment recovering (an
+    /// ensemble electing a leader after a restart), so an open that may
+    /// succeed later is retried for up to [`OPEN_BOUND`]; a configuration
+    /// error is not.
+    fn client(process: &Process, reopen: &ReOpen) -> Result<Session, Failure> {
         process.enter(async {
-            let backend: Arc<dyn dlocks::Backend> =
-                match (&self.memory, link.as_any().downcast_ref::<MemoryLink>()) {
-                    (Some(m), Some(l)) => Arc::new(m.with_link(l.0.clone())),
-                    _ => match link.addrs() {
-                        Some(addrs) if !addrs.is_empty() => {
-                            dlocks::connect(
-                                StoreUrl::parse(&self.url)?.with_hosts(&addrs)?.expose(),
-                            )
-                            .await?
-                        }
-                        _ => dlocks::connect(&self.url).await?,
-                    },
-                };
-            Ok::<_, Failure>(backend.session(options).await?)
+            let deadline = Instant::now() + OPEN_BOUND;
+            let mut backoff = Duration::from_millis(50);
+            loop {
+                match reopen.open().await {
+                    Err(e) if e.is_retryable() && Instant::now() + backoff < deadline => {
+                        sleep(backoff).await;
+                        backoff = (backoff * 2).min(Duration::from_secs(2));
+                    }
+                    result => return Ok::<_, Failure>(result?),
+                }
+            }
         })
     }
 }
@@ -250,13 +251,13 @@ async fn run_profile(
         let process = Process::start()
             .map_err(|e| Failure::new(FAILURE, format!("cannot start a client process: {e}")))?;
         let link = deployment.link().await?;
-        let session = deployment.client(&process, &*link, args.ttl)?;
         let reopen = ReOpen {
             url: deployment.url.clone(),
             memory: deployment.memory.clone(),
             link: link.clone(),
             ttl: args.ttl,
         };
+        let session = Deployment::client(&process, &reopen)?;
         let plan = Plan {
             name: name.clone(),
             ttl: args.ttl,

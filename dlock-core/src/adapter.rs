@@ -37,6 +37,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 
+use crate::floor::Floor;
 use crate::url::StoreUrl;
 use crate::{Backend, Error};
 
@@ -112,11 +113,25 @@ pub trait Adapter: Send + Sync + Debug + 'static {
     /// Must be cancel safe: dropping it leaves nothing behind but
     /// idempotently created schema.
     async fn connect(&self, url: &StoreUrl) -> Result<Arc<dyn Backend>, Error>;
+
+    /// Opens the store's [`Floor`] (the raw operations a lock needs, and its
+    /// own lock if any) on a connection of its own, for `dlock bench` to
+    /// measure dlock against. `None`, the default, for an adapter without
+    /// one. The URL is read as [`Adapter::connect`] reads it.
+    ///
+    /// # Cancel safety
+    /// As [`Adapter::connect`].
+    async fn floor(&self, url: &StoreUrl) -> Result<Option<Arc<dyn Floor>>, Error> {
+        let _ = url;
+        Ok(None)
+    }
 }
 
 /// Implements [`Adapter`] for a unit struct whose backend type has an
 /// async `connect(&StoreUrl)`: every adapter crate's `impl Adapter` is the
-/// same three lines, so it is written once, here.
+/// same three lines, so it is written once, here. An optional
+/// `floor: path` names an async `fn(&StoreUrl) -> Result<impl Floor, Error>`
+/// for [`Adapter::floor`].
 ///
 /// ```
 /// use dlock_core::{Error, memory::MemoryBackend, url::StoreUrl};
@@ -136,7 +151,7 @@ pub trait Adapter: Send + Sync + Debug + 'static {
 /// ```
 #[macro_export]
 macro_rules! impl_adapter {
-    ($adapter:ty, name: $name:expr, schemes: $schemes:expr, connect: $($connect:ident)::+ $(,)?) => {
+    ($adapter:ty, name: $name:expr, schemes: $schemes:expr, connect: $($connect:ident)::+ $(, floor: $($floor:ident)::+)? $(,)?) => {
         #[$crate::__async_trait]
         impl $crate::Adapter for $adapter {
             fn name(&self) -> &'static str {
@@ -153,6 +168,20 @@ macro_rules! impl_adapter {
             ) -> ::std::result::Result<::std::sync::Arc<dyn $crate::Backend>, $crate::Error> {
                 ::std::result::Result::Ok(::std::sync::Arc::new($($connect)::+(url).await?))
             }
+
+            $(
+            async fn floor(
+                &self,
+                url: &$crate::url::StoreUrl,
+            ) -> ::std::result::Result<
+                ::std::option::Option<::std::sync::Arc<dyn $crate::floor::Floor>>,
+                $crate::Error,
+            > {
+                ::std::result::Result::Ok(::std::option::Option::Some(::std::sync::Arc::new(
+                    $($floor)::+(url).await?,
+                )))
+            }
+            )?
         }
     };
 }
@@ -257,12 +286,27 @@ impl Registry {
 
     /// [`Registry::connect`] for a parsed URL.
     pub async fn connect_url(&self, url: &StoreUrl) -> Result<Arc<dyn Backend>, Error> {
+        self.resolve(url)?.connect(url).await
+    }
+
+    /// Opens the [`Floor`] of `url`'s store with the adapter of its scheme
+    /// ([`Adapter::floor`]); `None` if that adapter has none. Errors as
+    /// [`Registry::connect`].
+    ///
+    /// # Cancel safety
+    /// As the adapter's [`Adapter::floor`].
+    pub async fn floor(&self, url: &StoreUrl) -> Result<Option<Arc<dyn Floor>>, Error> {
+        self.resolve(url)?.floor(url).await
+    }
+
+    /// The adapter for `url`'s scheme, or why there is none.
+    fn resolve(&self, url: &StoreUrl) -> Result<Arc<dyn Adapter>, Error> {
         let entry = {
             let schemes = self.schemes.read().unwrap_or_else(|e| e.into_inner());
             schemes.get(url.scheme()).cloned()
         };
         match entry {
-            Some(Entry::Adapter(adapter)) => adapter.connect(url).await,
+            Some(Entry::Adapter(adapter)) => Ok(adapter),
             Some(Entry::Disabled { feature }) => Err(Error::FeatureDisabled {
                 scheme: url.scheme().to_owned(),
                 feature,

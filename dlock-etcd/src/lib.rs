@@ -92,6 +92,7 @@
 //! # Ok(()) }
 //! ```
 
+mod floor;
 mod session;
 
 use std::fmt;
@@ -110,6 +111,7 @@ use etcd_client::{
     Certificate, Client, Compare, CompareOp, ConnectOptions, GetOptions, Identity, SortOrder,
     SortTarget, TlsOptions, Txn, TxnOp,
 };
+pub use floor::EtcdFloor;
 
 const BACKEND: &str = "etcd";
 
@@ -162,7 +164,7 @@ impl EtcdAdapter {
     }
 }
 
-dlock_core::impl_adapter!(EtcdAdapter, name: BACKEND, schemes: &["etcd", "etcds"], connect: EtcdBackend::connect);
+dlock_core::impl_adapter!(EtcdAdapter, name: BACKEND, schemes: &["etcd", "etcds"], connect: EtcdBackend::connect, floor: EtcdFloor::connect);
 
 /// A lock service on an etcd cluster (see the [crate docs](crate)).
 #[derive(Clone)]

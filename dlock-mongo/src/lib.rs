@@ -227,6 +227,7 @@
 //! deployment (see the README, "Services for tests").
 
 mod client;
+mod floor;
 mod notify;
 mod options;
 mod probe;
@@ -253,6 +254,7 @@ use mongodb::options::{
 use mongodb::{Client, Collection, IndexModel};
 
 use dlock_core::wake::WakeHub;
+pub use floor::MongoFloor;
 pub use options::{DEFAULT_DATABASE, DEFAULT_LOCKS, DEFAULT_SESSIONS, MongoOptions, MongosPolicy};
 pub use query::SESSION_SWEEP;
 use store::{Class, classify, error_code, map_err, token_of};
@@ -320,7 +322,7 @@ impl Deployment {
 #[derive(Debug, Clone, Copy, Default)]
 pub struct MongoAdapter;
 
-dlock_core::impl_adapter!(MongoAdapter, name: SCHEME, schemes: &["mongodb", "mongodb+srv"], connect: MongoBackend::connect);
+dlock_core::impl_adapter!(MongoAdapter, name: SCHEME, schemes: &["mongodb", "mongodb+srv"], connect: MongoBackend::connect, floor: MongoFloor::connect);
 
 /// A lock service on one MongoDB deployment (see the [crate docs](crate)).
 ///

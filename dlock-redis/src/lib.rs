@@ -189,6 +189,7 @@
 //!
 //! [`Registry`]: dlock_core::Registry
 
+mod floor;
 mod node;
 mod options;
 mod script;
@@ -206,6 +207,7 @@ use dlock_core::{
 };
 use futures::future::join_all;
 
+pub use floor::RedisFloor;
 use node::{CONNECT_TIMEOUT, Node, Record};
 use options::RedisOptions;
 pub use options::{DEFAULT_MAX_TTL, DEFAULT_PREFIX};
@@ -240,7 +242,7 @@ pub const SCHEMES: &[&str] = &["redis", "rediss", "redlock"];
 #[derive(Debug, Clone, Copy, Default)]
 pub struct RedisAdapter;
 
-dlock_core::impl_adapter!(RedisAdapter, name: "redis", schemes: SCHEMES, connect: RedisBackend::connect);
+dlock_core::impl_adapter!(RedisAdapter, name: "redis", schemes: SCHEMES, connect: RedisBackend::connect, floor: RedisFloor::connect);
 
 impl Inner {
     /// Refuses a Redlock whose reachable nodes include one server twice

@@ -512,7 +512,7 @@ impl Node {
     /// error retires the connection (the next request uses a new one); so
     /// does a time-out, or `op` being dropped after waiting, unless the
     /// connection answered anything meanwhile.
-    async fn request<T, F, Fut>(&self, limit: Duration, op: F) -> Result<T, Error>
+    pub(crate) async fn request<T, F, Fut>(&self, limit: Duration, op: F) -> Result<T, Error>
     where
         F: FnOnce(MultiplexedConnection) -> Fut,
         Fut: Future<Output = Result<T, RedisError>>,

@@ -108,6 +108,7 @@
 //! ```
 
 mod dialect;
+mod floor;
 #[cfg(feature = "postgres")]
 mod notify;
 mod options;
@@ -128,6 +129,7 @@ use sqlx::{AnyConnection, AnyPool, Connection, Row};
 
 use dialect::{Arg, Dialect, Statements, prefix_end};
 use dlock_core::wake::WakeHub;
+pub use floor::SqlFloor;
 pub use options::{DEFAULT_TABLE, SqlOptions};
 
 /// The smallest TTL: the database clock has millisecond resolution, and a
@@ -158,7 +160,7 @@ const IDLE_CHECK: Duration = Duration::from_secs(30);
 #[derive(Debug, Clone, Copy, Default)]
 pub struct SqlAdapter;
 
-dlock_core::impl_adapter!(SqlAdapter, name: "sql", schemes: &["postgres", "postgresql", "mysql", "mariadb", "sqlite"], connect: SqlBackend::connect);
+dlock_core::impl_adapter!(SqlAdapter, name: "sql", schemes: &["postgres", "postgresql", "mysql", "mariadb", "sqlite"], connect: SqlBackend::connect, floor: SqlFloor::connect);
 
 /// A lock service on one SQL database (see the [crate docs](crate)).
 #[derive(Clone)]
@@ -213,17 +215,7 @@ impl SqlBackend {
             .map_err(|e| store::map_err(scheme, e))?;
         let sql = Statements::new(dialect, &options.table);
         let mut first = first_connection(&options, &connect_options).await?;
-        for statement in &sql.create {
-            if let Err(e) = statement.bind(&[]).execute(&mut first).await {
-                // Concurrent CREATE … IF NOT EXISTS may race in PostgreSQL's
-                // catalog; the table exists either way.
-                let raced = matches!(&e, sqlx::Error::Database(d)
-                    if matches!(d.code().as_deref(), Some("23505" | "42P07")));
-                if !raced {
-                    return Err(store::map_err(scheme, e));
-                }
-            }
-        }
+        create_table(&mut first, &sql).await?;
         let _ = first.close().await;
         let mut pool = AnyPoolOptions::new()
             .max_connections(options.pool)
@@ -357,6 +349,24 @@ pub(crate) fn token_of(value: i64) -> Result<FencingToken, Error> {
 /// The first connection of a backend, with its errors typed: a refused or
 /// silent server is [`Error::Unavailable`] naming the (redacted) URL, a wrong
 /// password [`Error::Auth`], a TLS failure [`Error::Config`].
+/// Creates the lock table and its index if they do not exist.
+async fn create_table(conn: &mut AnyConnection, sql: &Statements) -> Result<(), Error> {
+    for statement in &sql.create {
+        if let Err(e) = statement.bind(&[]).execute(&mut *conn).await {
+            // Concurrent CREATE … IF NOT EXISTS may race in PostgreSQL's
+            // catalog; the table exists either way.
+            let raced = matches!(&e, sqlx::Error::Database(d)
+                if matches!(d.code().as_deref(), Some("23505" | "42P07")));
+            if !raced {
+                return Err(store::map_err(sql.dialect.scheme(), e));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Opens one connection (mapping a refusal, a wrong password or a TLS
+/// problem to its meaning) and, for SQLite, sets its pragmas.
 async fn first_connection(
     options: &SqlOptions,
     connect_options: &AnyConnectOptions,

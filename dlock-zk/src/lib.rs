@@ -103,6 +103,7 @@
 //! # Ok(()) }
 //! ```
 
+mod floor;
 mod session;
 
 use std::fmt;
@@ -115,6 +116,7 @@ use dlock_core::url::StoreUrl;
 use dlock_core::{
     Backend, Capabilities, Error, FencingToken, LockInfo, LockName, SessionId, SessionOptions, name,
 };
+pub use floor::ZkFloor;
 use zookeeper_client as zk;
 
 const BACKEND: &str = "zk";
@@ -399,7 +401,7 @@ impl ZkAdapter {
     }
 }
 
-dlock_core::impl_adapter!(ZkAdapter, name: BACKEND, schemes: &["zk"], connect: ZkBackend::connect);
+dlock_core::impl_adapter!(ZkAdapter, name: BACKEND, schemes: &["zk"], connect: ZkBackend::connect, floor: ZkFloor::connect);
 
 /// A lock service on a ZooKeeper ensemble (see the [crate docs](crate)).
 #[derive(Clone)]

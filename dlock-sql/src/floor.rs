@@ -1,0 +1,187 @@
+//! The floor of a SQL lock for `dlock bench` ([`dlock_core::floor`]): an
+//! upsert of the lock's row and its `DELETE`, in the lock table, on one
+//! connection of its own; and the database's own lock where it has one
+//! (PostgreSQL's session-level advisory locks, MySQL/MariaDB's
+//! `GET_LOCK`). SQLite has none.
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use dlock_core::floor::{Floor, NativeGuard, NativeLock};
+use dlock_core::url::StoreUrl;
+use dlock_core::{Error, LockName};
+use sqlx::{AnyConnection, Row};
+use tokio::sync::Mutex;
+
+use crate::dialect::{Arg, Dialect, Sql, Statements};
+use crate::options::SqlOptions;
+use crate::{create_table, first_connection, store};
+
+/// How long MySQL's `GET_LOCK` waits before it gives up, in seconds: longer
+/// than any benchmark waits for one grant.
+const GET_LOCK_WAIT_S: i64 = 3600;
+
+/// The statements of a floor, in its database's dialect.
+#[derive(Debug)]
+struct FloorSql {
+    dialect: Dialect,
+    upsert: Sql,
+    delete: Sql,
+    /// Takes the native lock `?1`; answers 1 when granted.
+    lock: Sql,
+    /// Releases it; answers 1 when it was held.
+    unlock: Sql,
+}
+
+impl FloorSql {
+    fn new(dialect: Dialect, table: &str) -> Self {
+        let sql = |template: &str| Sql::new(dialect, table, template);
+        let insert = "INSERT INTO {t} (name, holder, owner, token, why, acquired_at, expires_at) \
+                      VALUES (?1, NULL, NULL, 1, NULL, 0, 0)";
+        let (upsert, lock, unlock) = match dialect {
+            Dialect::MySql => (
+                format!("{insert} ON DUPLICATE KEY UPDATE token = token + 1"),
+                format!("SELECT GET_LOCK(?1, {GET_LOCK_WAIT_S})"),
+                "SELECT RELEASE_LOCK(?1)".to_owned(),
+            ),
+            // Answers as integers: sqlx's Any driver has no `void`.
+            Dialect::Postgres => (
+                format!("{insert} ON CONFLICT (name) DO UPDATE SET token = {{t}}.token + 1"),
+                "SELECT 1 FROM (SELECT pg_advisory_lock(hashtext(?1))) AS granted".to_owned(),
+                "SELECT CAST(pg_advisory_unlock(hashtext(?1)) AS INTEGER)".to_owned(),
+            ),
+            Dialect::Sqlite => (
+                format!("{insert} ON CONFLICT (name) DO UPDATE SET token = {{t}}.token + 1"),
+                String::new(),
+                String::new(),
+            ),
+        };
+        Self {
+            dialect,
+            upsert: sql(&upsert),
+            delete: sql("DELETE FROM {t} WHERE name = ?1"),
+            lock: sql(&lock),
+            unlock: sql(&unlock),
+        }
+    }
+}
+
+/// [`Floor`] of the SQL URLs: one connection, outside any pool.
+#[derive(Debug)]
+pub struct SqlFloor {
+    conn: Arc<Mutex<AnyConnection>>,
+    sql: Arc<FloorSql>,
+}
+
+impl SqlFloor {
+    /// Opens the floor of `url` (read as [`SqlBackend::connect`](crate::SqlBackend::connect)
+    /// reads it) and creates the lock table if needed.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: nothing is left behind but an idempotently created table.
+    pub async fn connect(url: &StoreUrl) -> Result<Self, Error> {
+        let options = SqlOptions::from_url(url)?;
+        sqlx::any::install_default_drivers();
+        let scheme = options.dialect.scheme();
+        let connect_options = options
+            .connect_options()
+            .map_err(|e| store::map_err(scheme, e))?;
+        let mut conn = first_connection(&options, &connect_options).await?;
+        create_table(&mut conn, &Statements::new(options.dialect, &options.table)).await?;
+        Ok(Self {
+            conn: Arc::new(Mutex::new(conn)),
+            sql: Arc::new(FloorSql::new(options.dialect, &options.table)),
+        })
+    }
+}
+
+/// Runs `statement` with the one argument `key` on `conn`.
+async fn execute(
+    conn: &Mutex<AnyConnection>,
+    sql: &FloorSql,
+    statement: &Sql,
+    key: &str,
+) -> Result<(), Error> {
+    statement
+        .bind(&[Arg::Text(key)])
+        .execute(&mut *conn.lock().await)
+        .await
+        .map(drop)
+        .map_err(|e| store::map_err(sql.dialect.scheme(), e))
+}
+
+/// Runs the native lock's `statement` on `key`; `Ok` if it answers 1 (a
+/// lock granted or released), else an error.
+async fn native(
+    conn: &Mutex<AnyConnection>,
+    sql: &FloorSql,
+    statement: &Sql,
+    key: &str,
+) -> Result<(), Error> {
+    let scheme = sql.dialect.scheme();
+    let row = statement
+        .bind(&[Arg::Text(key)])
+        .fetch_one(&mut *conn.lock().await)
+        .await
+        .map_err(|e| store::map_err(scheme, e))?;
+    if row.try_get::<Option<i64>, _>(0).ok().flatten() == Some(1) {
+        Ok(())
+    } else {
+        Err(Error::protocol(
+            scheme,
+            format!("the native lock {key:?} was not granted or not held"),
+        ))
+    }
+}
+
+#[async_trait]
+impl Floor for SqlFloor {
+    fn operations(&self) -> &'static str {
+        match self.sql.dialect {
+            Dialect::MySql => "INSERT … ON DUPLICATE KEY UPDATE + DELETE",
+            _ => "INSERT … ON CONFLICT DO UPDATE + DELETE",
+        }
+    }
+
+    async fn cycle(&self, key: &LockName) -> Result<(), Error> {
+        execute(&self.conn, &self.sql, &self.sql.upsert, key.as_str()).await?;
+        execute(&self.conn, &self.sql, &self.sql.delete, key.as_str()).await
+    }
+
+    fn native(&self) -> Option<&dyn NativeLock> {
+        (self.sql.dialect != Dialect::Sqlite).then_some(self as &dyn NativeLock)
+    }
+}
+
+#[async_trait]
+impl NativeLock for SqlFloor {
+    fn name(&self) -> &'static str {
+        match self.sql.dialect {
+            Dialect::MySql => "GET_LOCK",
+            _ => "pg_advisory_lock",
+        }
+    }
+
+    async fn lock(&self, key: &LockName) -> Result<Box<dyn NativeGuard>, Error> {
+        native(&self.conn, &self.sql, &self.sql.lock, key.as_str()).await?;
+        Ok(Box::new(Held {
+            conn: self.conn.clone(),
+            sql: self.sql.clone(),
+            key: key.as_str().to_owned(),
+        }))
+    }
+}
+
+/// A native lock held on a floor's connection.
+struct Held {
+    conn: Arc<Mutex<AnyConnection>>,
+    sql: Arc<FloorSql>,
+    key: String,
+}
+
+#[async_trait]
+impl NativeGuard for Held {
+    async fn release(self: Box<Self>) -> Result<(), Error> {
+        native(&self.conn, &self.sql, &self.sql.unlock, &self.key).await
+    }
+}

@@ -54,11 +54,17 @@ same workloads, and writes a Markdown table, a JSON file and an SVG chart.
 Each backend gets --clients clients, each with its own connection and
 session (TTL --ttl). Phases, run phase by phase across the backends:
   1. baseline: --cycles raw round trips (PING, SELECT 1) -> p50/p99;
-  2. uncontended acquire+release of one free lock, alternating with the
-     pings cycle by cycle (and across backends) so noise hits both;
+  2. uncontended acquire+release of one free lock, and the store's raw
+     floor (the fewest requests a take + release needs on the same driver:
+     SET NX PX + compare-and-DEL, an upsert + DELETE, ...), alternating
+     with the pings cycle by cycle (and across backends) so noise hits all;
+     the ratio column is dlock over the floor;
   3. hot lock: all clients acquire, write a fenced register and release
-     one lock for --duration: handoffs/s, release->next-grant latency,
-     per-client counts and Jain's fairness index;
+     one lock for --duration: handoffs/s (grants to a different client
+     than the last), release->next-grant latency, per-client counts and
+     Jain's fairness index; then the same on the store's own lock where it
+     has one (pg_advisory_lock, GET_LOCK, etcd's lock service, the
+     ZooKeeper lock recipe), in a second table;
   4. independent locks: each client on its own lock for --duration:
      acquisitions/s;
   5. safety: the register's refusals and the history check (overlapping

@@ -17,14 +17,20 @@ use super::report::Report;
 const SIZE: (u32, u32) = (1200, 520);
 
 /// Bar colours of the latency panel, in series order.
-const LATENCY_COLOURS: [RGBColor; 3] = [
+const LATENCY_COLOURS: [RGBColor; 5] = [
     RGBColor(0x9e, 0x9e, 0x9e),
+    RGBColor(0x5d, 0x5d, 0x5d),
     RGBColor(0x1f, 0x77, 0xb4),
     RGBColor(0xff, 0x7f, 0x0e),
+    RGBColor(0x94, 0x67, 0xbd),
 ];
 
 /// Bar colours of the throughput panel, in series order.
-const RATE_COLOURS: [RGBColor; 2] = [RGBColor(0xd6, 0x27, 0x28), RGBColor(0x2c, 0xa0, 0x2c)];
+const RATE_COLOURS: [RGBColor; 3] = [
+    RGBColor(0xd6, 0x27, 0x28),
+    RGBColor(0x8c, 0x56, 0x4b),
+    RGBColor(0x2c, 0xa0, 0x2c),
+];
 
 /// A named row of values, one per backend (`None`: not measured).
 struct Series<'a> {
@@ -50,17 +56,35 @@ pub(crate) fn svg(report: &Report) -> Result<String, String> {
                 .collect(),
         },
         Series {
-            name: "acquire+release p50",
+            name: "raw floor (take+release) p50",
             colour: LATENCY_COLOURS[1],
+            values: (report.backends.iter())
+                .map(|b| b.floor.as_ref().and_then(|f| f.latency).map(|l| l.p50_us))
+                .collect(),
+        },
+        Series {
+            name: "acquire+release p50",
+            colour: LATENCY_COLOURS[2],
             values: (report.backends.iter())
                 .map(|b| b.acquire_release.map(|l| l.p50_us))
                 .collect(),
         },
         Series {
             name: "hot lock release→grant p50",
-            colour: LATENCY_COLOURS[2],
+            colour: LATENCY_COLOURS[3],
             values: (report.backends.iter())
                 .map(|b| b.hot_lock.release_to_grant.map(|l| l.p50_us))
+                .collect(),
+        },
+        Series {
+            name: "native lock release→grant p50",
+            colour: LATENCY_COLOURS[4],
+            values: (report.backends.iter())
+                .map(|b| {
+                    (b.native_lock.as_ref())
+                        .and_then(|n| n.hot_lock.release_to_grant)
+                        .map(|l| l.p50_us)
+                })
                 .collect(),
         },
     ];
@@ -73,8 +97,15 @@ pub(crate) fn svg(report: &Report) -> Result<String, String> {
                 .collect(),
         },
         Series {
-            name: "independent locks: acquisitions/s",
+            name: "native lock handoffs/s",
             colour: RATE_COLOURS[1],
+            values: (report.backends.iter())
+                .map(|b| b.native_lock.as_ref().map(|n| n.hot_lock.handoffs_per_s))
+                .collect(),
+        },
+        Series {
+            name: "independent locks: acquisitions/s",
+            colour: RATE_COLOURS[2],
             values: (report.backends.iter())
                 .map(|b| Some(b.independent.per_s))
                 .collect(),

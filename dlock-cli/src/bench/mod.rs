@@ -4,8 +4,9 @@
 //! Order of events: connect every client of every backend (so an unreachable
 //! backend fails the run before anything is measured), then run the phases
 //! one at a time across the backends: the latency phases round-robin (every
-//! backend does one ping and one acquire+release per round), the contended
-//! phases backend by backend. Then close the sessions, write
+//! backend does one ping, one acquire+release and one raw floor cycle per
+//! round), the contended phases backend by backend (dlock's hot lock, then
+//! the store's own lock under the same contention). Then close the sessions, write
 //! `<out>/bench.{md,json,svg}` and print the table (or the JSON).
 
 mod chart;
@@ -74,8 +75,12 @@ async fn measure(urls: &[String], args: BenchArgs) -> Result<u8, Failure> {
     let mut hot = Vec::with_capacity(targets.len());
     for t in &targets {
         let bar = progress.bar(phase_ms, "hot lock", &contended(t));
-        hot.push(phases::hot_lock(t, args.duration, &bar).await?);
+        let dlock = phases::hot_lock(t, args.duration, &bar).await?;
         bar.finish();
+        let bar = progress.bar(phase_ms, "native lock", &contended(t));
+        let native = phases::native_lock(t, args.duration, &bar).await?;
+        bar.finish();
+        hot.push((dlock, native));
     }
     let mut independent = Vec::with_capacity(targets.len());
     for t in &targets {
@@ -92,18 +97,37 @@ async fn measure(urls: &[String], args: BenchArgs) -> Result<u8, Failure> {
         .zip(latency)
         .zip(hot.into_iter().zip(independent))
         .map(
-            |((t, (baseline, acquire_release)), ((hot_lock, safety), independent))| BackendReport {
-                backend: t.label.clone(),
-                url: t.url.clone(),
-                acquire_release_x_baseline: match (baseline, acquire_release) {
-                    (Some(b), Some(a)) if b.p50_us > 0.0 => Some(a.p50_us / b.p50_us),
+            |((t, latency), (((hot_lock, safety), native_lock), independent))| {
+                let ratio = |a: Option<f64>, b: Option<f64>| match (a, b) {
+                    (Some(a), Some(b)) if b > 0.0 => Some(a / b),
                     _ => None,
-                },
-                baseline,
-                acquire_release,
-                hot_lock,
-                independent,
-                safety,
+                };
+                let take = latency.acquire_release.map(|l| l.p50_us);
+                let floor = latency
+                    .floor
+                    .as_ref()
+                    .and_then(|f| f.latency)
+                    .map(|l| l.p50_us);
+                let native_lock = native_lock.map(|mut n| {
+                    n.dlock_handoffs_x_native = ratio(
+                        Some(hot_lock.handoffs_per_s),
+                        Some(n.hot_lock.handoffs_per_s),
+                    );
+                    n
+                });
+                BackendReport {
+                    backend: t.label.clone(),
+                    url: t.url.clone(),
+                    acquire_release_x_baseline: ratio(take, latency.baseline.map(|l| l.p50_us)),
+                    acquire_release_x_floor: ratio(take, floor),
+                    baseline: latency.baseline,
+                    acquire_release: latency.acquire_release,
+                    floor: latency.floor,
+                    hot_lock,
+                    native_lock,
+                    independent,
+                    safety,
+                }
             },
         )
         .collect();

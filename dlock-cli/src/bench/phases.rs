@@ -1,18 +1,21 @@
-//! The workloads: connecting the clients, the latency phases (baseline and
-//! uncontended acquire+release), the hot lock, the independent locks, and the
-//! safety verdict over the hot lock's history.
+//! The workloads: connecting the clients, the latency phases (baseline,
+//! uncontended acquire+release and the store's raw floor), the hot lock and
+//! the store's own lock under the same contention, the independent locks,
+//! and the safety verdict over the hot lock's history.
 
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
 use dlock_conformance::checker::{FencedRegister, History, Op, Phase};
-use dlocks::{Backend, Error, Lock, LockName, Session, SessionOptions};
+use dlock_core::floor::{Floor, NativeGuard};
+use dlock_core::url::StoreUrl;
+use dlocks::{Backend, Error, FencingToken, Lock, LockGuard, LockName, Session, SessionOptions};
 use indicatif::ProgressBar;
 use tokio::task::JoinSet;
 use tokio::time::{Instant, sleep, timeout};
 
-use super::report::{HotLock, Independent, Safety};
+use super::report::{FloorReport, HotLock, Independent, NativeReport, Safety};
 use super::stats::{self, Latency};
 use crate::exit::{FAILURE, Failure, UNAVAILABLE, code_for};
 
@@ -36,6 +39,9 @@ struct Client {
     backend: Arc<dyn Backend>,
     /// The client's own session on it.
     session: Session,
+    /// The store's raw operations on a connection of their own, if its
+    /// adapter has them.
+    floor: Option<Arc<dyn Floor>>,
 }
 
 /// One backend under test, with its clients.
@@ -60,12 +66,23 @@ impl Target {
         prefix: String,
     ) -> Result<Self, Failure> {
         let shown = dlock_core::url::redact(url);
+        let parsed = StoreUrl::parse(url)?;
         let mut opened = Vec::with_capacity(clients);
         for _ in 0..clients {
             let backend = crate::connect(url).await?;
             let options = SessionOptions::new().ttl(ttl).label("dlock-bench");
             let session = within(&shown, "opening a session", backend.session(options)).await?;
-            opened.push(Client { backend, session });
+            let floor = within(
+                &shown,
+                "opening the floor",
+                dlocks::registry().floor(&parsed),
+            )
+            .await?;
+            opened.push(Client {
+                backend,
+                session,
+                floor,
+            });
         }
         let label = opened
             .first()
@@ -111,43 +128,77 @@ impl Target {
     }
 }
 
+/// What the latency phases measured on one target: the baseline, dlock's
+/// acquire+release and the floor's raw cycle (if the store has one).
+pub(crate) struct Latencies {
+    /// Phase 1: pings.
+    pub(crate) baseline: Option<Latency>,
+    /// Phase 2: dlock's acquire+release.
+    pub(crate) acquire_release: Option<Latency>,
+    /// Phase 2: the floor's raw take+release.
+    pub(crate) floor: Option<FloorReport>,
+}
+
 /// Phases 1 and 2 on every target: `warmup + cycles` rounds; in each round,
-/// every target in turn does one ping and one acquire+release of a free lock
-/// (which of the two goes first alternates), so that noise hits all of them
-/// alike. Returns (ping, acquire+release) per target; the bar counts rounds.
+/// every target in turn does one ping, one acquire+release of a free lock and
+/// one raw floor cycle (the order rotates from round to round), so that
+/// noise hits all of them alike. The bar counts rounds.
 pub(crate) async fn latency(
     targets: &[Target],
     warmup: u64,
     cycles: u64,
     bar: &ProgressBar,
-) -> Result<Vec<(Option<Latency>, Option<Latency>)>, Failure> {
+) -> Result<Vec<Latencies>, Failure> {
     let mut locks = Vec::with_capacity(targets.len());
     for t in targets {
         locks.push(first_client(t)?.session.lock(t.name("solo")?)?);
     }
-    let mut pings: Vec<_> = targets.iter().map(|_| stats::histogram()).collect();
-    let mut takes: Vec<_> = targets.iter().map(|_| stats::histogram()).collect();
+    let floor_key = |t: &Target| t.name("floor");
+    let mut samples: Vec<[_; 3]> = targets
+        .iter()
+        .map(|_| [stats::histogram(), stats::histogram(), stats::histogram()])
+        .collect();
     for round in 0..warmup + cycles {
         for (k, (t, lock)) in targets.iter().zip(&locks).enumerate() {
-            let backend = &first_client(t)?.backend;
-            let (ping, take) = if round % 2 == 0 {
-                let ping = timed(t, "ping", backend.ping()).await?;
-                (ping, timed(t, "acquire+release", cycle(lock)).await?)
-            } else {
-                let take = timed(t, "acquire+release", cycle(lock)).await?;
-                (timed(t, "ping", backend.ping()).await?, take)
-            };
+            let client = first_client(t)?;
+            let mut took = [None; 3];
+            for step in 0..3 {
+                let op = (step + round as usize) % 3;
+                took[op] = match (op, &client.floor) {
+                    (0, _) => Some(timed(t, "ping", client.backend.ping()).await?),
+                    (1, _) => Some(timed(t, "acquire+release", cycle(lock)).await?),
+                    (_, Some(floor)) => {
+                        let key = floor_key(t)?;
+                        Some(timed(t, "the floor's raw cycle", floor.cycle(&key)).await?)
+                    }
+                    (_, None) => None,
+                };
+            }
             if round >= warmup {
-                stats::record(&mut pings[k], ping);
-                stats::record(&mut takes[k], take);
+                for (h, d) in samples[k].iter_mut().zip(took) {
+                    if let Some(d) = d {
+                        stats::record(h, d);
+                    }
+                }
             }
         }
         bar.inc(1);
     }
-    Ok(pings
+    Ok(targets
         .iter()
-        .zip(&takes)
-        .map(|(p, t)| (Latency::of(p), Latency::of(t)))
+        .zip(&samples)
+        .map(|(t, [ping, take, raw])| Latencies {
+            baseline: Latency::of(ping),
+            acquire_release: Latency::of(take),
+            floor: t
+                .clients
+                .first()
+                .and_then(|c| c.floor.as_ref())
+                .map(|f| FloorReport {
+                    operations: f.operations().to_owned(),
+                    latency: Latency::of(raw),
+                }),
+        })
         .collect())
 }
 
@@ -172,19 +223,59 @@ pub(crate) async fn hot_lock(
     let deadline = start + duration;
     let mut tasks = JoinSet::new();
     for (i, c) in t.clients.iter().enumerate() {
-        let lock = c.session.lock(name.clone())?;
-        tasks.spawn(hot_client(
-            i,
-            lock,
-            deadline,
-            history.clone(),
-            register.clone(),
-        ));
+        let contender = Contender::Dlock(c.session.lock(name.clone())?, register.clone());
+        tasks.spawn(hot_client(i, contender, deadline, history.clone()));
     }
     let outcomes = join(t, tasks, start, deadline, bar).await?;
     let seconds = start.elapsed().as_secs_f64();
     let (takes_after, waits_after) = t.counters();
+    let mut hot = contention(t, &history, &outcomes, seconds);
+    let per_grant = |n: u64| n as f64 / hot.grants.max(1) as f64;
+    hot.take_attempts_per_grant = Some(per_grant(takes_after - takes_before));
+    hot.waits_per_grant = Some(per_grant(waits_after - waits_before));
+    Ok((hot, safety(&history, &register)))
+}
 
+/// Phase 3 on the store's own lock, if every client's floor has one: the
+/// same clients loop lock → release on it for `duration`. A native wait
+/// cannot be cut short, so a client still waiting at the end takes its
+/// grant first. The bar counts milliseconds.
+pub(crate) async fn native_lock(
+    t: &Target,
+    duration: Duration,
+    bar: &ProgressBar,
+) -> Result<Option<NativeReport>, Failure> {
+    let floors: Option<Vec<Arc<dyn Floor>>> = t.clients.iter().map(|c| c.floor.clone()).collect();
+    let Some(floors) = floors else {
+        return Ok(None);
+    };
+    let Some(lock) = floors
+        .first()
+        .and_then(|f| f.native())
+        .map(|n| n.name().to_owned())
+    else {
+        return Ok(None);
+    };
+    let name = t.name("native")?;
+    let history = Arc::new(History::new());
+    let start = Instant::now();
+    let deadline = start + duration;
+    let mut tasks = JoinSet::new();
+    for (i, floor) in floors.into_iter().enumerate() {
+        let contender = Contender::Native(floor, name.clone());
+        tasks.spawn(hot_client(i, contender, deadline, history.clone()));
+    }
+    let outcomes = join(t, tasks, start, deadline, bar).await?;
+    let seconds = start.elapsed().as_secs_f64();
+    Ok(Some(NativeReport {
+        lock,
+        hot_lock: contention(t, &history, &outcomes, seconds),
+        dlock_handoffs_x_native: None,
+    }))
+}
+
+/// The contended-phase figures of one run over `history`.
+fn contention(t: &Target, history: &History, outcomes: &[Outcome], seconds: f64) -> HotLock {
     let mut release_to_grant = stats::histogram();
     let handoffs = stats::handoffs(&history.events());
     for d in &handoffs {
@@ -192,9 +283,8 @@ pub(crate) async fn hot_lock(
     }
     let per_client: Vec<u64> = outcomes.iter().map(|o| o.done).collect();
     let grants: u64 = per_client.iter().sum();
-    let per_grant = |n: u64| n as f64 / grants.max(1) as f64;
-    let (errors, first_error) = errors(&outcomes);
-    let hot = HotLock {
+    let (errors, first_error) = errors(outcomes);
+    HotLock {
         clients: t.clients(),
         seconds,
         grants,
@@ -206,37 +296,84 @@ pub(crate) async fn hot_lock(
         max: per_client.iter().copied().max().unwrap_or(0),
         jain: stats::jain(&per_client),
         per_client,
-        take_attempts_per_grant: per_grant(takes_after - takes_before),
-        waits_per_grant: per_grant(waits_after - waits_before),
+        take_attempts_per_grant: None,
+        waits_per_grant: None,
         errors,
         first_error,
-    };
-    Ok((hot, safety(&history, &register)))
+    }
+}
+
+/// How one client of a hot-lock phase takes the lock.
+enum Contender {
+    /// Through dlock, writing the fenced register while it holds.
+    Dlock(Lock, Arc<FencedRegister>),
+    /// Through the store's own lock on this floor, under this name.
+    Native(Arc<dyn Floor>, LockName),
+}
+
+/// A lock one [`Contender`] holds.
+enum Held {
+    /// dlock's guard.
+    Dlock(LockGuard),
+    /// The store's own.
+    Native(Box<dyn NativeGuard>),
+}
+
+impl Contender {
+    /// Takes the lock, giving up at `deadline` where the lock allows it.
+    async fn acquire(&self, deadline: Instant) -> Result<Held, Error> {
+        match self {
+            Self::Dlock(lock, _) => {
+                let left = deadline.saturating_duration_since(Instant::now());
+                lock.acquire_timeout(left).await.map(Held::Dlock)
+            }
+            Self::Native(floor, name) => match floor.native() {
+                Some(native) => native.lock(name).await.map(Held::Native),
+                None => Err(Error::Config(format!("{floor:?} has no native lock"))),
+            },
+        }
+    }
+
+    /// What the holder does while it holds `held` as client `i`; returns the
+    /// fencing token, if the lock has one.
+    fn hold(&self, i: usize, held: &Held) -> Option<FencingToken> {
+        match (self, held) {
+            (Self::Dlock(_, register), Held::Dlock(guard)) => {
+                register.write(i, guard.token());
+                Some(guard.token())
+            }
+            _ => None,
+        }
+    }
+}
+
+impl Held {
+    /// Gives the lock back.
+    async fn release(self) -> Result<(), Error> {
+        match self {
+            Self::Dlock(guard) => guard.release().await,
+            Self::Native(guard) => guard.release().await,
+        }
+    }
 }
 
 /// One hot-lock client: `i` is its number in the history.
 async fn hot_client(
     i: usize,
-    lock: Lock,
+    contender: Contender,
     deadline: Instant,
     history: Arc<History>,
-    register: Arc<FencedRegister>,
 ) -> Outcome {
     let mut out = Outcome::new(i);
-    loop {
-        let now = Instant::now();
-        if now >= deadline {
-            break;
-        }
+    while Instant::now() < deadline {
         history.record(i, Op::Acquire, Phase::Invoke, None);
-        match lock.acquire_timeout(deadline - now).await {
-            Ok(guard) => {
-                let token = guard.token();
-                history.record(i, Op::Acquire, Phase::Ok, Some(token));
+        match contender.acquire(deadline).await {
+            Ok(held) => {
+                let token = contender.hold(i, &held);
+                history.record(i, Op::Acquire, Phase::Ok, token);
                 out.done += 1;
-                register.write(i, token);
                 history.record(i, Op::Release, Phase::Invoke, None);
-                if let Err(e) = guard.release().await {
+                if let Err(e) = held.release().await {
                     history.record(i, Op::Release, Phase::Fail, None);
                     out.failed(&e).await;
                 }

@@ -48,12 +48,38 @@ pub(crate) struct BackendReport {
     pub(crate) acquire_release: Option<Latency>,
     /// Phase 2's p50 divided by phase 1's.
     pub(crate) acquire_release_x_baseline: Option<f64>,
+    /// Phase 2: the store's raw take + release, if its adapter has a floor.
+    pub(crate) floor: Option<FloorReport>,
+    /// Phase 2's p50 divided by the floor's.
+    pub(crate) acquire_release_x_floor: Option<f64>,
     /// Phase 3.
     pub(crate) hot_lock: HotLock,
+    /// Phase 3 on the store's own lock, if it has one.
+    pub(crate) native_lock: Option<NativeReport>,
     /// Phase 4.
     pub(crate) independent: Independent,
     /// Phase 5: the checker's verdict over phase 3.
     pub(crate) safety: Safety,
+}
+
+/// Phase 2's floor: the fewest requests a take + release needs on the store.
+#[derive(Debug, Serialize)]
+pub(crate) struct FloorReport {
+    /// What one raw cycle sends.
+    pub(crate) operations: String,
+    /// Its latency, interleaved with the pings and dlock's cycles.
+    pub(crate) latency: Option<Latency>,
+}
+
+/// Phase 3 on the store's own lock.
+#[derive(Debug, Serialize)]
+pub(crate) struct NativeReport {
+    /// Which lock (`"pg_advisory_lock"`).
+    pub(crate) lock: String,
+    /// The same figures as dlock's hot lock (no tokens, so no safety check).
+    pub(crate) hot_lock: HotLock,
+    /// dlock's hot-lock handoffs/s divided by the native lock's.
+    pub(crate) dlock_handoffs_x_native: Option<f64>,
 }
 
 /// Phase 3: all clients on one lock.
@@ -82,10 +108,13 @@ pub(crate) struct HotLock {
     pub(crate) max: u64,
     /// Jain's fairness index of `per_client` (1 = perfectly even).
     pub(crate) jain: f64,
-    /// Store take attempts per grant, over all clients (1 = no retries).
-    pub(crate) take_attempts_per_grant: f64,
-    /// Waits for a wake-up or timer per grant, over all clients.
-    pub(crate) waits_per_grant: f64,
+    /// Store take attempts per grant, over all clients (1 = no retries);
+    /// dlock only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) take_attempts_per_grant: Option<f64>,
+    /// Waits for a wake-up or timer per grant, over all clients; dlock only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) waits_per_grant: Option<f64>,
     /// Failed acquires and releases (other than the final time-out).
     pub(crate) errors: u64,
     /// The first of them.
@@ -129,24 +158,30 @@ impl Safety {
     }
 }
 
-/// The Markdown table: one row per backend.
+/// The Markdown tables: one row per backend; then, if any backend has a
+/// lock of its own, dlock's hot lock next to it.
 pub(crate) fn table(report: &Report) -> String {
     let mut out = String::from(
-        "| backend | baseline p50 | acquire+release p50 / p99 (×baseline) | hot-lock handoffs/s \
+        "| backend | baseline p50 | acquire+release p50 / p99 (×baseline) \
+         | raw floor p50 / p99 (acquire+release ×floor) | hot-lock handoffs/s \
          | release→grant p50 / p99 | fairness min/max, Jain | independent acq/s | safety |\n\
-         |---|--:|--:|--:|--:|--:|--:|---|\n",
+         |---|--:|--:|--:|--:|--:|--:|--:|---|\n",
     );
     for b in &report.backends {
         let acquire = match (&b.acquire_release, b.acquire_release_x_baseline) {
-            (Some(l), Some(x)) => format!("{} / {} ({x:.1}×)", us(l.p50_us), us(l.p99_us)),
-            (Some(l), None) => format!("{} / {}", us(l.p50_us), us(l.p99_us)),
+            (Some(l), Some(x)) => format!("{} ({x:.1}×)", p50_p99(l)),
+            (Some(l), None) => p50_p99(l),
+            _ => "-".to_owned(),
+        };
+        let floor = match (
+            b.floor.as_ref().and_then(|f| f.latency.as_ref()),
+            b.acquire_release_x_floor,
+        ) {
+            (Some(l), Some(x)) => format!("{} ({x:.2}×)", p50_p99(l)),
+            (Some(l), None) => p50_p99(l),
             _ => "-".to_owned(),
         };
         let h = &b.hot_lock;
-        let handoff = h.release_to_grant.as_ref().map_or_else(
-            || "-".to_owned(),
-            |l| format!("{} / {}", us(l.p50_us), us(l.p99_us)),
-        );
         let safety = if b.safety.ok() {
             "ok".to_owned()
         } else {
@@ -154,19 +189,61 @@ pub(crate) fn table(report: &Report) -> String {
         };
         let _ = writeln!(
             out,
-            "| {} | {} | {acquire} | {} | {handoff} | {}/{}, {:.2} | {} | {safety} |",
+            "| {} | {} | {acquire} | {floor} | {} | {} | {} | {} | {safety} |",
             b.backend,
             b.baseline
                 .as_ref()
                 .map_or_else(|| "-".to_owned(), |l| us(l.p50_us)),
             rate(h.handoffs_per_s),
-            h.min,
-            h.max,
-            h.jain,
+            handoff(h),
+            fairness(h),
             rate(b.independent.per_s),
         );
     }
+    if report.backends.iter().any(|b| b.native_lock.is_some()) {
+        out.push_str(
+            "\n| backend | hot lock | handoffs/s (dlock ÷ native) | release→grant p50 / p99 \
+             | fairness min/max, Jain | grants/s |\n|---|---|--:|--:|--:|--:|\n",
+        );
+        for b in &report.backends {
+            let Some(n) = &b.native_lock else { continue };
+            let ratio = n
+                .dlock_handoffs_x_native
+                .map_or_else(String::new, |x| format!(" ({x:.2}×)"));
+            for (lock, h, ratio) in [
+                ("dlock", &b.hot_lock, ratio.as_str()),
+                (n.lock.as_str(), &n.hot_lock, ""),
+            ] {
+                let _ = writeln!(
+                    out,
+                    "| {} | {lock} | {}{ratio} | {} | {} | {} |",
+                    b.backend,
+                    rate(h.handoffs_per_s),
+                    handoff(h),
+                    fairness(h),
+                    rate(h.grants_per_s),
+                );
+            }
+        }
+    }
     out
+}
+
+/// `p50 / p99` of a latency.
+fn p50_p99(l: &Latency) -> String {
+    format!("{} / {}", us(l.p50_us), us(l.p99_us))
+}
+
+/// The release→grant cell of a contended phase.
+fn handoff(h: &HotLock) -> String {
+    h.release_to_grant
+        .as_ref()
+        .map_or_else(|| "-".to_owned(), p50_p99)
+}
+
+/// The fairness cell of a contended phase.
+fn fairness(h: &HotLock) -> String {
+    format!("{}/{}, {:.2}", h.min, h.max, h.jain)
 }
 
 /// Lines under the table for what the table cannot show: violations and
@@ -177,8 +254,14 @@ pub(crate) fn notes(report: &Report) -> String {
         if !b.safety.ok() {
             let _ = writeln!(out, "- {}: safety: {}", b.backend, b.safety.verdict);
         }
+        let native = b.native_lock.as_ref().map(|n| &n.hot_lock);
         for (phase, errors, first) in [
             ("hot lock", b.hot_lock.errors, &b.hot_lock.first_error),
+            (
+                "native lock",
+                native.map_or(0, |h| h.errors),
+                &native.and_then(|h| h.first_error.clone()),
+            ),
             (
                 "independent locks",
                 b.independent.errors,
@@ -224,10 +307,15 @@ pub(crate) fn markdown(report: &Report) -> String {
     out.push_str(
         "\nbaseline: one raw round trip (`Backend::ping`: PING, `SELECT 1`). \
          acquire+release: a free lock, alternating with the pings cycle by cycle. \
+         raw floor: the fewest requests a take + release needs on the same driver \
+         (the adapter's `Floor`: e.g. SET NX PX + compare-and-DEL, an upsert + DELETE), \
+         interleaved with both. \
          hot lock: all clients acquire, write a fenced register and release one lock; \
          a handoff is a grant to a different client than the previous holder, and \
          release→grant runs from the release's call to that grant's return. \
          fairness: fewest/most grants of a client and Jain's index (1 = even). \
+         native: the store's own lock (pg_advisory_lock, GET_LOCK, etcd's lock service, \
+         the ZooKeeper recipe) under the same contention, after dlock's hot lock. \
          independent: each client on its own lock. safety: fenced-register refusals \
          and the history check (overlapping holds, grant order) over the hot-lock phase.\n",
     );

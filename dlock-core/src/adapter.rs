@@ -402,6 +402,20 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn floors_resolve_like_connections() {
+        let r = Registry::new();
+        r.register(MemoryAdapter).unwrap();
+        r.mark_disabled(&["mongodb"], "mongo");
+        let url = |u: &str| StoreUrl::parse(u).unwrap();
+        assert!(r.floor(&url("memory://")).await.unwrap().is_none());
+        let e = r.floor(&url("mongodb://h")).await.unwrap_err();
+        assert!(matches!(e, Error::FeatureDisabled { .. }), "{e:?}");
+        let e = r.floor(&url("gopher://u:s3cret@h")).await.unwrap_err();
+        assert!(matches!(e, Error::InvalidUrl { .. }), "{e:?}");
+        assert!(!e.to_string().contains("s3cret"), "{e}");
+    }
+
+    #[tokio::test]
     async fn a_disabled_scheme_can_be_taken_by_a_third_party() {
         let r = Registry::new();
         r.mark_disabled(&["other", "memory"], "x");

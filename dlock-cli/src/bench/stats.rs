@@ -126,7 +126,29 @@ mod tests {
     }
 
     #[test]
+    fn a_native_history_without_tokens_counts_only_grants_to_another_client() {
+        let t = Instant::now();
+        let ms = |n| t + Duration::from_millis(n);
+        let native = |client, op, phase, at| Event {
+            token: None,
+            ..event(client, op, phase, at)
+        };
+        let events = [
+            native(0, Op::Acquire, Phase::Ok, ms(0)),
+            native(0, Op::Release, Phase::Invoke, ms(1)),
+            native(0, Op::Acquire, Phase::Ok, ms(2)), // same client: none
+            native(0, Op::Release, Phase::Invoke, ms(3)),
+            native(1, Op::Acquire, Phase::Ok, ms(7)), // handoff: 4 ms
+            native(1, Op::Release, Phase::Invoke, ms(8)),
+            native(2, Op::Acquire, Phase::Invoke, ms(8)),
+            native(1, Op::Acquire, Phase::Ok, ms(9)), // same client: none
+        ];
+        assert_eq!(handoffs(&events), [Duration::from_millis(4)]);
+    }
+
+    #[test]
     fn jain_index() {
+        assert!((jain(&[1, 3]) - 0.8).abs() < 1e-9); // 16 / (2 · 10)
         assert!((jain(&[5, 5, 5, 5]) - 1.0).abs() < 1e-9);
         assert!((jain(&[8, 0, 0, 0]) - 0.25).abs() < 1e-9);
         assert!((jain(&[0, 0]) - 1.0).abs() < 1e-9);

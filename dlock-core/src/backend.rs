@@ -7,11 +7,11 @@
 //!
 //! * [`Backend`] — one store deployment: opens sessions and answers admin
 //!   questions (`inspect`, `list`, `validate`, `force_release`).
-//! * [`RawSession`] — one client's liveness context in the store: starts
-//!   [`Attempt`]s, renews all its holds in one round trip, releases by owner and
+//! * [`RawSession`] — one client's liveness context in the store: opens
+//!   [`Claim`]s, renews all its holds in one round trip, releases by owner and
 //!   token.
-//! * [`Attempt`] — one try to take one lock: take-or-enqueue, wait for a change,
-//!   abandon.
+//! * [`Claim`] — one client's place in line for one lock: take when first (joining
+//!   the queue once), wait for a change, withdraw ([`Claim::abandon`]).
 //!
 //! # Rules an adapter must keep
 //!
@@ -24,7 +24,7 @@
 //! 3. **Owner checks (S3).** `release` and `renew` act only when the store's
 //!    holder is this session *and* the hold's token; otherwise they change
 //!    nothing (`release` returns [`Error::NotHeld`], `renew` reports `false`).
-//! 4. **Idempotent take.** If the attempt already holds the lock (its earlier
+//! 4. **Idempotent take.** If the claim already holds the lock (its earlier
 //!    reply was lost), `try_take` returns `Granted` with the same token *and
 //!    extends the hold's expiry as a fresh take would*: the core counts the
 //!    grant's validity from when this retry was sent (rule 5).
@@ -32,7 +32,7 @@
 //!    request sent at client time `t` is not given to anyone else before
 //!    `t + ttl` (the core subtracts the drift margin). For
 //!    [`ExpiryModel::Session`] stores, the same holds for the session lease.
-//! 6. **Clean abandon (S5).** `abandon` removes whatever the attempt created,
+//! 6. **Clean abandon (S5).** `abandon` removes whatever the claim created,
 //!    including a grant whose reply never arrived; it is called from a spawned
 //!    task when an `acquire` future is dropped, times out, or gives up.
 //! 7. **Errors by meaning.** Connection problems and request time-outs are
@@ -222,14 +222,14 @@ pub trait RawSession: Send + Sync + Debug {
     /// How holds expire in this store.
     fn expiry(&self) -> ExpiryModel;
 
-    /// Starts one attempt to take `name`. Cheap: it may only prepare (e.g.
+    /// Opens a claim on `name` (a place in line for it). Cheap: it may only prepare (e.g.
     /// subscribe to the lock's channel before the first take, so a release
     /// between take and wait is not missed).
     ///
     /// # Cancel safety
-    /// Must be cancel safe: nothing in the store may depend on the attempt
+    /// Must be cancel safe: nothing in the store may depend on the claim
     /// object existing yet.
-    async fn attempt(&self, name: &LockName, why: Option<&str>) -> Result<Box<dyn Attempt>, Error>;
+    async fn claim(&self, name: &LockName, why: Option<&str>) -> Result<Box<dyn Claim>, Error>;
 
     /// Extends the session and every hold in `holds`, in one round trip where
     /// the store allows. Returns, in order, whether each hold is still ours.
@@ -258,15 +258,18 @@ pub trait RawSession: Send + Sync + Debug {
     async fn close(&self, holds: &[Hold]) -> Result<(), Error>;
 }
 
-/// One try to take one lock, owned by the core's acquire loop.
+/// One client's claim on one lock, a place in its line: [`try_take`](Claim::try_take)
+/// takes it when this claim is first (joining the queue once), [`wait`](Claim::wait)
+/// waits for a change, [`abandon`](Claim::abandon) withdraws. Owned by the core's
+/// acquire loop; one per acquire, so ownership (S3) is the claim plus its token.
 #[async_trait]
-pub trait Attempt: Send + Debug {
-    /// Takes the lock if free and (for fair stores) this attempt is first in
+pub trait Claim: Send + Debug {
+    /// Takes the lock if free and (for fair stores) this claim is first in
     /// line; otherwise joins the queue (once) and reports `Busy`. Idempotent:
     /// after a lost reply, the retry returns the same grant.
     ///
     /// # Cancel safety
-    /// Must be cancel safe: if dropped, the core calls [`Attempt::abandon`],
+    /// Must be cancel safe: if dropped, the core calls [`Claim::abandon`],
     /// which must clean up whatever the dropped call did.
     async fn try_take(&mut self) -> Result<Take, Error>;
 
@@ -278,7 +281,7 @@ pub trait Attempt: Send + Debug {
     /// Must be cancel safe (the core drops it at its deadline).
     async fn wait(&mut self, until: Instant) -> Result<(), Error>;
 
-    /// Removes what this attempt left in the store: its queue entry, or a grant
+    /// Removes what this claim left in the store: its queue entry, or a grant
     /// it may have received without the core learning of it. Idempotent: the
     /// core calls it again after an error.
     ///

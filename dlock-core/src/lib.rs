@@ -46,7 +46,7 @@
 //! # Cancel safety
 //!
 //! Every async method documents it in a `# Cancel safety` section. In short:
-//! dropping an acquire future abandons the attempt in the background; dropping a
+//! dropping an acquire future abandons the claim in the background; dropping a
 //! guard releases in the background; dropping the last handle of a session
 //! closes it in the background.
 

@@ -7,7 +7,7 @@ use std::time::Duration;
 use tokio::time::{Instant, sleep_until, timeout_at};
 use tracing::Instrument;
 
-use crate::backend::{Attempt, Take};
+use crate::backend::{Claim, Take};
 use crate::guard::HeldState;
 use crate::session::{SessionHandle, Shared, Stats};
 use crate::{Error, LockGuard, LockName};
@@ -198,7 +198,7 @@ impl Lock {
         let mut last = Last::Nothing;
         let attempt = loop {
             match self
-                .request(wait, shared.raw.attempt(&self.name, self.why.as_deref()))
+                .request(wait, shared.raw.claim(&self.name, self.why.as_deref()))
                 .await
             {
                 Ok(attempt) => break attempt,
@@ -210,7 +210,7 @@ impl Lock {
                 Err(e) => return Err(e),
             }
         };
-        let mut attempt = AttemptGuard::new(attempt, shared.clone());
+        let mut attempt = PendingClaim::new(attempt, shared.clone());
         loop {
             // No take once the caller's deadline has passed (also the first:
             // the wait may have gone on this handle's gate or on starting
@@ -289,7 +289,7 @@ impl Lock {
     /// Turns a grant into a guard.
     fn granted(
         &self,
-        attempt: &mut AttemptGuard,
+        attempt: &mut PendingClaim,
         hold: crate::backend::Hold,
         deadline: Instant,
     ) -> Result<LockGuard, Error> {
@@ -314,7 +314,7 @@ impl Lock {
     /// caller's deadline; ends early if the session ends.
     async fn wait_for_change(
         &self,
-        attempt: &mut AttemptGuard,
+        attempt: &mut PendingClaim,
         busy: crate::backend::Busy,
         wait: Wait,
     ) -> Result<(), Error> {
@@ -484,20 +484,20 @@ impl Backoff {
 /// Owns an attempt until it is granted; otherwise abandons it in the
 /// background (also when the acquire future is dropped mid-way), retrying
 /// until the clean-up succeeds or the session ends (S5, issue 12 item 13).
-struct AttemptGuard {
-    attempt: Option<Box<dyn Attempt>>,
+struct PendingClaim {
+    attempt: Option<Box<dyn Claim>>,
     shared: Arc<Shared>,
 }
 
-impl AttemptGuard {
-    fn new(attempt: Box<dyn Attempt>, shared: Arc<Shared>) -> Self {
+impl PendingClaim {
+    fn new(attempt: Box<dyn Claim>, shared: Arc<Shared>) -> Self {
         Self {
             attempt: Some(attempt),
             shared,
         }
     }
 
-    fn get(&mut self) -> &mut Box<dyn Attempt> {
+    fn get(&mut self) -> &mut Box<dyn Claim> {
         self.attempt.as_mut().expect("attempt used after it ended")
     }
 
@@ -534,7 +534,7 @@ impl AttemptGuard {
     }
 }
 
-impl Drop for AttemptGuard {
+impl Drop for PendingClaim {
     fn drop(&mut self) {
         let _ = self.spawn_abandon();
     }

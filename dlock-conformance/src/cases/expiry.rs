@@ -267,7 +267,7 @@ pub async fn renewal_keeps_only_known_holds(h: &dyn Harness) -> Outcome {
     // The core keeps one hold of A's session alive...
     let kept = a.lock(&renewed)?.acquire().await?;
     // ...while another grant of the same session is one it never learns of.
-    let mut attempt = a.raw_session().attempt(&untracked, None).await?;
+    let mut attempt = a.raw_session().claim(&untracked, None).await?;
     let taken = Instant::now();
     let hold = match attempt.try_take().await? {
         Take::Granted(hold) => hold,

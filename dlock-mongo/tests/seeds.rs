@@ -216,7 +216,7 @@ async fn session_document_is_pinged_with_the_server_clock() {
         .session(SessionOptions::new().ttl(ttl))
         .await
         .unwrap();
-    let period = session.renew_every();
+    let period = dlock_core::raw::renew_every(&session);
     let doc = raw.session(session.id()).await.expect("session document");
     let keys: Vec<&str> = doc.keys().map(String::as_str).collect();
     assert_eq!(keys, ["_id", "ping"], "{doc}");

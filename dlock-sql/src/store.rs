@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use dlock_core::backend::{Claim, Busy, ExpiryModel, Hold, RawSession, Take};
+use dlock_core::backend::{Busy, Claim, ExpiryModel, Hold, RawSession, Take};
 use dlock_core::wake::{PollBackoff, Waiter};
 use dlock_core::{Error, LockName, SessionId};
 use sqlx::any::{AnyArguments, AnyQueryResult, AnyRow};

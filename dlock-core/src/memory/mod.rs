@@ -39,7 +39,7 @@ use async_trait::async_trait;
 use tokio::sync::Notify;
 use tokio::time::{Instant, sleep_until};
 
-use crate::backend::{Claim, ExpiryModel, Hold, RawSession, Take};
+use crate::backend::primitives::{Claim, ExpiryModel, Hold, RawSession, Take};
 use crate::url::StoreUrl;
 use crate::{
     Backend, Capabilities, Error, FencingToken, LockInfo, LockName, SessionId, SessionOptions, name,

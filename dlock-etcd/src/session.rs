@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use dlock_core::backend::{Claim, Busy, ExpiryModel, Hold, RawSession, Take};
+use dlock_core::backend::{Busy, Claim, ExpiryModel, Hold, RawSession, Take};
 use dlock_core::{Error, FencingToken, LockName, SessionId};
 use etcd_client::{
     Compare, CompareOp, EventType, GetOptions, LeaseKeepAliveStream, LeaseKeeper, PutOptions,

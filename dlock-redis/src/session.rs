@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use dlock_core::backend::{Claim, Busy, ExpiryModel, Hold, RawSession, Take};
+use dlock_core::backend::{Busy, Claim, ExpiryModel, Hold, RawSession, Take};
 use dlock_core::{Error, FencingToken, LockName, SessionId};
 use futures::future::join_all;
 use tokio::time::{Instant, sleep_until};

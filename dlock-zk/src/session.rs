@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use dlock_core::backend::{Claim, Busy, ExpiryModel, Hold, RawSession, Take};
+use dlock_core::backend::{Busy, Claim, ExpiryModel, Hold, RawSession, Take};
 use dlock_core::{Error, FencingToken, LockName, SessionId};
 use tokio::task::JoinSet;
 use tokio::time::{Instant, sleep_until};

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use dlock_core::backend::{Attempt, ExpiryModel, Hold, RawSession, Take};
+use dlock_core::backend::{Claim, ExpiryModel, Hold, RawSession, Take};
 use dlock_core::{Backend, Error, FencingToken, LockInfo, LockName, SessionId, SessionOptions};
 use tokio::time::{Instant, sleep_until};
 
@@ -183,10 +183,10 @@ impl RawSession for FaultySession {
         self.inner.expiry()
     }
 
-    async fn attempt(&self, name: &LockName, why: Option<&str>) -> Result<Box<dyn Attempt>, Error> {
+    async fn claim(&self, name: &LockName, why: Option<&str>) -> Result<Box<dyn Claim>, Error> {
         self.faults.crashed()?;
-        let inner = self.inner.attempt(name, why).await?;
-        Ok(Box::new(FaultyAttempt {
+        let inner = self.inner.claim(name, why).await?;
+        Ok(Box::new(FaultyClaim {
             inner,
             faults: self.faults.clone(),
         }))
@@ -222,13 +222,13 @@ impl RawSession for FaultySession {
 }
 
 #[derive(Debug)]
-struct FaultyAttempt {
-    inner: Box<dyn Attempt>,
+struct FaultyClaim {
+    inner: Box<dyn Claim>,
     faults: Arc<Faults>,
 }
 
 #[async_trait]
-impl Attempt for FaultyAttempt {
+impl Claim for FaultyClaim {
     async fn try_take(&mut self) -> Result<Take, Error> {
         self.faults.crashed()?;
         let result = self.inner.try_take().await;

@@ -33,65 +33,14 @@
 use std::collections::BTreeMap;
 use std::fmt::Debug;
 use std::sync::{Arc, OnceLock, RwLock};
-use std::time::Duration;
 
 use async_trait::async_trait;
 
+use crate::backend::Backend;
+pub use crate::capabilities::Capabilities;
+use crate::error::Error;
 use crate::floor::Floor;
 use crate::url::StoreUrl;
-use crate::{Backend, Error};
-
-/// What a backend promises beyond the safety invariants every backend keeps
-/// (S1–S9): ordering, wake-ups, what survives which fault. Applications read
-/// it to choose a store; the conformance suite reads it to decide which
-/// cases apply and how long to wait.
-///
-/// Adapters declare the worst case over the deployments their URL allows
-/// (plain Redis without persistence loses locks in a restart, even if a
-/// given server has an append-only file).
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct Capabilities {
-    /// Waiters are granted in arrival order (L4).
-    pub fair: bool,
-    /// Tokens keep increasing across a restart of every server (S2).
-    pub durable_tokens: bool,
-    /// A release wakes a waiter through a store notification, not a poll (L2).
-    pub notify_wakeup: bool,
-    /// One release wakes O(1) waiters, not all of them (L6).
-    pub no_herd: bool,
-    /// A session survives a dropped connection re-established within its
-    /// TTL.
-    pub survives_reconnect: bool,
-    /// A server restart can lose held locks before their holders hear of it
-    /// (a store without persistence): a holder learns at its next renewal,
-    /// but another client may be granted first; fencing still refuses the
-    /// old holder.
-    pub restart_loses_locks: bool,
-    /// Bound on release → a waiting client's grant, from the store's
-    /// notification or poll period (generous: it catches a fixed slow poll).
-    pub wakeup_bound: Duration,
-    /// Time after the TTL within which a crashed holder's lock can be taken
-    /// (L1): how late the store may judge expiry.
-    pub recovery_bound: Duration,
-}
-
-impl Default for Capabilities {
-    /// The weakest promises: unfair, polled, nothing survives a restart (not
-    /// even held locks), so an adapter claims each strength explicitly.
-    fn default() -> Self {
-        Self {
-            fair: false,
-            durable_tokens: false,
-            notify_wakeup: false,
-            no_herd: false,
-            survives_reconnect: false,
-            restart_loses_locks: true,
-            wakeup_bound: Duration::from_millis(250),
-            recovery_bound: Duration::from_secs(1),
-        }
-    }
-}
 
 /// A store adapter: the URL schemes it answers to and how to open one.
 ///

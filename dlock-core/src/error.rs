@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use crate::LostReason;
+use crate::lost::LostReason;
 
 /// A boxed error from a driver, kept as the `source` of an [`Error`].
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;

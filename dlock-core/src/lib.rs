@@ -7,7 +7,8 @@
 //! loop with waiting, timeouts, wake-ups and cancellation clean-up) and
 //! [`LockGuard`] (proof of holding with a `lost()` signal). Stores plug in
 //! through the small adapter contract in [`backend`]; [`memory`] is the
-//! in-process reference implementation.
+//! in-process reference implementation; [`raw`] reaches under the user types
+//! for adapter tests and the conformance suite.
 //!
 //! ```
 //! # async fn demo() -> Result<(), dlock_core::Error> {
@@ -46,23 +47,27 @@
 //! # Cancel safety
 //!
 //! Every async method documents it in a `# Cancel safety` section. In short:
-//! dropping an acquire future abandons the attempt in the background; dropping a
+//! dropping an acquire future abandons the claim in the background; dropping a
 //! guard releases in the background; dropping the last handle of a session
 //! closes it in the background.
 
 pub mod adapter;
 pub mod backend;
+mod capabilities;
 mod clock;
 mod error;
 pub mod floor;
 mod guard;
 mod info;
 mod lock;
+mod lost;
 pub mod memory;
 pub mod name;
 mod options;
+pub mod raw;
 mod renew;
 mod session;
+mod state;
 mod token;
 pub mod url;
 pub mod wake;
@@ -73,10 +78,12 @@ pub use adapter::{Adapter, Capabilities, Registry, registry};
 pub use async_trait::async_trait as __async_trait;
 pub use backend::Backend;
 pub use error::{BoxError, Error, Result};
-pub use guard::{LockGuard, LostReason};
+pub use guard::LockGuard;
 pub use info::{LockInfo, SessionId};
 pub use lock::{Lock, MAX_WHY_LEN};
+pub use lost::LostReason;
 pub use name::{IntoLockName, LockName, MAX_NAME_LEN};
 pub use options::{MAX_TTL, SessionOptions};
-pub use session::{Session, SessionStats};
+pub use session::Session;
+pub use state::SessionStats;
 pub use token::{FenceGate, FencingToken, StaleToken};

@@ -11,74 +11,76 @@ use std::time::Duration;
 use tokio::time::timeout;
 
 use crate::clock::{self, sleep_until};
+use crate::error::Error;
+use crate::lost::LostReason;
+use crate::state::{SessionState, Stats};
 
-use crate::session::{Shared, Stats};
-use crate::{Error, LostReason};
-
-pub(crate) async fn run(shared: Arc<Shared>) {
-    let timing = shared.timing;
+/// Renews `state` every period until it shuts down; expires overdue holds
+/// locally in between.
+pub(crate) async fn run(state: Arc<SessionState>) {
+    let timing = state.timing;
     let retry_every = (timing.renew_every / 4).max(Duration::from_millis(5));
     let mut next = clock::now() + timing.renew_every;
     loop {
-        let wake = shared
+        let wake = state
             .earliest_deadline()
             .map_or(next, |deadline| deadline.min(next));
         tokio::select! {
-            _ = shared.shutdown.cancelled() => return,
+            _ = state.shutdown.cancelled() => return,
             _ = sleep_until(wake) => {}
         }
-        shared.expire_overdue();
+        state.expire_overdue();
         if clock::now() < next {
             continue;
         }
-        let holds = shared.holds();
-        let request: Vec<_> = holds.iter().map(|h| h.hold.clone()).collect();
+        let tenures = state.tenures();
+        let request: Vec<_> = tenures.iter().map(|t| t.hold.clone()).collect();
         let sent = clock::now();
         let result = tokio::select! {
-            _ = shared.shutdown.cancelled() => return,
-            r = timeout(timing.request_timeout, shared.raw.renew(&request)) => r,
+            _ = state.shutdown.cancelled() => return,
+            r = timeout(timing.request_timeout, state.raw.renew(&request)) => r,
         };
         match result {
-            Ok(Ok(still_held)) if still_held.len() == holds.len() => {
-                Stats::bump(&shared.stats.renewals);
+            Ok(Ok(still_held)) if still_held.len() == tenures.len() => {
+                Stats::bump(&state.stats.renewals);
                 let until = timing.valid_until(sent);
-                shared.extend_session(until);
-                for (held, ok) in holds.iter().zip(still_held) {
-                    if held.reason().is_some() {
+                state.extend_session(until);
+                for (tenure, ok) in tenures.iter().zip(still_held) {
+                    if tenure.reason().is_some() {
                         continue; // released or lost meanwhile
                     }
                     if !ok {
-                        shared.lose(held, LostReason::Revoked);
-                    } else if !held.extend(until) {
-                        shared.lose(held, LostReason::Expired);
+                        state.lose(tenure, LostReason::Revoked);
+                    } else if !tenure.extend(until) {
+                        state.lose(tenure, LostReason::Expired);
                     }
                 }
-                tracing::trace!(session = %shared.id(), holds = holds.len(), "renewed");
+                tracing::trace!(session = %state.id(), holds = tenures.len(), "renewed");
                 next = sent + timing.renew_every;
             }
             Ok(Ok(still_held)) => {
-                Stats::bump(&shared.stats.renewal_failures);
+                Stats::bump(&state.stats.renewal_failures);
                 tracing::error!(
-                    session = %shared.id(),
-                    sent = holds.len(),
+                    session = %state.id(),
+                    sent = tenures.len(),
                     got = still_held.len(),
                     "adapter bug: renew answered for a different number of holds"
                 );
                 next = clock::now() + retry_every;
             }
             Ok(Err(Error::SessionLost { .. })) => {
-                Stats::bump(&shared.stats.renewal_failures);
-                shared.mark_lost();
+                Stats::bump(&state.stats.renewal_failures);
+                state.mark_lost();
                 return;
             }
             Ok(Err(e)) => {
-                Stats::bump(&shared.stats.renewal_failures);
-                tracing::warn!(session = %shared.id(), error = %e, "renewal failed; retrying");
+                Stats::bump(&state.stats.renewal_failures);
+                tracing::warn!(session = %state.id(), error = %e, "renewal failed; retrying");
                 next = clock::now() + retry_every;
             }
             Err(_) => {
-                Stats::bump(&shared.stats.renewal_failures);
-                tracing::warn!(session = %shared.id(), timeout = ?timing.request_timeout, "renewal timed out; retrying");
+                Stats::bump(&state.stats.renewal_failures);
+                tracing::warn!(session = %state.id(), timeout = ?timing.request_timeout, "renewal timed out; retrying");
                 next = clock::now() + retry_every;
             }
         }

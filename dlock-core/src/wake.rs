@@ -63,7 +63,7 @@ impl Default for PollBackoff {
     }
 }
 
-/// Per-key registrations of waiting attempts.
+/// Per-key registrations of waiting claims.
 #[derive(Debug, Default)]
 pub struct WakeHub {
     waiters: Mutex<HashMap<String, Vec<Weak<Notify>>>>,

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use dlock_core::backend::{Attempt, Busy, ExpiryModel, Hold, RawSession, Take};
+use dlock_core::backend::{Busy, Claim, ExpiryModel, Hold, RawSession, Take};
 use dlock_core::{Error, FencingToken, LockName, SessionId};
 use etcd_client::{
     Compare, CompareOp, EventType, GetOptions, LeaseKeepAliveStream, LeaseKeeper, PutOptions,
@@ -186,8 +186,8 @@ impl RawSession for EtcdSession {
         ExpiryModel::Session
     }
 
-    async fn attempt(&self, name: &LockName, why: Option<&str>) -> Result<Box<dyn Attempt>, Error> {
-        let mut attempt = EtcdAttempt {
+    async fn claim(&self, name: &LockName, why: Option<&str>) -> Result<Box<dyn Claim>, Error> {
+        let mut attempt = EtcdClaim {
             inner: self.inner.clone(),
             name: name.clone(),
             queue: self.inner.queue(name),
@@ -226,7 +226,7 @@ impl RawSession for EtcdSession {
             });
         }
         // No late create can bring the key back: the txn that granted it
-        // fenced off every create sent before (see `EtcdAttempt::doubtful`).
+        // fenced off every create sent before (see `EtcdClaim::doubtful`).
         let txn = Txn::new()
             .when(vec![Compare::create_revision(
                 hold.key.as_str(),
@@ -266,7 +266,7 @@ impl RawSession for EtcdSession {
 }
 
 /// One key in one name's queue.
-struct EtcdAttempt {
+struct EtcdClaim {
     inner: Arc<Inner>,
     name: LockName,
     queue: String,
@@ -300,9 +300,9 @@ struct EtcdAttempt {
     watching: Option<(Vec<u8>, WatchStream)>,
 }
 
-impl fmt::Debug for EtcdAttempt {
+impl fmt::Debug for EtcdClaim {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("EtcdAttempt")
+        f.debug_struct("EtcdClaim")
             .field("key", &self.key)
             .field("own", &self.own)
             .field("doubtful", &self.doubtful)
@@ -310,7 +310,7 @@ impl fmt::Debug for EtcdAttempt {
     }
 }
 
-impl EtcdAttempt {
+impl EtcdClaim {
     /// Moves to a fresh key: at the start, and when the old one vanished
     /// (it cannot be created again once its tombstone exists). A doubtful
     /// old key's tombstone is written with the next txn.
@@ -447,7 +447,7 @@ impl EtcdAttempt {
 }
 
 #[async_trait]
-impl Attempt for EtcdAttempt {
+impl Claim for EtcdClaim {
     async fn try_take(&mut self) -> Result<Take, Error> {
         for _ in 0..3 {
             let own = match self.own {
@@ -697,7 +697,7 @@ mod server_tests {
         assert!(lost(&r), "renewal on a new stream: {r:?}");
         // A take that puts a key on the lease.
         let name = LockName::new(format!("adapter/lease-{:08x}", rand::random::<u32>())).unwrap();
-        let mut attempt = session.attempt(&name, None).await.unwrap();
+        let mut attempt = session.claim(&name, None).await.unwrap();
         let r = attempt.try_take().await.map(|_| ());
         assert!(lost(&r), "take: {r:?}");
     }
@@ -716,8 +716,8 @@ mod server_tests {
         backend.keys_under(name.as_str()).await.unwrap()
     }
 
-    async fn attempt_on(session: &EtcdSession, name: &LockName) -> EtcdAttempt {
-        let mut attempt = EtcdAttempt {
+    async fn claim_on(session: &EtcdSession, name: &LockName) -> EtcdClaim {
+        let mut attempt = EtcdClaim {
             inner: session.inner.clone(),
             name: name.clone(),
             queue: session.inner.queue(name),
@@ -751,7 +751,7 @@ mod server_tests {
         let name = LockName::new(format!("adapter/late-{:08x}", rand::random::<u32>())).unwrap();
 
         // Abandoned while its create is in flight.
-        let mut attempt = attempt_on(&session, &name).await;
+        let mut attempt = claim_on(&session, &name).await;
         let late = attempt.enqueue_txn();
         attempt.sent = true;
         attempt.doubtful = true; // sent, never answered
@@ -764,7 +764,7 @@ mod server_tests {
         );
 
         // Granted by a retry, then released.
-        let mut attempt = attempt_on(&session, &name).await;
+        let mut attempt = claim_on(&session, &name).await;
         let late = attempt.enqueue_txn();
         attempt.sent = true;
         attempt.doubtful = true;
@@ -780,7 +780,7 @@ mod server_tests {
         );
 
         // Without doubt no tombstone is written.
-        let mut attempt = attempt_on(&session, &name).await;
+        let mut attempt = claim_on(&session, &name).await;
         let Take::Granted(hold) = attempt.try_take().await.unwrap() else {
             panic!("not granted")
         };

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use dlock_core::backend::{Attempt, Busy, ExpiryModel, Hold, RawSession, Take};
+use dlock_core::backend::{Busy, Claim, ExpiryModel, Hold, RawSession, Take};
 use dlock_core::{Error, FencingToken, LockName, SessionId, SessionOptions};
 use futures::TryStreamExt;
 use mongodb::bson::oid::ObjectId;
@@ -360,8 +360,8 @@ impl RawSession for MongoSession {
         ExpiryModel::PerHold
     }
 
-    async fn attempt(&self, name: &LockName, why: Option<&str>) -> Result<Box<dyn Attempt>, Error> {
-        Ok(Box::new(MongoAttempt {
+    async fn claim(&self, name: &LockName, why: Option<&str>) -> Result<Box<dyn Claim>, Error> {
+        Ok(Box::new(MongoClaim {
             subscription: self.inner.hub.subscribe(name.as_str()),
             inner: self.inner.clone(),
             session: self.id.clone(),
@@ -475,7 +475,7 @@ impl RawSession for MongoSession {
 
 /// One try to take one lock. There is no queue: a busy attempt waits for a
 /// change-stream event (or polls) and tries again.
-struct MongoAttempt {
+struct MongoClaim {
     inner: Arc<Inner>,
     session: SessionId,
     name: LockName,
@@ -491,9 +491,9 @@ struct MongoAttempt {
     backoff: PollBackoff,
 }
 
-impl fmt::Debug for MongoAttempt {
+impl fmt::Debug for MongoClaim {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("MongoAttempt")
+        f.debug_struct("MongoClaim")
             .field("name", &self.name)
             .field("owner", &self.owner)
             .finish()
@@ -501,7 +501,7 @@ impl fmt::Debug for MongoAttempt {
 }
 
 #[async_trait]
-impl Attempt for MongoAttempt {
+impl Claim for MongoClaim {
     async fn try_take(&mut self) -> Result<Take, Error> {
         self.sent = true;
         let ts = ObjectId::new();

@@ -216,7 +216,7 @@ async fn session_document_is_pinged_with_the_server_clock() {
         .session(SessionOptions::new().ttl(ttl))
         .await
         .unwrap();
-    let period = session.renew_every();
+    let period = dlock_core::raw::renew_every(&session);
     let doc = raw.session(session.id()).await.expect("session document");
     let keys: Vec<&str> = doc.keys().map(String::as_str).collect();
     assert_eq!(keys, ["_id", "ping"], "{doc}");
@@ -297,7 +297,7 @@ async fn takeover_of_a_holder_that_stopped_renewing() {
         .await
         .unwrap();
     let mut attempt = stale
-        .attempt(&lock_name, Some("frozen holder"))
+        .claim(&lock_name, Some("frozen holder"))
         .await
         .unwrap();
     let Take::Granted(stale_hold) = attempt.try_take().await.unwrap() else {
@@ -439,7 +439,7 @@ async fn tokens_increase_across_takeover_and_force_release() {
         )
         .await
         .unwrap();
-    let mut attempt = stale.attempt(&lock_name, None).await.unwrap();
+    let mut attempt = stale.claim(&lock_name, None).await.unwrap();
     let Take::Granted(stale_hold) = attempt.try_take().await.unwrap() else {
         panic!("the released lock was busy")
     };

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use dlock_core::backend::{Attempt, Busy, ExpiryModel, Hold, RawSession, Take};
+use dlock_core::backend::{Busy, Claim, ExpiryModel, Hold, RawSession, Take};
 use dlock_core::{Error, FencingToken, LockName, SessionId};
 use futures::future::join_all;
 use tokio::time::{Instant, sleep_until};
@@ -84,8 +84,8 @@ impl RawSession for RedisSession {
         ExpiryModel::PerHold
     }
 
-    async fn attempt(&self, name: &LockName, why: Option<&str>) -> Result<Box<dyn Attempt>, Error> {
-        Ok(Box::new(RedisAttempt {
+    async fn claim(&self, name: &LockName, why: Option<&str>) -> Result<Box<dyn Claim>, Error> {
+        Ok(Box::new(RedisClaim {
             keys: Keys::new(&self.inner.options.prefix, name),
             inner: self.inner.clone(),
             name: name.clone(),
@@ -175,7 +175,7 @@ impl RawSession for RedisSession {
 }
 
 /// One try to take one lock on every node.
-struct RedisAttempt {
+struct RedisClaim {
     inner: Arc<Inner>,
     name: LockName,
     keys: Keys,
@@ -195,9 +195,9 @@ struct RedisAttempt {
     backoff: Option<Duration>,
 }
 
-impl fmt::Debug for RedisAttempt {
+impl fmt::Debug for RedisClaim {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RedisAttempt")
+        f.debug_struct("RedisClaim")
             .field("name", &self.name)
             .field("owner", &self.owner)
             .finish()
@@ -205,7 +205,7 @@ impl fmt::Debug for RedisAttempt {
 }
 
 #[async_trait]
-impl Attempt for RedisAttempt {
+impl Claim for RedisClaim {
     async fn try_take(&mut self) -> Result<Take, Error> {
         self.sent = true;
         let inner = &self.inner;
@@ -307,7 +307,7 @@ impl Attempt for RedisAttempt {
     }
 }
 
-impl RedisAttempt {
+impl RedisClaim {
     /// Redlock: writes the chosen token to the nodes that granted; returns on
     /// how many it landed.
     async fn write_back(

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use dlock_core::backend::{Attempt, Busy, ExpiryModel, Hold, RawSession, Take};
+use dlock_core::backend::{Busy, Claim, ExpiryModel, Hold, RawSession, Take};
 use dlock_core::wake::{PollBackoff, Waiter};
 use dlock_core::{Error, LockName, SessionId};
 use sqlx::any::{AnyArguments, AnyQueryResult, AnyRow};
@@ -303,8 +303,8 @@ impl RawSession for SqlSession {
         ExpiryModel::PerHold
     }
 
-    async fn attempt(&self, name: &LockName, why: Option<&str>) -> Result<Box<dyn Attempt>, Error> {
-        Ok(Box::new(SqlAttempt {
+    async fn claim(&self, name: &LockName, why: Option<&str>) -> Result<Box<dyn Claim>, Error> {
+        Ok(Box::new(SqlClaim {
             waiter: self.inner.hub.subscribe(name.as_str()),
             inner: self.inner.clone(),
             session: self.id.clone(),
@@ -376,7 +376,7 @@ impl RawSession for SqlSession {
 
 /// One try to take one lock. There is no queue in SQL: a busy attempt
 /// polls (or, on PostgreSQL, waits for `NOTIFY`) and tries again.
-struct SqlAttempt {
+struct SqlClaim {
     inner: Arc<Inner>,
     session: SessionId,
     name: LockName,
@@ -395,16 +395,16 @@ struct SqlAttempt {
     backoff: PollBackoff,
 }
 
-impl fmt::Debug for SqlAttempt {
+impl fmt::Debug for SqlClaim {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("SqlAttempt")
+        f.debug_struct("SqlClaim")
             .field("name", &self.name)
             .field("owner", &self.owner)
             .finish()
     }
 }
 
-impl SqlAttempt {
+impl SqlClaim {
     fn scheme(&self) -> &'static str {
         self.inner.sql.dialect.scheme()
     }
@@ -477,7 +477,7 @@ fn protocol(e: Error) -> sqlx::Error {
 }
 
 #[async_trait]
-impl Attempt for SqlAttempt {
+impl Claim for SqlClaim {
     /// One statement that takes a free or expired lock, or re-confirms and
     /// extends this attempt's own grant after a lost reply (rule 4): the
     /// retry of a take whose reply was lost returns the same token.
@@ -530,7 +530,7 @@ impl Attempt for SqlAttempt {
     }
 }
 
-impl SqlAttempt {
+impl SqlClaim {
     async fn abandon_once(&mut self) -> Result<(), Error> {
         let scheme = self.scheme();
         let mut conn = Conn::get(&self.inner).await?;

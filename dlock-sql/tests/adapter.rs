@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use dlock_conformance::wire::{Fault, Proxy};
 use dlock_core::backend::Take;
+use dlock_core::raw;
 use dlock_core::url::StoreUrl;
 use dlock_core::{Backend, Error, LockName, SessionOptions};
 use dlock_sql::SqlBackend;
@@ -69,7 +70,7 @@ async fn renewal_extends_only_tracked_holds(store: &str) {
     let tracked = a.lock(name("tracked")).unwrap().acquire().await.unwrap();
     // A grant the core never hears of: the raw attempt's take.
     let untracked = name("untracked");
-    let mut attempt = a.raw_session().attempt(&untracked, None).await.unwrap();
+    let mut attempt = raw::session(&a).claim(&untracked, None).await.unwrap();
     let Take::Granted(hold) = attempt.try_take().await.unwrap() else {
         panic!("{store}: the raw take of a free lock was busy");
     };
@@ -134,12 +135,12 @@ async fn late_take_after_release_is_refused(store: &str) {
     let b = other.session(SessionOptions::new()).await.unwrap();
     for end in ["release", "abandon"] {
         let lock = name(end);
-        let mut attempt = a.raw_session().attempt(&lock, None).await.unwrap();
+        let mut attempt = raw::session(&a).claim(&lock, None).await.unwrap();
         let Take::Granted(hold) = attempt.try_take().await.unwrap() else {
             panic!("{store}: the raw take of a free lock was busy");
         };
         match end {
-            "release" => a.raw_session().release(&hold).await.unwrap(),
+            "release" => raw::session(&a).release(&hold).await.unwrap(),
             _ => attempt.abandon().await.unwrap(),
         }
         // The late copy of the take.
@@ -295,7 +296,7 @@ async fn listen_reconnect_wakes_waiters() {
         .unwrap();
     let held = holder.lock(&lock).unwrap().acquire().await.unwrap();
     let waiter = via.session(SessionOptions::new()).await.unwrap();
-    let mut attempt = waiter.raw_session().attempt(&lock, None).await.unwrap();
+    let mut attempt = raw::session(&waiter).claim(&lock, None).await.unwrap();
     assert!(matches!(attempt.try_take().await.unwrap(), Take::Busy(_)));
     let far = Instant::now() + Duration::from_secs(60);
     let waiting = tokio::spawn(async move {
@@ -336,7 +337,7 @@ async fn release_wakes_one_local_waiter() {
     let far = Instant::now() + Duration::from_secs(60);
     let mut tasks = Vec::new();
     for _ in 0..3 {
-        let mut attempt = waiters.raw_session().attempt(&lock, None).await.unwrap();
+        let mut attempt = raw::session(&waiters).claim(&lock, None).await.unwrap();
         assert!(matches!(attempt.try_take().await.unwrap(), Take::Busy(_)));
         tasks.push(tokio::spawn(async move {
             attempt.wait(far).await.unwrap();

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use dlock_core::backend::{Attempt, Busy, ExpiryModel, Hold, RawSession, Take};
+use dlock_core::backend::{Busy, Claim, ExpiryModel, Hold, RawSession, Take};
 use dlock_core::{Error, FencingToken, LockName, SessionId};
 use tokio::task::JoinSet;
 use tokio::time::{Instant, sleep_until};
@@ -148,8 +148,8 @@ impl RawSession for ZkSession {
         ExpiryModel::Session
     }
 
-    async fn attempt(&self, name: &LockName, why: Option<&str>) -> Result<Box<dyn Attempt>, Error> {
-        Ok(Box::new(ZkAttempt {
+    async fn claim(&self, name: &LockName, why: Option<&str>) -> Result<Box<dyn Claim>, Error> {
+        Ok(Box::new(ZkClaim {
             inner: self.inner.clone(),
             client: self.client.clone(),
             name: name.clone(),
@@ -264,7 +264,7 @@ async fn remove_if_empty(client: &zk::Client, parent: &str) {
 }
 
 /// One node in one name's queue.
-struct ZkAttempt {
+struct ZkClaim {
     inner: Arc<Inner>,
     client: zk::Client,
     name: LockName,
@@ -280,9 +280,9 @@ struct ZkAttempt {
     ahead: Option<String>,
 }
 
-impl fmt::Debug for ZkAttempt {
+impl fmt::Debug for ZkClaim {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ZkAttempt")
+        f.debug_struct("ZkClaim")
             .field("name", &self.name)
             .field("guid", &self.guid)
             .field("node", &self.node)
@@ -290,7 +290,7 @@ impl fmt::Debug for ZkAttempt {
     }
 }
 
-impl ZkAttempt {
+impl ZkClaim {
     /// Protected mode: the node this attempt created, if a create whose reply
     /// was lost did succeed.
     ///
@@ -413,7 +413,7 @@ impl ZkAttempt {
 }
 
 #[async_trait]
-impl Attempt for ZkAttempt {
+impl Claim for ZkClaim {
     async fn try_take(&mut self) -> Result<Take, Error> {
         for _ in 0..2 {
             if self.node.is_none() && self.sent {
@@ -533,7 +533,7 @@ mod server_tests {
         .await
         .unwrap();
         let name = LockName::new(format!("protected/{:08x}", rand::random::<u32>())).unwrap();
-        let mut attempt = ZkAttempt {
+        let mut attempt = ZkClaim {
             inner: session.inner.clone(),
             client: session.client.clone(),
             name: name.clone(),

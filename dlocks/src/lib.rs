@@ -44,7 +44,7 @@ use std::sync::{Arc, Once};
 pub use dlock_core::{
     Adapter, Backend, Capabilities, Error, FenceGate, FencingToken, Lock, LockGuard, LockInfo,
     LockName, LostReason, Registry, Result, Session, SessionId, SessionOptions, StaleToken,
-    backend, impl_adapter, memory, url,
+    backend, impl_adapter, memory, raw, url,
 };
 
 /// SQL databases: PostgreSQL, MySQL/MariaDB, SQLite.

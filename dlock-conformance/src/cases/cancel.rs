@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use dlock_core::raw;
 use dlock_core::{Error, LostReason};
 use tokio::time::{Instant, timeout};
 
@@ -82,7 +83,7 @@ pub async fn cancellation_sweep(h: &dyn Harness) -> Outcome {
         let what = "an acquire cancelled with its grant's reply in flight kept the lock";
         prompt(&ctx, start.elapsed(), what)?;
         ensure!(
-            d.held_count() == 0,
+            raw::held_count(&d) == 0,
             "the cancelled grant is held by its session"
         );
     }
@@ -103,21 +104,21 @@ pub async fn cancellation_sweep(h: &dyn Harness) -> Outcome {
     let what = "a waiter cancelled in the queue delayed the next holder by";
     prompt(&ctx, released.elapsed(), what)?;
     ensure!(
-        c.held_count() == 0,
+        raw::held_count(&c) == 0,
         "cancelled acquires left {} holds",
-        c.held_count()
+        raw::held_count(&c)
     );
     eventually(
         t * 2,
         "clean-up tasks of cancelled acquires finish",
-        || async { Ok(c.background_tasks() <= 1) },
+        || async { Ok(raw::background_tasks(&c) <= 1) },
     )
     .await?;
     c.close().await?;
     ensure!(
-        c.background_tasks() == 0,
+        raw::background_tasks(&c) == 0,
         "{} tasks outlived the session",
-        c.background_tasks()
+        raw::background_tasks(&c)
     );
     if let Some(count) = h.leftover_objects(&ctx.prefix).await {
         count?;
@@ -185,7 +186,7 @@ pub async fn acquire_retried_after_lost_reply(h: &dyn Harness) -> Outcome {
 
     // Per-hold expiry: the same orphan whose abandon never arrives expires
     // within a TTL, although its session stays alive and renewing.
-    if a.raw_session().expiry() == dlock_core::backend::ExpiryModel::PerHold {
+    if raw::session(&a).expiry() == dlock_core::backend::ExpiryModel::PerHold {
         let orphan = ctx.name("orphan-unabandoned");
         faults.lose_take_replies(1);
         faults.drop_abandons();
@@ -255,9 +256,9 @@ pub async fn session_close(h: &dyn Harness) -> Outcome {
     );
     ensure!(!gy.is_held(), "a hold survived its session's close");
     ensure!(
-        a.background_tasks() == 0,
+        raw::background_tasks(&a) == 0,
         "{} tasks outlived the closed session",
-        a.background_tasks()
+        raw::background_tasks(&a)
     );
     let r = a.lock(&x)?.try_acquire().await;
     ensure!(

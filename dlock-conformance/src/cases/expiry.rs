@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use dlock_core::LostReason;
+use dlock_core::raw;
 use tokio::time::{Instant, sleep};
 
 use super::{
@@ -142,7 +143,7 @@ pub async fn pause_scenario(h: &dyn Harness) -> Outcome {
         ga.lost(),
     )
     .await?;
-    sleep(a.renew_every() * 2).await;
+    sleep(raw::renew_every(&a) * 2).await;
     ensure!(
         !ga.is_held(),
         "a late renewal revived the paused holder's lock"
@@ -191,7 +192,7 @@ pub async fn force_release(h: &dyn Harness) -> Outcome {
         admin.force_release(&name).await?,
         "force_release of a held lock said it was free"
     );
-    let bound = a.renew_every() + ctx.caps.wakeup_bound + t / 4;
+    let bound = raw::renew_every(&a) + ctx.caps.wakeup_bound + t / 4;
     let reason = within(bound, "old holder's lost() after force_release", ga.lost()).await?;
     ensure!(
         reason == LostReason::Revoked,
@@ -221,7 +222,7 @@ pub async fn renewal_task_panics(h: &dyn Harness) -> Outcome {
     let t = ctx.caps.ttl;
     let (a, faults, b, ga) = faulty_holder(&ctx).await?;
     faults.panic_renewals();
-    let bound = a.renew_every() * 2 + ctx.caps.wakeup_bound;
+    let bound = raw::renew_every(&a) * 2 + ctx.caps.wakeup_bound;
     let reason = within(bound, "lost() after the renewal task panicked", ga.lost()).await?;
     ensure!(
         reason == LostReason::SessionLost,
@@ -257,7 +258,7 @@ pub async fn renewal_keeps_only_known_holds(h: &dyn Harness) -> Outcome {
     use dlock_core::backend::{ExpiryModel, Take};
     let ctx = Ctx::new(h, "renewal_keeps_only_known_holds");
     let (a, b) = (ctx.client().await?, ctx.client().await?);
-    if a.raw_session().expiry() != ExpiryModel::PerHold {
+    if raw::session(&a).expiry() != ExpiryModel::PerHold {
         return super::skipped(
             "holds live with the session: retried clean-ups free untracked ones",
         );
@@ -267,7 +268,7 @@ pub async fn renewal_keeps_only_known_holds(h: &dyn Harness) -> Outcome {
     // The core keeps one hold of A's session alive...
     let kept = a.lock(&renewed)?.acquire().await?;
     // ...while another grant of the same session is one it never learns of.
-    let mut attempt = a.raw_session().attempt(&untracked, None).await?;
+    let mut attempt = raw::session(&a).claim(&untracked, None).await?;
     let taken = Instant::now();
     let hold = match attempt.try_take().await? {
         Take::Granted(hold) => hold,

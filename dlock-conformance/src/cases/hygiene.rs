@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use dlock_core::raw;
 use dlock_core::{Error, FencingToken, SessionOptions};
 use futures::{StreamExt, TryStreamExt, stream};
 use tokio::time::sleep;
@@ -126,9 +127,9 @@ pub async fn ten_thousand_names(h: &dyn Harness) -> Outcome {
         .try_collect::<()>()
         .await?;
     ensure!(
-        c.held_count() == 0,
+        raw::held_count(&c) == 0,
         "{} holds left in the session",
-        c.held_count()
+        raw::held_count(&c)
     );
     let listed = admin.list(&ctx.prefix).await?;
     ensure!(

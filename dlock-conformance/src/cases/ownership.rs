@@ -26,23 +26,27 @@ pub async fn release_by_non_owner(h: &dyn Harness) -> Outcome {
     let forged = Hold {
         name: name.clone(),
         token: ga.token(),
-        key: other.hold().key.clone(),
+        key: dlock_core::raw::hold(&other).key.clone(),
     };
-    let r = b.raw_session().release(&forged).await;
+    let r = dlock_core::raw::session(&b).release(&forged).await;
     ensure!(not_held(&r), "release by another session gave {r:?}");
-    let renewed = b.raw_session().renew(std::slice::from_ref(&forged)).await?;
+    let renewed = dlock_core::raw::session(&b)
+        .renew(std::slice::from_ref(&forged))
+        .await?;
     ensure!(
         renewed == [false],
         "renewal by another session gave {renewed:?}"
     );
     // B presents A's exact hold (A's key and token): only the session differs.
-    let stolen = ga.hold().clone();
-    let r = b.raw_session().release(&stolen).await;
+    let stolen = dlock_core::raw::hold(&ga).clone();
+    let r = dlock_core::raw::session(&b).release(&stolen).await;
     ensure!(
         not_held(&r),
         "release of another session's exact hold gave {r:?}"
     );
-    let renewed = b.raw_session().renew(std::slice::from_ref(&stolen)).await?;
+    let renewed = dlock_core::raw::session(&b)
+        .renew(std::slice::from_ref(&stolen))
+        .await?;
     ensure!(
         renewed == [false],
         "renewal of another session's exact hold gave {renewed:?}"
@@ -50,9 +54,9 @@ pub async fn release_by_non_owner(h: &dyn Harness) -> Outcome {
     // A's own session with a stale token.
     let stale = Hold {
         token: FencingToken::new(ga.token().get().saturating_sub(1)),
-        ..ga.hold().clone()
+        ..dlock_core::raw::hold(&ga).clone()
     };
-    let r = a.raw_session().release(&stale).await;
+    let r = dlock_core::raw::session(&a).release(&stale).await;
     ensure!(not_held(&r), "release with a stale token gave {r:?}");
     ensure!(
         ga.is_held(),
@@ -66,9 +70,9 @@ pub async fn release_by_non_owner(h: &dyn Harness) -> Outcome {
         busy(&b, &name).await?,
         "lock became free after a non-owner's release"
     );
-    let old = ga.hold().clone();
+    let old = dlock_core::raw::hold(&ga).clone();
     ga.release().await?;
-    let r = a.raw_session().release(&old).await;
+    let r = dlock_core::raw::session(&a).release(&old).await;
     ensure!(not_held(&r), "a second release of the same hold gave {r:?}");
     other.release().await?;
     passed()
@@ -81,7 +85,7 @@ pub async fn stale_release_after_expiry(h: &dyn Harness) -> Outcome {
     let t = ctx.caps.ttl;
     let (a, faults, b, ga) = faulty_holder(&ctx).await?;
     let (name, admin) = (ga.name().clone(), ctx.admin().await?);
-    let old = ga.hold().clone();
+    let old = dlock_core::raw::hold(&ga).clone();
     faults.stall_renewals();
     let reason = within(t * 2, "lost() after renewals stopped", ga.lost()).await?;
     ensure!(super::is_loss(reason), "lost() resolved with {reason:?}");
@@ -95,7 +99,7 @@ pub async fn stale_release_after_expiry(h: &dyn Harness) -> Outcome {
         late.is_err(),
         "a late release of an expired hold reported success"
     );
-    let raw = a.raw_session().release(&old).await;
+    let raw = dlock_core::raw::session(&a).release(&old).await;
     ensure!(
         matches!(raw, Err(Error::NotHeld { .. } | Error::SessionLost { .. })),
         "a late raw release gave {raw:?}"

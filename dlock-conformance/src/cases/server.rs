@@ -6,6 +6,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use dlock_core::raw;
 use dlock_core::{FencingToken, LockGuard, LockName, Session};
 use tokio::time::{Instant, sleep};
 
@@ -467,7 +468,7 @@ pub async fn server_clock_jumps(h: &dyn Harness) -> Outcome {
         !register.write(0, ga.token()),
         "the register accepted A's stale write"
     );
-    let bound = a.renew_every() * 2 + ctx.caps.wakeup_bound;
+    let bound = raw::renew_every(&a) * 2 + ctx.caps.wakeup_bound;
     within(
         bound,
         "A's lost() after the store's clock jumped",

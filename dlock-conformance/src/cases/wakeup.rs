@@ -3,6 +3,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use dlock_core::raw;
 use tokio::task::JoinSet;
 use tokio::time::{Instant, sleep};
 
@@ -30,7 +31,7 @@ fn random_between(lo: Duration, hi: Duration) -> Duration {
 pub async fn wakeup_latency(h: &dyn Harness) -> Outcome {
     let (ctx, name, t) = start(h, "wakeup_latency");
     let (a, b) = (ctx.client().await?, ctx.client().await?);
-    let bound = fast_bound(&ctx, b.poll_fallback());
+    let bound = fast_bound(&ctx, raw::poll_fallback(&b));
     let mut latencies = Vec::new();
     for _ in 0..8 {
         let ga = a.lock(&name)?.acquire().await?;
@@ -60,7 +61,7 @@ pub async fn wakeup_release_before_subscribe(h: &dyn Harness) -> Outcome {
     let (ctx, name, t) = start(h, "wakeup_release_before_subscribe");
     let (a, b) = (ctx.client().await?, ctx.client().await?);
     let bound = if ctx.caps.notify_wakeup {
-        ctx.caps.wakeup_bound.min(b.poll_fallback() / 2)
+        ctx.caps.wakeup_bound.min(raw::poll_fallback(&b) / 2)
     } else {
         ctx.caps.wakeup_bound
     };
@@ -110,7 +111,7 @@ pub async fn wakeup_dead_notification_channel(h: &dyn Harness) -> Outcome {
     ga.release().await?;
     let (g, got) = joined(t * 20, "deaf waiter", waiter).await?;
     g?.release().await?;
-    let bound = b.poll_fallback().mul_f64(1.1) + ctx.caps.wakeup_bound;
+    let bound = raw::poll_fallback(&b).mul_f64(1.1) + ctx.caps.wakeup_bound;
     let took = got.saturating_duration_since(released);
     ensure!(
         took <= bound,
@@ -191,7 +192,9 @@ pub async fn many_waiters_one_handoff_each(h: &dyn Harness) -> Outcome {
     );
     if ctx.caps.no_herd {
         let attempts: u64 = sessions.iter().map(|s| s.stats().take_attempts).sum();
-        let period = sessions[0].poll_fallback().min(ctx.caps.ttl).mul_f64(0.9);
+        let period = raw::poll_fallback(&sessions[0])
+            .min(ctx.caps.ttl)
+            .mul_f64(0.9);
         let polls = (elapsed.as_secs_f64() / period.as_secs_f64()).ceil() as u64 + 1;
         let allowed = WAITERS as u64 * (3 + polls);
         ensure!(

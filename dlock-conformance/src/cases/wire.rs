@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dlock_core::backend::ExpiryModel;
+use dlock_core::raw;
 use dlock_core::{LockGuard, LockName, LostReason, Session};
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep};
@@ -31,7 +32,7 @@ async fn linked(
         return Ok(Err(skipped(NO_LINK)));
     };
     if let Some(why) = per_hold_skip
-        && a.raw_session().expiry() == ExpiryModel::PerHold
+        && raw::session(&a).expiry() == ExpiryModel::PerHold
     {
         return Ok(Err(skipped(why)));
     }
@@ -90,7 +91,7 @@ async fn clean_up_retried(
             Failure(format!(
                 "{what} was not retried: B still waits ({e}); A's session alive: {}, holds: {}",
                 a.is_alive(),
-                a.held_count()
+                raw::held_count(a)
             ))
         })
 }
@@ -150,12 +151,12 @@ pub async fn renewal_replies_lost(h: &dyn Harness) -> Outcome {
 pub async fn renewal_replies_late(h: &dyn Harness) -> Outcome {
     let (ctx, a, link, b, ga) = or_skip!(held(h, "renewal_replies_late", None).await?);
     let t = ctx.caps.ttl;
-    let late = a.renew_every() * 3 / 2;
+    let late = raw::renew_every(&a) * 3 / 2;
     link.set_all(Fault::Flows {
         to_server: Flow::Pass,
         to_client: Flow::Delay(late),
     });
-    sleep(a.renew_every() * 2).await;
+    sleep(raw::renew_every(&a) * 2).await;
     link.set_all(Fault::Flows {
         to_server: Flow::Hold,
         to_client: Flow::Pass,
@@ -374,7 +375,7 @@ pub async fn waiters_cut_while_waiting(h: &dyn Harness) -> Outcome {
     }
     let first = ga.token();
     ga.release().await?;
-    let bound = (t + a.poll_fallback() + ctx.caps.wakeup_bound) * WAITERS as u32;
+    let bound = (t + raw::poll_fallback(&a) + ctx.caps.wakeup_bound) * WAITERS as u32;
     for (i, waiter) in waiters.into_iter().enumerate() {
         let token = joined(
             bound,
@@ -562,7 +563,7 @@ pub async fn waiter_learns_session_lost(h: &dyn Harness) -> Outcome {
     sleep(t * 2 + ctx.caps.recovery_bound).await;
     link.heal();
     // One renewal round (and its retries) tells the session its fate.
-    let settled = a.renew_every() * 2 + a.renew_every() / 2;
+    let settled = raw::renew_every(&a) * 2 + raw::renew_every(&a) / 2;
     let ended = within(settled, "", async {
         loop {
             if !a.is_alive() || waiting.is_finished() {
@@ -627,7 +628,7 @@ pub async fn replies_late_but_in_time(h: &dyn Harness) -> Outcome {
     let b = ctx.client().await?;
     // The renewal period in effect: a backend may run a session with less
     // than the TTL asked for (ZooKeeper subtracts the leader's report lag).
-    let renew = b.renew_every();
+    let renew = raw::renew_every(&b);
     let options = ctx.options().request_timeout(renew * 9 / 10);
     let drift = options.drift_or_default();
     let request_timeout = options.request_timeout_or_default();
@@ -650,7 +651,7 @@ pub async fn replies_late_but_in_time(h: &dyn Harness) -> Outcome {
         let ga = a.lock(&name)?.acquire().await?;
         if renewals {
             link.set_all(late);
-            sleep(a.renew_every() * 3).await;
+            sleep(raw::renew_every(&a) * 3).await;
             ensure!(ga.is_held(), "late but accepted renewals lost the lock");
         }
         link.set_all(Fault::BLACKHOLE);

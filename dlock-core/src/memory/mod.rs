@@ -39,7 +39,7 @@ use async_trait::async_trait;
 use tokio::sync::Notify;
 use tokio::time::{Instant, sleep_until};
 
-use crate::backend::{Attempt, ExpiryModel, Hold, RawSession, Take};
+use crate::backend::primitives::{Claim, ExpiryModel, Hold, RawSession, Take};
 use crate::url::StoreUrl;
 use crate::{
     Backend, Capabilities, Error, FencingToken, LockInfo, LockName, SessionId, SessionOptions, name,
@@ -340,8 +340,8 @@ impl RawSession for MemorySession {
         }
     }
 
-    async fn attempt(&self, name: &LockName, why: Option<&str>) -> Result<Box<dyn Attempt>, Error> {
-        Ok(Box::new(MemoryAttempt {
+    async fn claim(&self, name: &LockName, why: Option<&str>) -> Result<Box<dyn Claim>, Error> {
+        Ok(Box::new(MemoryClaim {
             server: self.server.clone(),
             link: self.link.clone(),
             session: self.id.clone(),
@@ -381,7 +381,7 @@ impl RawSession for MemorySession {
 }
 
 #[derive(Debug)]
-struct MemoryAttempt {
+struct MemoryClaim {
     server: Arc<Server>,
     link: Link,
     session: Arc<str>,
@@ -394,7 +394,7 @@ struct MemoryAttempt {
 }
 
 #[async_trait]
-impl Attempt for MemoryAttempt {
+impl Claim for MemoryClaim {
     async fn try_take(&mut self) -> Result<Take, Error> {
         let (name, session, why, notify) = (
             self.name.clone(),

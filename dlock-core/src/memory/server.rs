@@ -9,7 +9,7 @@ use std::time::Duration;
 use tokio::sync::{Notify, watch};
 
 use super::clock::{ServerClock, ServerTime};
-use crate::backend::{Busy, Hold, Take};
+use crate::backend::primitives::{Busy, Hold, Take};
 use crate::{Error, FencingToken, LockInfo, LockName};
 
 /// How a grant's life is bounded (the two models of

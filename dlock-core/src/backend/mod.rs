@@ -7,11 +7,11 @@
 //!
 //! * [`Backend`] — one store deployment: opens sessions and answers admin
 //!   questions (`inspect`, `list`, `validate`, `force_release`).
-//! * [`RawSession`] — one client's liveness context in the store: starts
-//!   [`Attempt`]s, renews all its holds in one round trip, releases by owner and
+//! * [`RawSession`] — one client's liveness context in the store: opens
+//!   [`Claim`]s, renews all its holds in one round trip, releases by owner and
 //!   token.
-//! * [`Attempt`] — one try to take one lock: take-or-enqueue, wait for a change,
-//!   abandon.
+//! * [`Claim`] — one client's place in line for one lock: take when first (joining
+//!   the queue once), wait for a change, withdraw ([`Claim::abandon`]).
 //!
 //! # Rules an adapter must keep
 //!
@@ -24,7 +24,7 @@
 //! 3. **Owner checks (S3).** `release` and `renew` act only when the store's
 //!    holder is this session *and* the hold's token; otherwise they change
 //!    nothing (`release` returns [`Error::NotHeld`], `renew` reports `false`).
-//! 4. **Idempotent take.** If the attempt already holds the lock (its earlier
+//! 4. **Idempotent take.** If the claim already holds the lock (its earlier
 //!    reply was lost), `try_take` returns `Granted` with the same token *and
 //!    extends the hold's expiry as a fresh take would*: the core counts the
 //!    grant's validity from when this retry was sent (rule 5).
@@ -32,7 +32,7 @@
 //!    request sent at client time `t` is not given to anyone else before
 //!    `t + ttl` (the core subtracts the drift margin). For
 //!    [`ExpiryModel::Session`] stores, the same holds for the session lease.
-//! 6. **Clean abandon (S5).** `abandon` removes whatever the attempt created,
+//! 6. **Clean abandon (S5).** `abandon` removes whatever the claim created,
 //!    including a grant whose reply never arrived; it is called from a spawned
 //!    task when an `acquire` future is dropped, times out, or gives up.
 //! 7. **Errors by meaning.** Connection problems and request time-outs are
@@ -42,57 +42,25 @@
 //!
 //! `dlock-conformance` checks all of these against a real server.
 
+pub(crate) mod primitives;
+
 use std::fmt::Debug;
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use tokio::time::Instant;
+use tokio::time::timeout;
 
-use crate::{Error, FencingToken, LockInfo, LockName, Session, SessionId, SessionOptions};
+pub use primitives::{Busy, Claim, ExpiryModel, Hold, RawSession, Take};
 
-/// A lock held in the store: what `renew` and `release` need to find it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Hold {
-    /// The lock.
-    pub name: LockName,
-    /// The token issued with this grant.
-    pub token: FencingToken,
-    /// The adapter's identity of the hold in the store: the owner value of a
-    /// Redis key, a ZooKeeper node path, an etcd key, a SQL owner column.
-    pub key: String,
-}
-
-/// What one `try_take` got.
-#[derive(Debug)]
-pub enum Take {
-    /// The lock is ours.
-    Granted(Hold),
-    /// Someone else holds it, or is ahead in the queue.
-    Busy(Busy),
-}
-
-/// Details of a busy lock that help the core decide when to look again.
-#[derive(Debug, Clone, Default)]
-pub struct Busy {
-    /// When the lock (or the queue entry ahead) expires by the store's clock,
-    /// as time from now, if the store can tell. The core re-checks then, so a
-    /// holder that died without releasing is noticed without waiting for the
-    /// fallback timer.
-    pub retry_after: Option<Duration>,
-}
-
-/// How the store bounds a hold's life.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ExpiryModel {
-    /// Each hold has its own expiry, set by the take and extended by `renew`
-    /// (Redis `PX`, a SQL `expires_at` column).
-    PerHold,
-    /// Holds live as long as the session's lease (etcd lease, ZooKeeper
-    /// session); a take does not extend it, only `renew` does.
-    Session,
-}
-
+use crate::capabilities::Capabilities;
+use crate::clock;
+use crate::error::Error;
+use crate::info::{LockInfo, SessionId};
+use crate::name::LockName;
+use crate::options::SessionOptions;
+use crate::session::Session;
+use crate::token::FencingToken;
 /// One store deployment, opened from a URL.
 ///
 /// Object safe: applications and the conformance suite hold an
@@ -118,9 +86,9 @@ pub trait Backend: Send + Sync + Debug {
     fn min_ttl(&self) -> Duration;
 
     /// What this deployment promises beyond the safety invariants (see
-    /// [`Capabilities`](crate::Capabilities)). The default promises nothing.
-    fn capabilities(&self) -> crate::Capabilities {
-        crate::Capabilities::default()
+    /// [`Capabilities`]). The default promises nothing.
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::default()
     }
 
     /// Waits, at most `limit`, until this deployment may grant locks. Most
@@ -141,7 +109,7 @@ pub trait Backend: Send + Sync + Debug {
     /// unless the store bounds it (a Redis restart guard refuses grants for
     /// its `max_ttl` after a restart, so no session may outlive that).
     fn max_ttl(&self) -> Duration {
-        crate::MAX_TTL
+        crate::options::MAX_TTL
     }
 
     /// Primitive: creates the store side of a session with id `id`.
@@ -209,82 +177,22 @@ pub trait Backend: Send + Sync + Debug {
     /// Dropping the future before it completes leaves at most an empty store
     /// session that expires after one TTL.
     async fn session(&self, options: SessionOptions) -> Result<Session, Error> {
-        Session::open(self, options).await
+        let scheme = self.scheme();
+        options.validate(self.min_ttl())?;
+        let max_ttl = self.max_ttl();
+        if options.ttl_value() > max_ttl {
+            return Err(Error::InvalidTtl {
+                ttl: options.ttl_value(),
+                min: self.min_ttl(),
+                max: max_ttl,
+            });
+        }
+        let id = SessionId::generate(options.label_value());
+        let sent = clock::now();
+        let raw = match timeout(options.open_timeout(), self.open(id.clone(), &options)).await {
+            Ok(raw) => raw?,
+            Err(_) => return Err(Error::unavailable(scheme, "timed out opening a session")),
+        };
+        Session::start(id, raw, scheme, options, sent).await
     }
-}
-
-/// The store side of a session (see the [module docs](self) for the rules).
-#[async_trait]
-pub trait RawSession: Send + Sync + Debug {
-    /// The TTL the store actually applies (it may have negotiated it).
-    fn ttl(&self) -> Duration;
-
-    /// How holds expire in this store.
-    fn expiry(&self) -> ExpiryModel;
-
-    /// Starts one attempt to take `name`. Cheap: it may only prepare (e.g.
-    /// subscribe to the lock's channel before the first take, so a release
-    /// between take and wait is not missed).
-    ///
-    /// # Cancel safety
-    /// Must be cancel safe: nothing in the store may depend on the attempt
-    /// object existing yet.
-    async fn attempt(&self, name: &LockName, why: Option<&str>) -> Result<Box<dyn Attempt>, Error>;
-
-    /// Extends the session and every hold in `holds`, in one round trip where
-    /// the store allows. Returns, in order, whether each hold is still ours.
-    /// Called every renewal period, also with no holds (a session heartbeat).
-    ///
-    /// # Cancel safety
-    /// Must be cancel safe: the core cuts a renewal off at its request timeout
-    /// and only trusts renewals it saw confirmed.
-    async fn renew(&self, holds: &[Hold]) -> Result<Vec<bool>, Error>;
-
-    /// Releases `hold` if this session still holds it with that token; wakes
-    /// the next waiter. [`Error::NotHeld`] otherwise (also when `hold` belongs
-    /// to another session, even with the right key and token).
-    ///
-    /// # Cancel safety
-    /// If dropped, the release may or may not have happened; the core retries
-    /// and treats a `NotHeld` after an unknown outcome as success.
-    async fn release(&self, hold: &Hold) -> Result<(), Error>;
-
-    /// Ends the session in the store, freeing anything it still holds;
-    /// `holds` are the holds the core knows of (stores without a per-session
-    /// index free those; others may free by session).
-    ///
-    /// # Cancel safety
-    /// If dropped, what was not freed expires after one TTL.
-    async fn close(&self, holds: &[Hold]) -> Result<(), Error>;
-}
-
-/// One try to take one lock, owned by the core's acquire loop.
-#[async_trait]
-pub trait Attempt: Send + Debug {
-    /// Takes the lock if free and (for fair stores) this attempt is first in
-    /// line; otherwise joins the queue (once) and reports `Busy`. Idempotent:
-    /// after a lost reply, the retry returns the same grant.
-    ///
-    /// # Cancel safety
-    /// Must be cancel safe: if dropped, the core calls [`Attempt::abandon`],
-    /// which must clean up whatever the dropped call did.
-    async fn try_take(&mut self) -> Result<Take, Error>;
-
-    /// Returns when the lock may have become available (a release notification,
-    /// the watched predecessor going away) or at `until`, whichever is first.
-    /// Spurious returns are fine; the core calls `try_take` again.
-    ///
-    /// # Cancel safety
-    /// Must be cancel safe (the core drops it at its deadline).
-    async fn wait(&mut self, until: Instant) -> Result<(), Error>;
-
-    /// Removes what this attempt left in the store: its queue entry, or a grant
-    /// it may have received without the core learning of it. Idempotent: the
-    /// core calls it again after an error.
-    ///
-    /// # Cancel safety
-    /// Runs as a session task and is retried with backoff until it succeeds;
-    /// if the session ends first, what remains expires after one TTL
-    /// (per-hold stores) or with the session.
-    async fn abandon(&mut self) -> Result<(), Error>;
 }

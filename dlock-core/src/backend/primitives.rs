@@ -1,0 +1,136 @@
+//! The store primitives under [`Backend`](super::Backend): a session's store
+//! side, a claim on one lock and the values they exchange. Kept apart from
+//! `Backend` (which opens a [`Session`](crate::Session)) so that the core's
+//! session state can depend on them without depending on `Session`; the
+//! rules they keep are in the [module docs](crate::backend).
+
+use std::fmt::Debug;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use tokio::time::Instant;
+
+use crate::error::Error;
+use crate::name::LockName;
+use crate::token::FencingToken;
+
+/// A lock held in the store: what `renew` and `release` need to find it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hold {
+    /// The lock.
+    pub name: LockName,
+    /// The token issued with this grant.
+    pub token: FencingToken,
+    /// The adapter's identity of the hold in the store: the owner value of a
+    /// Redis key, a ZooKeeper node path, an etcd key, a SQL owner column.
+    pub key: String,
+}
+
+/// What one `try_take` got.
+#[derive(Debug)]
+pub enum Take {
+    /// The lock is ours.
+    Granted(Hold),
+    /// Someone else holds it, or is ahead in the queue.
+    Busy(Busy),
+}
+
+/// Details of a busy lock that help the core decide when to look again.
+#[derive(Debug, Clone, Default)]
+pub struct Busy {
+    /// When the lock (or the queue entry ahead) expires by the store's clock,
+    /// as time from now, if the store can tell. The core re-checks then, so a
+    /// holder that died without releasing is noticed without waiting for the
+    /// fallback timer.
+    pub retry_after: Option<Duration>,
+}
+
+/// How the store bounds a hold's life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExpiryModel {
+    /// Each hold has its own expiry, set by the take and extended by `renew`
+    /// (Redis `PX`, a SQL `expires_at` column).
+    PerHold,
+    /// Holds live as long as the session's lease (etcd lease, ZooKeeper
+    /// session); a take does not extend it, only `renew` does.
+    Session,
+}
+
+/// The store side of a session (see the [module docs](crate::backend) for the rules).
+#[async_trait]
+pub trait RawSession: Send + Sync + Debug {
+    /// The TTL the store actually applies (it may have negotiated it).
+    fn ttl(&self) -> Duration;
+
+    /// How holds expire in this store.
+    fn expiry(&self) -> ExpiryModel;
+
+    /// Opens a claim on `name` (a place in line for it). Cheap: it may only prepare (e.g.
+    /// subscribe to the lock's channel before the first take, so a release
+    /// between take and wait is not missed).
+    ///
+    /// # Cancel safety
+    /// Must be cancel safe: nothing in the store may depend on the claim
+    /// object existing yet.
+    async fn claim(&self, name: &LockName, why: Option<&str>) -> Result<Box<dyn Claim>, Error>;
+
+    /// Extends the session and every hold in `holds`, in one round trip where
+    /// the store allows. Returns, in order, whether each hold is still ours.
+    /// Called every renewal period, also with no holds (a session heartbeat).
+    ///
+    /// # Cancel safety
+    /// Must be cancel safe: the core cuts a renewal off at its request timeout
+    /// and only trusts renewals it saw confirmed.
+    async fn renew(&self, holds: &[Hold]) -> Result<Vec<bool>, Error>;
+
+    /// Releases `hold` if this session still holds it with that token; wakes
+    /// the next waiter. [`Error::NotHeld`] otherwise (also when `hold` belongs
+    /// to another session, even with the right key and token).
+    ///
+    /// # Cancel safety
+    /// If dropped, the release may or may not have happened; the core retries
+    /// and treats a `NotHeld` after an unknown outcome as success.
+    async fn release(&self, hold: &Hold) -> Result<(), Error>;
+
+    /// Ends the session in the store, freeing anything it still holds;
+    /// `holds` are the holds the core knows of (stores without a per-session
+    /// index free those; others may free by session).
+    ///
+    /// # Cancel safety
+    /// If dropped, what was not freed expires after one TTL.
+    async fn close(&self, holds: &[Hold]) -> Result<(), Error>;
+}
+
+/// One client's claim on one lock, a place in its line: [`try_take`](Claim::try_take)
+/// takes it when this claim is first (joining the queue once), [`wait`](Claim::wait)
+/// waits for a change, [`abandon`](Claim::abandon) withdraws. Owned by the core's
+/// acquire loop; one per acquire, so ownership (S3) is the claim plus its token.
+#[async_trait]
+pub trait Claim: Send + Debug {
+    /// Takes the lock if free and (for fair stores) this claim is first in
+    /// line; otherwise joins the queue (once) and reports `Busy`. Idempotent:
+    /// after a lost reply, the retry returns the same grant.
+    ///
+    /// # Cancel safety
+    /// Must be cancel safe: if dropped, the core calls [`Claim::abandon`],
+    /// which must clean up whatever the dropped call did.
+    async fn try_take(&mut self) -> Result<Take, Error>;
+
+    /// Returns when the lock may have become available (a release notification,
+    /// the watched predecessor going away) or at `until`, whichever is first.
+    /// Spurious returns are fine; the core calls `try_take` again.
+    ///
+    /// # Cancel safety
+    /// Must be cancel safe (the core drops it at its deadline).
+    async fn wait(&mut self, until: Instant) -> Result<(), Error>;
+
+    /// Removes what this claim left in the store: its queue entry, or a grant
+    /// it may have received without the core learning of it. Idempotent: the
+    /// core calls it again after an error.
+    ///
+    /// # Cancel safety
+    /// Runs as a session task and is retried with backoff until it succeeds;
+    /// if the session ends first, what remains expires after one TTL
+    /// (per-hold stores) or with the session.
+    async fn abandon(&mut self) -> Result<(), Error>;
+}

@@ -1,0 +1,303 @@
+//! [`Lock`]: a named handle and the acquire loop, written once for all stores.
+//!
+//! `mod.rs` is the handle and what it owns (reentrancy, one claim at a time,
+//! turning a grant into a guard); [`acquire`] is the loop, one function per
+//! decision; [`pending`] owns a claim until it is granted or withdrawn;
+//! [`pacing`] is retry timing and what a timeout reports.
+
+mod acquire;
+mod pacing;
+mod pending;
+
+use std::fmt;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use tokio::time::{Instant, timeout_at};
+use tracing::Instrument;
+
+use crate::backend::primitives::Hold;
+use crate::error::Error;
+use crate::guard::LockGuard;
+use crate::lost::LostReason;
+use crate::name::LockName;
+use crate::state::{KeepOpen, SessionState, Tenure};
+use pending::PendingClaim;
+
+/// The longest reason ([`Lock::why`]) kept, in bytes.
+pub const MAX_WHY_LEN: usize = 512;
+
+/// A named lock from a [`Session`](crate::Session): `session.lock("a/b")?`.
+///
+/// # Ownership and reentrancy
+///
+/// The handle is the owner. Two handles (even of one session, even for one
+/// name, even a clone of this one) exclude each other like two processes
+/// would. One handle is *reentrant, counted*: acquiring through a handle
+/// whose earlier guard is still live returns at once with another guard
+/// carrying the same token, and the lock is freed when the last of those
+/// guards is released or dropped. Ownership lives in the handle, never in a
+/// thread or task, since async code moves between threads.
+///
+/// ```
+/// # async fn demo(session: dlock_core::Session) -> Result<(), dlock_core::Error> {
+/// use std::time::Duration;
+/// let lock = session.lock("billing/invoice-run")?.why("monthly invoices");
+/// let outer = lock.acquire_timeout(Duration::from_secs(30)).await?;
+/// let inner = lock.acquire().await?; // reentrant: same handle, same token
+/// assert_eq!(inner.token(), outer.token());
+/// inner.release().await?; // still held by `outer`
+/// outer.release().await?; // freed
+/// # Ok(()) }
+/// ```
+pub struct Lock {
+    session: Arc<KeepOpen>,
+    name: LockName,
+    why: Option<Arc<str>>,
+    handle: Arc<HandleState>,
+}
+
+/// A clone is a new handle: another owner of the same name, which the
+/// original excludes (ownership is per handle, never shared by copying).
+impl Clone for Lock {
+    fn clone(&self) -> Self {
+        Self {
+            session: self.session.clone(),
+            name: self.name.clone(),
+            why: self.why.clone(),
+            handle: Arc::default(),
+        }
+    }
+}
+
+/// What one handle (and not its clones) owns.
+#[derive(Default)]
+struct HandleState {
+    /// The tenure this handle has, for reentrancy.
+    current: Mutex<Weak<Tenure>>,
+    /// One claim per handle at a time.
+    gate: tokio::sync::Mutex<()>,
+}
+
+/// How long an acquire may wait for the lock.
+#[derive(Clone, Copy)]
+enum Wait {
+    No,
+    Forever,
+    /// Deadline, and the wait asked for (for the error message).
+    Until(Instant, Duration),
+}
+
+impl Wait {
+    fn deadline(self) -> Option<Instant> {
+        match self {
+            Wait::Until(d, _) => Some(d),
+            _ => None,
+        }
+    }
+}
+
+impl Lock {
+    pub(crate) fn new(session: Arc<KeepOpen>, name: LockName) -> Self {
+        Self {
+            session,
+            name,
+            why: None,
+            handle: Arc::default(),
+        }
+    }
+
+    /// Sets the reason recorded with the acquisition (shown by `inspect`, like
+    /// the seeds' `why` field). Reasons longer than [`MAX_WHY_LEN`] bytes are
+    /// cut there (at a character boundary), so every store can keep them.
+    pub fn why(mut self, why: impl Into<String>) -> Self {
+        let mut why = why.into();
+        if why.len() > MAX_WHY_LEN {
+            let mut end = MAX_WHY_LEN;
+            while !why.is_char_boundary(end) {
+                end -= 1;
+            }
+            why.truncate(end);
+        }
+        self.why = Some(why.into());
+        self
+    }
+
+    /// The lock's name.
+    pub fn name(&self) -> &LockName {
+        &self.name
+    }
+
+    /// Takes the lock if it is free now; never waits. `Ok(None)` means busy
+    /// (held by another owner or, on fair stores, others queue for it).
+    ///
+    /// # Cancel safety
+    /// Cancel safe: if dropped, whatever the claim left in the store is
+    /// removed in the background (S5).
+    pub async fn try_acquire(&self) -> Result<Option<LockGuard>, Error> {
+        self.acquire_with(Wait::No).await
+    }
+
+    /// Waits until the lock is ours. Transient store errors are retried;
+    /// [`Error::SessionLost`] if the session ends while waiting.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: dropping the future at any await point leaves no queue
+    /// entry behind and no hold beyond one TTL (S5); clean-up runs in the
+    /// background.
+    pub async fn acquire(&self) -> Result<LockGuard, Error> {
+        self.acquire_with(Wait::Forever)
+            .await
+            .and_then(|g| g.ok_or_else(|| unreachable_busy(&self.name)))
+    }
+
+    /// Waits at most `wait` for the lock; [`Error::Timeout`] after that,
+    /// within `wait` plus one round trip (invariant L5), also when the store
+    /// does not answer: the deadline cuts requests in flight. So a `wait`
+    /// shorter than a round trip can time out on a free lock; for exactly
+    /// one try use [`try_acquire`](Self::try_acquire).
+    ///
+    /// The timeout's `cause` is `None` when the lock stayed busy, and the
+    /// store's last error (or "no answer before the deadline") when the
+    /// store was failing or silent: a caller can tell "busy" from
+    /// "unreachable".
+    ///
+    /// # Cancel safety
+    /// As [`acquire`](Self::acquire).
+    pub async fn acquire_timeout(&self, wait: Duration) -> Result<LockGuard, Error> {
+        // A wait too long to count is a wait without end.
+        let until = match Instant::now().checked_add(wait) {
+            Some(deadline) => Wait::Until(deadline, wait),
+            None => Wait::Forever,
+        };
+        self.acquire_with(until)
+            .await
+            .and_then(|g| g.ok_or_else(|| unreachable_busy(&self.name)))
+    }
+
+    fn session_state(&self) -> &Arc<SessionState> {
+        &self.session.state
+    }
+
+    /// Another guard on this handle's live tenure, if it has one (reentrancy).
+    fn reenter(&self) -> Option<LockGuard> {
+        let tenure = self.handle.current.lock().unwrap().upgrade()?;
+        tenure.try_reenter().then(|| LockGuard {
+            tenure,
+            session: self.session.clone(),
+            done: false,
+        })
+    }
+
+    async fn acquire_with(&self, wait: Wait) -> Result<Option<LockGuard>, Error> {
+        let span = tracing::debug_span!("dlock.acquire", lock = %self.name, session = %self.session_state().id());
+        self.acquire_inner(wait).instrument(span).await
+    }
+
+    /// One claim per handle at a time: waits for this handle's other
+    /// acquire (within the caller's deadline); `None` for a try that finds
+    /// one in flight.
+    async fn serialize(
+        &self,
+        wait: Wait,
+    ) -> Result<Option<tokio::sync::MutexGuard<'_, ()>>, Error> {
+        Ok(Some(match wait {
+            Wait::No => match self.handle.gate.try_lock() {
+                Ok(g) => g,
+                Err(_) => return Ok(None),
+            },
+            Wait::Forever => self.handle.gate.lock().await,
+            Wait::Until(deadline, asked) => timeout_at(deadline, self.handle.gate.lock())
+                .await
+                .map_err(|_| self.timeout_error(asked, None))?,
+        }))
+    }
+
+    /// Turns a grant into a guard.
+    fn granted(
+        &self,
+        claim: &mut PendingClaim,
+        hold: Hold,
+        deadline: Instant,
+    ) -> Result<LockGuard, Error> {
+        let state = self.session_state();
+        claim.disarm();
+        let tenure = state.register(hold, deadline);
+        if let Err(e) = state.check_alive() {
+            state.lose(&tenure, LostReason::Closed);
+            return Err(e);
+        }
+        *self.handle.current.lock().unwrap() = Arc::downgrade(&tenure);
+        tracing::debug!(token = %tenure.hold.token, "acquired");
+        Ok(LockGuard {
+            tenure,
+            session: self.session.clone(),
+            done: false,
+        })
+    }
+
+    fn timeout_error(&self, asked: Duration, cause: Option<Error>) -> Error {
+        Error::Timeout {
+            name: self.name.to_string(),
+            waited: asked,
+            cause: cause.map(Box::new),
+        }
+    }
+}
+
+/// A waiting acquire never answers "busy"; if the loop did, that is a bug.
+fn unreachable_busy(name: &LockName) -> Error {
+    Error::protocol(
+        "dlock",
+        format!("waiting acquire of {name:?} returned busy"),
+    )
+}
+
+impl fmt::Debug for Lock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Lock")
+            .field("name", &self.name)
+            .field("why", &self.why)
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use crate::memory::MemoryBackend;
+    use crate::{Backend, Error, SessionOptions};
+
+    /// L5 hygiene: once the caller's deadline has passed, no take goes out
+    /// (it would be cut off at once, and could still land and hold the lock
+    /// for no one). A busy lock nobody releases: the waiter sends its first
+    /// take, is never woken, and must not send another at the deadline.
+    #[tokio::test]
+    async fn no_take_after_the_deadline() {
+        let server = MemoryBackend::new();
+        let options = SessionOptions::new().ttl(Duration::from_secs(5));
+        let a = server.session(options.clone()).await.unwrap();
+        let b = server.session(options).await.unwrap();
+        let _held = a.lock("x").unwrap().acquire().await.unwrap();
+        let r = b
+            .lock("x")
+            .unwrap()
+            .acquire_timeout(Duration::from_millis(200))
+            .await;
+        assert!(matches!(r, Err(Error::Timeout { .. })), "{r:?}");
+        assert_eq!(
+            b.stats().take_attempts,
+            1,
+            "a take went out at the deadline"
+        );
+        // A deadline already past before the first take: none goes out.
+        let r = b.lock("x").unwrap().acquire_timeout(Duration::ZERO).await;
+        assert!(matches!(r, Err(Error::Timeout { .. })), "{r:?}");
+        assert_eq!(
+            b.stats().take_attempts,
+            1,
+            "a take went out past the deadline"
+        );
+    }
+}

@@ -98,14 +98,7 @@ impl EtcdSession {
             .map(|h| TxnOp::get(h.key.as_str(), None))
             .collect();
         let txn = Txn::new().and_then(reads);
-        let resp = self
-            .inner
-            .call(Repeat::Idempotent, |client| {
-                let mut kv = client.kv_client();
-                let txn = txn.clone();
-                async move { kv.txn(txn).await }
-            })
-            .await?;
+        let resp = self.inner.txn(Repeat::Idempotent, txn).await?;
         let answers = resp.op_responses();
         if answers.len() != holds.len() {
             return Err(Error::protocol(
@@ -234,14 +227,7 @@ impl RawSession for EtcdSession {
                 hold.token.get() as i64,
             )])
             .and_then(vec![TxnOp::delete(hold.key.as_str(), None)]);
-        let resp = self
-            .inner
-            .call(Repeat::Unsent, |client| {
-                let mut kv = client.kv_client();
-                let txn = txn.clone();
-                async move { kv.txn(txn).await }
-            })
-            .await?;
+        let resp = self.inner.txn(Repeat::Unsent, txn).await?;
         if resp.succeeded() {
             Ok(())
         } else {
@@ -380,14 +366,7 @@ impl EtcdAttempt {
         // Doubtful from the moment it is sent until answered (a dropped
         // future leaves it so).
         self.doubtful = true;
-        let resp = self
-            .inner
-            .call(Repeat::Unsent, |client| {
-                let mut kv = client.kv_client();
-                let txn = txn.clone();
-                async move { kv.txn(txn).await }
-            })
-            .await?;
+        let resp = self.inner.txn(Repeat::Unsent, txn).await?;
         // Answered: it fenced off every earlier create, and itself is done.
         self.doubtful = false;
         self.fences.clear();
@@ -430,11 +409,7 @@ impl EtcdAttempt {
         let mut then = vec![TxnOp::delete(self.key.as_str(), None)];
         then.extend(self.fencing());
         let txn = Txn::new().and_then(then);
-        let deleted = self.inner.call(Repeat::Idempotent, |client| {
-            let mut kv = client.kv_client();
-            let txn = txn.clone();
-            async move { kv.txn(txn).await }
-        });
+        let deleted = self.inner.txn(Repeat::Idempotent, txn);
         match deleted.await {
             // The lease is gone: so is every key on it.
             Ok(_) | Err(Error::SessionLost { .. }) => {}
@@ -479,14 +454,7 @@ impl Attempt for EtcdAttempt {
                     own,
                 )])
                 .and_then(vec![TxnOp::get(self.queue.as_str(), Some(ahead))]);
-            let resp = self
-                .inner
-                .call(Repeat::Idempotent, |client| {
-                    let mut kv = client.kv_client();
-                    let txn = txn.clone();
-                    async move { kv.txn(txn).await }
-                })
-                .await?;
+            let resp = self.inner.txn(Repeat::Idempotent, txn).await?;
             if !resp.succeeded() {
                 // Our key is gone (its lease expired, or it was deleted):
                 // enqueue again, at the back, under a new key.
@@ -546,14 +514,7 @@ impl Attempt for EtcdAttempt {
             }
             let present = self
                 .inner
-                .call(Repeat::Idempotent, |client| {
-                    let mut kv = client.kv_client();
-                    let ahead = ahead.clone();
-                    async move {
-                        kv.get(ahead, Some(GetOptions::new().with_count_only()))
-                            .await
-                    }
-                })
+                .get(ahead.clone(), GetOptions::new().with_count_only())
                 .await?
                 .count()
                 > 0;

@@ -659,13 +659,7 @@ mod tests {
             ("zk://", "expected zk://"),
             ("zk:a:1", "expected zk://"),
         ] {
-            let e = parsed(url)
-                .err()
-                .unwrap_or_else(|| panic!("{url} accepted"));
-            assert!(matches!(e, Error::InvalidUrl { .. }), "{url}: {e:?}");
-            let shown = format!("{e} {e:?}");
-            assert!(shown.contains(why), "{url}: {shown}");
-            assert!(!shown.contains("hunter2"), "{shown}");
+            dlock_conformance::unit::assert_refused(url, parsed(url), why);
         }
     }
 

@@ -141,25 +141,12 @@ impl EtcdAdapter {
     /// What every etcd backend promises, whatever its URL (what
     /// [`Backend::capabilities`] of an [`EtcdBackend`] answers).
     pub fn capabilities(&self) -> Capabilities {
-        let mut c = Capabilities::default();
-        // Held locks survive a restart: raft persists every write before it is acknowledged.
-        c.restart_loses_locks = false;
-        // FIFO by create revision.
-        c.fair = true;
-        // Tokens are create revisions: etcd's global revision, durable
-        // across restarts and leader changes.
-        c.durable_tokens = true;
-        // A waiter watches the key ahead of it, and only that one.
-        c.notify_wakeup = true;
-        c.no_herd = true;
-        c.wakeup_bound = Duration::from_millis(150);
-        // Lease expiry is checked by the leader every 500 ms and may run up
-        // to that late.
-        c.recovery_bound = Duration::from_millis(1500);
-        // The lease, not the connection, carries the session: keep-alives
-        // on a new connection renew it.
-        c.survives_reconnect = true;
-        c
+        // FIFO by create revision; tokens are create revisions (etcd's
+        // global revision, persisted by raft before it is acknowledged);
+        // a waiter watches the key ahead of it; the lease, not the
+        // connection, carries the session. The leader checks lease expiry
+        // every 500 ms, and may run up to that late.
+        Capabilities::watched_queue(Duration::from_millis(1500))
     }
 }
 
@@ -847,10 +834,7 @@ mod tests {
     #[test]
     fn capabilities_are_the_same_for_every_url() {
         let c = EtcdAdapter.capabilities();
-        assert!(c.fair && c.durable_tokens && c.notify_wakeup && c.no_herd);
-        assert!(c.survives_reconnect && !c.restart_loses_locks);
-        assert_eq!(c.wakeup_bound, Duration::from_millis(150));
-        assert_eq!(c.recovery_bound, Duration::from_millis(1500));
+        assert_eq!(c, Capabilities::watched_queue(Duration::from_millis(1500)));
         assert_eq!(
             dlock_core::Adapter::schemes(&EtcdAdapter),
             ["etcd", "etcds"]

@@ -54,6 +54,7 @@ pub mod adapter;
 pub mod backend;
 mod clock;
 mod error;
+pub mod forward;
 mod guard;
 mod info;
 mod lock;

@@ -49,6 +49,29 @@ fn tombstone_of(inner: &Inner, key: &str) -> String {
 }
 
 impl EtcdSession {
+    /// A fresh attempt at `name` whose keys carry `value` (holder and why),
+    /// under its first key.
+    fn new_attempt(&self, name: &LockName, value: String) -> EtcdAttempt {
+        let mut attempt = EtcdAttempt {
+            inner: self.inner.clone(),
+            name: name.clone(),
+            queue: self.inner.queue(name),
+            key_prefix: self.key_prefix(name),
+            key: String::new(),
+            tombstone: String::new(),
+            value,
+            lease: self.lease,
+            own: None,
+            sent: false,
+            doubtful: false,
+            fences: Vec::new(),
+            ahead: None,
+            watching: None,
+        };
+        attempt.new_key();
+        attempt
+    }
+
     pub(crate) async fn open(
         inner: Arc<Inner>,
         id: SessionId,
@@ -180,24 +203,8 @@ impl RawSession for EtcdSession {
     }
 
     async fn attempt(&self, name: &LockName, why: Option<&str>) -> Result<Box<dyn Attempt>, Error> {
-        let mut attempt = EtcdAttempt {
-            inner: self.inner.clone(),
-            name: name.clone(),
-            queue: self.inner.queue(name),
-            key_prefix: self.key_prefix(name),
-            key: String::new(),
-            tombstone: String::new(),
-            value: format!("{}\n{}", self.id, why.unwrap_or_default()),
-            lease: self.lease,
-            own: None,
-            sent: false,
-            doubtful: false,
-            fences: Vec::new(),
-            ahead: None,
-            watching: None,
-        };
-        attempt.new_key();
-        Ok(Box::new(attempt))
+        let value = format!("{}\n{}", self.id, why.unwrap_or_default());
+        Ok(Box::new(self.new_attempt(name, value)))
     }
 
     async fn renew(&self, holds: &[Hold]) -> Result<Vec<bool>, Error> {
@@ -678,24 +685,7 @@ mod server_tests {
     }
 
     async fn attempt_on(session: &EtcdSession, name: &LockName) -> EtcdAttempt {
-        let mut attempt = EtcdAttempt {
-            inner: session.inner.clone(),
-            name: name.clone(),
-            queue: session.inner.queue(name),
-            key_prefix: session.key_prefix(name),
-            key: String::new(),
-            tombstone: String::new(),
-            value: "test".into(),
-            lease: session.lease,
-            own: None,
-            sent: false,
-            doubtful: false,
-            fences: Vec::new(),
-            ahead: None,
-            watching: None,
-        };
-        attempt.new_key();
-        attempt
+        session.new_attempt(name, "test".into())
     }
 
     /// Item 13 of issue 12 (clean abandon, S5): a create whose answer never

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use dlock_core::backend::{Claim, ExpiryModel, Hold, RawSession, Take};
-use dlock_core::{Backend, Error, FencingToken, LockInfo, LockName, SessionId, SessionOptions};
+use dlock_core::{Backend, Error, LockName, SessionId, SessionOptions};
 use tokio::time::{Instant, sleep_until};
 
 /// The switches of a [`FaultyBackend`]; flip them at any time.
@@ -115,27 +115,10 @@ impl FaultyBackend {
     }
 }
 
-#[async_trait]
-impl Backend for FaultyBackend {
-    fn scheme(&self) -> &'static str {
-        self.inner.scheme()
-    }
-
-    fn min_ttl(&self) -> Duration {
-        self.inner.min_ttl()
-    }
-
-    fn max_ttl(&self) -> Duration {
-        self.inner.max_ttl()
-    }
-
-    fn capabilities(&self) -> dlock_core::Capabilities {
-        self.inner.capabilities()
-    }
-
-    async fn wait_ready(&self, limit: Duration) -> Result<(), Error> {
-        self.inner.wait_ready(limit).await
-    }
+dlock_core::forward_backend! {
+    impl Backend for FaultyBackend => inner;
+    forward: scheme, min_ttl, max_ttl, capabilities, wait_ready, inspect, list, validate,
+        force_release;
 
     async fn open(
         &self,
@@ -148,22 +131,6 @@ impl Backend for FaultyBackend {
             inner,
             faults: self.faults.clone(),
         }))
-    }
-
-    async fn inspect(&self, name: &LockName) -> Result<Option<LockInfo>, Error> {
-        self.inner.inspect(name).await
-    }
-
-    async fn list(&self, prefix: &str) -> Result<Vec<LockInfo>, Error> {
-        self.inner.list(prefix).await
-    }
-
-    async fn validate(&self, name: &LockName, token: FencingToken) -> Result<bool, Error> {
-        self.inner.validate(name, token).await
-    }
-
-    async fn force_release(&self, name: &LockName) -> Result<bool, Error> {
-        self.inner.force_release(name).await
     }
 }
 

@@ -53,6 +53,7 @@ pub mod faults;
 mod harness;
 pub mod process;
 pub mod servers;
+pub mod unit;
 pub mod wire;
 
 use std::future::Future;

@@ -109,3 +109,22 @@ impl Drop for Process {
         }
     }
 }
+
+/// Runs `fut` to its end on a thread of its own, with a runtime of its own,
+/// and waits for it: for clean-ups in `Drop`, which may run inside a
+/// runtime (where blocking on a future panics) or outside any. A panic in
+/// `fut` is swallowed (a clean-up that fails must not hide what failed
+/// before it).
+pub fn run_aside<F>(fut: F)
+where
+    F: Future + Send + 'static,
+{
+    let done = thread::spawn(move || {
+        let runtime = Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("a runtime for a clean-up");
+        runtime.block_on(fut);
+    });
+    let _ = done.join();
+}

@@ -55,3 +55,40 @@ impl Default for Capabilities {
         }
     }
 }
+
+impl Capabilities {
+    /// What a FIFO queue of keys in a replicated store that persists every
+    /// write before acknowledging it promises, when each waiter watches only
+    /// the key ahead of it and a session outlives its connection (etcd,
+    /// ZooKeeper): held locks and tokens survive restarts, waiters are
+    /// granted in order, one release wakes one waiter within 150 ms.
+    /// `recovery_bound` is how late the store judges a session's expiry.
+    pub fn watched_queue(recovery_bound: Duration) -> Self {
+        Self {
+            fair: true,
+            durable_tokens: true,
+            notify_wakeup: true,
+            no_herd: true,
+            survives_reconnect: true,
+            restart_loses_locks: false,
+            wakeup_bound: Duration::from_millis(150),
+            recovery_bound,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What etcd and ZooKeeper backends promise (their harnesses take it
+    /// from there): a change here is a change of both.
+    #[test]
+    fn a_watched_queue_promises_every_strength() {
+        let c = Capabilities::watched_queue(Duration::from_millis(1500));
+        assert!(c.fair && c.durable_tokens && c.notify_wakeup && c.no_herd);
+        assert!(c.survives_reconnect && !c.restart_loses_locks);
+        assert_eq!(c.wakeup_bound, Duration::from_millis(150));
+        assert_eq!(c.recovery_bound, Duration::from_millis(1500));
+    }
+}

@@ -57,6 +57,7 @@ mod capabilities;
 mod clock;
 mod error;
 pub mod floor;
+pub mod forward;
 mod guard;
 mod info;
 mod lock;

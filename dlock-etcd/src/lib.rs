@@ -111,6 +111,7 @@ use etcd_client::{
     Certificate, Client, Compare, CompareOp, ConnectOptions, GetOptions, Identity, SortOrder,
     SortTarget, TlsOptions, Txn, TxnOp,
 };
+use etcd_client::{GetResponse, TxnResponse};
 pub use floor::EtcdFloor;
 
 const BACKEND: &str = "etcd";
@@ -142,25 +143,12 @@ impl EtcdAdapter {
     /// What every etcd backend promises, whatever its URL (what
     /// [`Backend::capabilities`] of an [`EtcdBackend`] answers).
     pub fn capabilities(&self) -> Capabilities {
-        let mut c = Capabilities::default();
-        // Held locks survive a restart: raft persists every write before it is acknowledged.
-        c.restart_loses_locks = false;
-        // FIFO by create revision.
-        c.fair = true;
-        // Tokens are create revisions: etcd's global revision, durable
-        // across restarts and leader changes.
-        c.durable_tokens = true;
-        // A waiter watches the key ahead of it, and only that one.
-        c.notify_wakeup = true;
-        c.no_herd = true;
-        c.wakeup_bound = Duration::from_millis(150);
-        // Lease expiry is checked by the leader every 500 ms and may run up
-        // to that late.
-        c.recovery_bound = Duration::from_millis(1500);
-        // The lease, not the connection, carries the session: keep-alives
-        // on a new connection renew it.
-        c.survives_reconnect = true;
-        c
+        // FIFO by create revision; tokens are create revisions (etcd's
+        // global revision, persisted by raft before it is acknowledged);
+        // a waiter watches the key ahead of it; the lease, not the
+        // connection, carries the session. The leader checks lease expiry
+        // every 500 ms, and may run up to that late.
+        Capabilities::watched_queue(Duration::from_millis(1500))
     }
 }
 
@@ -265,6 +253,39 @@ impl Inner {
             delay = (delay * 2).min(Duration::from_millis(200));
             self.replace_if_stalled().await?;
         }
+    }
+
+    /// Runs `txn` through [`call`](Self::call).
+    pub(crate) async fn txn(&self, repeat: Repeat, txn: Txn) -> Result<TxnResponse, Error> {
+        self.call(repeat, |client| {
+            let mut kv = client.kv_client();
+            let txn = txn.clone();
+            async move { kv.txn(txn).await }
+        })
+        .await
+    }
+
+    /// Reads `key` (with `options`) through [`call`](Self::call); reads are
+    /// idempotent.
+    pub(crate) async fn get(
+        &self,
+        key: impl Into<Vec<u8>>,
+        options: GetOptions,
+    ) -> Result<GetResponse, Error> {
+        let key = key.into();
+        self.call(Repeat::Idempotent, |client| {
+            let mut kv = client.kv_client();
+            let (key, options) = (key.clone(), options.clone());
+            async move { kv.get(key, Some(options)).await }
+        })
+        .await
+    }
+
+    /// The start of the keys of the lock names beginning with `prefix`
+    /// (checked).
+    fn names_from(&self, prefix: &str) -> Result<String, Error> {
+        name::check_prefix(prefix)?;
+        Ok(format!("{}/{}", self.prefix, prefix.replace('/', "%2F")))
     }
 }
 
@@ -604,41 +625,18 @@ impl EtcdBackend {
     /// Keys under the lock names starting with `prefix`: zero once nothing
     /// is held or waited for (for the conformance suite's leak check).
     pub async fn keys_under(&self, prefix: &str) -> Result<usize, Error> {
-        name::check_prefix(prefix)?;
-        let start = format!("{}/{}", self.inner.prefix, prefix.replace('/', "%2F"));
-        let resp = self
-            .inner
-            .call(Repeat::Idempotent, |client| {
-                let mut kv = client.kv_client();
-                let start = start.clone();
-                async move {
-                    kv.get(
-                        start,
-                        Some(GetOptions::new().with_prefix().with_count_only()),
-                    )
-                    .await
-                }
-            })
-            .await?;
-        Ok(resp.count() as usize)
+        let start = self.inner.names_from(prefix)?;
+        let options = GetOptions::new().with_prefix().with_count_only();
+        Ok(self.inner.get(start, options).await?.count() as usize)
     }
 
     /// The holder key of `name` (lowest create revision) and the queue length.
     async fn head(&self, name: &LockName) -> Result<Option<(etcd_client::KeyValue, i64)>, Error> {
-        let resp = self
-            .inner
-            .call(Repeat::Idempotent, |client| {
-                let mut kv = client.kv_client();
-                let queue = self.inner.queue(name);
-                async move {
-                    let options = GetOptions::new()
-                        .with_prefix()
-                        .with_sort(SortTarget::Create, SortOrder::Ascend)
-                        .with_limit(1);
-                    kv.get(queue, Some(options)).await
-                }
-            })
-            .await?;
+        let options = GetOptions::new()
+            .with_prefix()
+            .with_sort(SortTarget::Create, SortOrder::Ascend)
+            .with_limit(1);
+        let resp = self.inner.get(self.inner.queue(name), options).await?;
         Ok(resp.kvs().first().cloned().map(|kv| (kv, resp.count())))
     }
 }
@@ -685,13 +683,8 @@ impl Backend for EtcdBackend {
     }
 
     async fn ping(&self) -> Result<(), Error> {
-        self.inner
-            .call(Repeat::Idempotent, |client| {
-                let mut kv = client.kv_client();
-                let key = format!("{}/ping", self.inner.prefix);
-                async move { kv.get(key, None).await }
-            })
-            .await?;
+        let key = format!("{}/ping", self.inner.prefix);
+        self.inner.get(key, GetOptions::new()).await?;
         Ok(())
     }
 
@@ -713,21 +706,11 @@ impl Backend for EtcdBackend {
     }
 
     async fn list(&self, prefix: &str) -> Result<Vec<LockInfo>, Error> {
-        name::check_prefix(prefix)?;
-        let start = format!("{}/{}", self.inner.prefix, prefix.replace('/', "%2F"));
-        let resp = self
-            .inner
-            .call(Repeat::Idempotent, |client| {
-                let mut kv = client.kv_client();
-                let start = start.clone();
-                async move {
-                    let options = GetOptions::new()
-                        .with_prefix()
-                        .with_sort(SortTarget::Key, SortOrder::Ascend);
-                    kv.get(start, Some(options)).await
-                }
-            })
-            .await?;
+        let start = self.inner.names_from(prefix)?;
+        let options = GetOptions::new()
+            .with_prefix()
+            .with_sort(SortTarget::Key, SortOrder::Ascend);
+        let resp = self.inner.get(start, options).await?;
         let mut by_name: std::collections::BTreeMap<String, (etcd_client::KeyValue, i64)> =
             Default::default();
         for item in resp.kvs() {
@@ -772,14 +755,7 @@ impl Backend for EtcdBackend {
                 head.create_revision(),
             )])
             .and_then(vec![TxnOp::delete(head.key(), None)]);
-        let resp = self
-            .inner
-            .call(Repeat::Unsent, |client| {
-                let mut kv = client.kv_client();
-                let txn = txn.clone();
-                async move { kv.txn(txn).await }
-            })
-            .await?;
+        let resp = self.inner.txn(Repeat::Unsent, txn).await?;
         if resp.succeeded() {
             tracing::info!(lock = %name, holder = %holder_of(head.value()).0, token = head.create_revision(), "force-released");
         }
@@ -851,13 +827,7 @@ mod tests {
             ("etcd://", "host:port"),
             ("etcd:a:1", "host:port"),
         ] {
-            let e = parsed(url)
-                .err()
-                .unwrap_or_else(|| panic!("{url} accepted"));
-            assert!(matches!(e, Error::InvalidUrl { .. }), "{url}: {e:?}");
-            let shown = format!("{e} {e:?}");
-            assert!(shown.contains(why), "{url}: {shown}");
-            assert!(!shown.contains("hunter2"), "{shown}");
+            dlock_conformance::unit::assert_refused(url, parsed(url), why);
         }
     }
 
@@ -866,10 +836,7 @@ mod tests {
     #[test]
     fn capabilities_are_the_same_for_every_url() {
         let c = EtcdAdapter.capabilities();
-        assert!(c.fair && c.durable_tokens && c.notify_wakeup && c.no_herd);
-        assert!(c.survives_reconnect && !c.restart_loses_locks);
-        assert_eq!(c.wakeup_bound, Duration::from_millis(150));
-        assert_eq!(c.recovery_bound, Duration::from_millis(1500));
+        assert_eq!(c, Capabilities::watched_queue(Duration::from_millis(1500)));
         assert_eq!(
             dlock_core::Adapter::schemes(&EtcdAdapter),
             ["etcd", "etcds"]

@@ -49,6 +49,29 @@ fn tombstone_of(inner: &Inner, key: &str) -> String {
 }
 
 impl EtcdSession {
+    /// A fresh attempt at `name` whose keys carry `value` (holder and why),
+    /// under its first key.
+    fn new_claim(&self, name: &LockName, value: String) -> EtcdClaim {
+        let mut attempt = EtcdClaim {
+            inner: self.inner.clone(),
+            name: name.clone(),
+            queue: self.inner.queue(name),
+            key_prefix: self.key_prefix(name),
+            key: String::new(),
+            tombstone: String::new(),
+            value,
+            lease: self.lease,
+            own: None,
+            sent: false,
+            doubtful: false,
+            fences: Vec::new(),
+            ahead: None,
+            watching: None,
+        };
+        attempt.new_key();
+        attempt
+    }
+
     pub(crate) async fn open(
         inner: Arc<Inner>,
         id: SessionId,
@@ -98,14 +121,7 @@ impl EtcdSession {
             .map(|h| TxnOp::get(h.key.as_str(), None))
             .collect();
         let txn = Txn::new().and_then(reads);
-        let resp = self
-            .inner
-            .call(Repeat::Idempotent, |client| {
-                let mut kv = client.kv_client();
-                let txn = txn.clone();
-                async move { kv.txn(txn).await }
-            })
-            .await?;
+        let resp = self.inner.txn(Repeat::Idempotent, txn).await?;
         let answers = resp.op_responses();
         if answers.len() != holds.len() {
             return Err(Error::protocol(
@@ -187,24 +203,8 @@ impl RawSession for EtcdSession {
     }
 
     async fn claim(&self, name: &LockName, why: Option<&str>) -> Result<Box<dyn Claim>, Error> {
-        let mut attempt = EtcdClaim {
-            inner: self.inner.clone(),
-            name: name.clone(),
-            queue: self.inner.queue(name),
-            key_prefix: self.key_prefix(name),
-            key: String::new(),
-            tombstone: String::new(),
-            value: format!("{}\n{}", self.id, why.unwrap_or_default()),
-            lease: self.lease,
-            own: None,
-            sent: false,
-            doubtful: false,
-            fences: Vec::new(),
-            ahead: None,
-            watching: None,
-        };
-        attempt.new_key();
-        Ok(Box::new(attempt))
+        let value = format!("{}\n{}", self.id, why.unwrap_or_default());
+        Ok(Box::new(self.new_claim(name, value)))
     }
 
     async fn renew(&self, holds: &[Hold]) -> Result<Vec<bool>, Error> {
@@ -234,14 +234,7 @@ impl RawSession for EtcdSession {
                 hold.token.get() as i64,
             )])
             .and_then(vec![TxnOp::delete(hold.key.as_str(), None)]);
-        let resp = self
-            .inner
-            .call(Repeat::Unsent, |client| {
-                let mut kv = client.kv_client();
-                let txn = txn.clone();
-                async move { kv.txn(txn).await }
-            })
-            .await?;
+        let resp = self.inner.txn(Repeat::Unsent, txn).await?;
         if resp.succeeded() {
             Ok(())
         } else {
@@ -380,14 +373,7 @@ impl EtcdClaim {
         // Doubtful from the moment it is sent until answered (a dropped
         // future leaves it so).
         self.doubtful = true;
-        let resp = self
-            .inner
-            .call(Repeat::Unsent, |client| {
-                let mut kv = client.kv_client();
-                let txn = txn.clone();
-                async move { kv.txn(txn).await }
-            })
-            .await?;
+        let resp = self.inner.txn(Repeat::Unsent, txn).await?;
         // Answered: it fenced off every earlier create, and itself is done.
         self.doubtful = false;
         self.fences.clear();
@@ -430,11 +416,7 @@ impl EtcdClaim {
         let mut then = vec![TxnOp::delete(self.key.as_str(), None)];
         then.extend(self.fencing());
         let txn = Txn::new().and_then(then);
-        let deleted = self.inner.call(Repeat::Idempotent, |client| {
-            let mut kv = client.kv_client();
-            let txn = txn.clone();
-            async move { kv.txn(txn).await }
-        });
+        let deleted = self.inner.txn(Repeat::Idempotent, txn);
         match deleted.await {
             // The lease is gone: so is every key on it.
             Ok(_) | Err(Error::SessionLost { .. }) => {}
@@ -479,14 +461,7 @@ impl Claim for EtcdClaim {
                     own,
                 )])
                 .and_then(vec![TxnOp::get(self.queue.as_str(), Some(ahead))]);
-            let resp = self
-                .inner
-                .call(Repeat::Idempotent, |client| {
-                    let mut kv = client.kv_client();
-                    let txn = txn.clone();
-                    async move { kv.txn(txn).await }
-                })
-                .await?;
+            let resp = self.inner.txn(Repeat::Idempotent, txn).await?;
             if !resp.succeeded() {
                 // Our key is gone (its lease expired, or it was deleted):
                 // enqueue again, at the back, under a new key.
@@ -546,14 +521,7 @@ impl Claim for EtcdClaim {
             }
             let present = self
                 .inner
-                .call(Repeat::Idempotent, |client| {
-                    let mut kv = client.kv_client();
-                    let ahead = ahead.clone();
-                    async move {
-                        kv.get(ahead, Some(GetOptions::new().with_count_only()))
-                            .await
-                    }
-                })
+                .get(ahead.clone(), GetOptions::new().with_count_only())
                 .await?
                 .count()
                 > 0;
@@ -717,24 +685,7 @@ mod server_tests {
     }
 
     async fn claim_on(session: &EtcdSession, name: &LockName) -> EtcdClaim {
-        let mut attempt = EtcdClaim {
-            inner: session.inner.clone(),
-            name: name.clone(),
-            queue: session.inner.queue(name),
-            key_prefix: session.key_prefix(name),
-            key: String::new(),
-            tombstone: String::new(),
-            value: "test".into(),
-            lease: session.lease,
-            own: None,
-            sent: false,
-            doubtful: false,
-            fences: Vec::new(),
-            ahead: None,
-            watching: None,
-        };
-        attempt.new_key();
-        attempt
+        session.new_claim(name, "test".into())
     }
 
     /// Item 13 of issue 12 (clean abandon, S5): a create whose answer never

@@ -243,12 +243,7 @@ async fn session_document_is_pinged_with_the_server_clock() {
 
     // With a hold: the renewal extends the hold and pings after it.
     let name = fresh_name("ping");
-    let guard = session
-        .lock(name.as_str())
-        .unwrap()
-        .acquire()
-        .await
-        .unwrap();
+    let guard = dlock_conformance::unit::acquired(&session, &name).await;
     let expires_first = *raw.lock(&name).await.get_datetime("expiresAt").unwrap();
     let start = raw.server_now().await;
     tokio::time::sleep(period * 4).await;

@@ -127,7 +127,7 @@ use dlock_core::{
 use sqlx::any::{AnyConnectOptions, AnyPoolOptions, AnyRow};
 use sqlx::{AnyConnection, AnyPool, Connection, Row};
 
-use dialect::{Arg, Dialect, Statements, prefix_end};
+use dialect::{Arg, Dialect, Sql, Statements, prefix_end};
 use dlock_core::wake::WakeHub;
 pub use floor::SqlFloor;
 pub use options::{DEFAULT_TABLE, SqlOptions};
@@ -294,20 +294,20 @@ impl SqlBackend {
     /// # Cancel safety
     /// Cancel safe (read-only).
     pub async fn held_rows(&self, prefix: &str) -> Result<usize, Error> {
-        name::check_prefix(prefix)?;
-        let end = prefix_end(prefix);
+        let end = checked_prefix_end(prefix)?;
+        let args = [Arg::Text(prefix), Arg::Text(&end)];
+        Ok(self.count(&self.inner.sql.count_held, &args).await? as usize)
+    }
+
+    /// The first column of the one row `sql` answers with `args`: a count.
+    async fn count<'q>(&self, sql: &'q Sql, args: &[Arg<'q>]) -> Result<i64, Error> {
         let row = self
             .conn()
             .await?
-            .fetch_one(
-                self.inner
-                    .sql
-                    .count_held
-                    .bind(&[Arg::Text(prefix), Arg::Text(&end)]),
-            )
+            .fetch_one(sql.bind(args))
             .await
             .map_err(|e| self.err(e))?;
-        Ok(row.try_get::<i64, _>(0).map_err(|e| self.err(e))? as usize)
+        row.try_get::<i64, _>(0).map_err(|e| self.err(e))
     }
 
     async fn conn(&self) -> Result<store::Conn, Error> {
@@ -449,6 +449,12 @@ async fn sqlite_pragmas(conn: &mut AnyConnection) -> Result<(), sqlx::Error> {
     Ok(())
 }
 
+/// The end of the range of lock names beginning with `prefix` (checked).
+fn checked_prefix_end(prefix: &str) -> Result<String, Error> {
+    name::check_prefix(prefix)?;
+    Ok(prefix_end(prefix))
+}
+
 fn epoch_ms(ms: i64) -> SystemTime {
     UNIX_EPOCH + Duration::from_millis(ms.max(0) as u64)
 }
@@ -509,8 +515,7 @@ impl Backend for SqlBackend {
     }
 
     async fn list(&self, prefix: &str) -> Result<Vec<LockInfo>, Error> {
-        name::check_prefix(prefix)?;
-        let end = prefix_end(prefix);
+        let end = checked_prefix_end(prefix)?;
         let rows = self
             .conn()
             .await?
@@ -537,18 +542,8 @@ impl Backend for SqlBackend {
     }
 
     async fn validate(&self, name: &LockName, token: FencingToken) -> Result<bool, Error> {
-        let row = self
-            .conn()
-            .await?
-            .fetch_one(
-                self.inner
-                    .sql
-                    .validate
-                    .bind(&[Arg::Text(name.as_str()), Arg::Int(token.get() as i64)]),
-            )
-            .await
-            .map_err(|e| self.err(e))?;
-        Ok(row.try_get::<i64, _>(0).map_err(|e| self.err(e))? > 0)
+        let args = [Arg::Text(name.as_str()), Arg::Int(token.get() as i64)];
+        Ok(self.count(&self.inner.sql.validate, &args).await? > 0)
     }
 
     async fn force_release(&self, name: &LockName) -> Result<bool, Error> {

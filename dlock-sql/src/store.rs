@@ -3,6 +3,7 @@
 
 use std::collections::HashSet;
 use std::fmt;
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -152,45 +153,49 @@ impl Conn {
         self
     }
 
-    fn raw(&mut self) -> &mut sqlx::AnyConnection {
-        self.busy = true;
-        self.conn.as_mut().expect("connection present until drop")
+    /// Runs `request` on the connection, marked busy while it runs: a
+    /// request dropped before its answer leaves the connection busy, so it
+    /// is drained rather than handed back to the pool.
+    async fn run<'c, T, Fut>(
+        &'c mut self,
+        request: impl FnOnce(&'c mut sqlx::AnyConnection) -> Fut,
+    ) -> Result<T, sqlx::Error>
+    where
+        Fut: Future<Output = Result<T, sqlx::Error>> + 'c,
+    {
+        let Self { conn, busy, .. } = self;
+        *busy = true;
+        let r = request(conn.as_mut().expect("connection present until drop")).await;
+        *busy = false;
+        r
     }
 
     pub(crate) async fn execute<'q>(
         &mut self,
         q: Query<'q, Any, AnyArguments<'q>>,
     ) -> Result<AnyQueryResult, sqlx::Error> {
-        let r = q.execute(self.raw()).await;
-        self.busy = false;
-        r
+        self.run(|c| q.execute(c)).await
     }
 
     pub(crate) async fn fetch_optional<'q>(
         &mut self,
         q: Query<'q, Any, AnyArguments<'q>>,
     ) -> Result<Option<AnyRow>, sqlx::Error> {
-        let r = q.fetch_optional(self.raw()).await;
-        self.busy = false;
-        r
+        self.run(|c| q.fetch_optional(c)).await
     }
 
     pub(crate) async fn fetch_one<'q>(
         &mut self,
         q: Query<'q, Any, AnyArguments<'q>>,
     ) -> Result<AnyRow, sqlx::Error> {
-        let r = q.fetch_one(self.raw()).await;
-        self.busy = false;
-        r
+        self.run(|c| q.fetch_one(c)).await
     }
 
     pub(crate) async fn fetch_all<'q>(
         &mut self,
         q: Query<'q, Any, AnyArguments<'q>>,
     ) -> Result<Vec<AnyRow>, sqlx::Error> {
-        let r = q.fetch_all(self.raw()).await;
-        self.busy = false;
-        r
+        self.run(|c| q.fetch_all(c)).await
     }
 }
 

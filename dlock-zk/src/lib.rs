@@ -381,23 +381,12 @@ impl ZkAdapter {
     /// What every ZooKeeper backend promises, standalone or ensemble (what
     /// [`Backend::capabilities`] of a [`ZkBackend`] answers).
     pub fn capabilities(&self) -> Capabilities {
-        let mut c = Capabilities::default();
-        // Held locks survive a restart: ZooKeeper logs every write to disk before it is acknowledged.
-        c.restart_loses_locks = false;
-        // FIFO by sequence.
-        c.fair = true;
-        // Tokens are czxids: global, strictly increasing, durable.
-        c.durable_tokens = true;
-        // A waiter's exists-watch is on its predecessor only.
-        c.notify_wakeup = true;
-        c.no_herd = true;
-        // A ZooKeeper session outlives its connection (and a server
-        // restart: sessions are in the snapshot and log).
-        c.survives_reconnect = true;
-        c.wakeup_bound = Duration::from_millis(150);
+        // FIFO by sequence; tokens are czxids (global, strictly increasing,
+        // logged to disk before acknowledged); a waiter's exists-watch is on
+        // its predecessor only; a ZooKeeper session outlives its connection
+        // and a server restart (sessions are in the snapshot and log).
         // Session expiry is checked every tick; ephemeral nodes go with it.
-        c.recovery_bound = Duration::from_millis(1000);
-        c
+        Capabilities::watched_queue(Duration::from_millis(1000))
     }
 }
 
@@ -661,13 +650,7 @@ mod tests {
             ("zk://", "expected zk://"),
             ("zk:a:1", "expected zk://"),
         ] {
-            let e = parsed(url)
-                .err()
-                .unwrap_or_else(|| panic!("{url} accepted"));
-            assert!(matches!(e, Error::InvalidUrl { .. }), "{url}: {e:?}");
-            let shown = format!("{e} {e:?}");
-            assert!(shown.contains(why), "{url}: {shown}");
-            assert!(!shown.contains("hunter2"), "{shown}");
+            dlock_conformance::unit::assert_refused(url, parsed(url), why);
         }
     }
 
@@ -676,10 +659,7 @@ mod tests {
     #[test]
     fn capabilities_are_the_same_for_every_url() {
         let c = ZkAdapter.capabilities();
-        assert!(c.fair && c.durable_tokens && c.notify_wakeup && c.no_herd);
-        assert!(c.survives_reconnect && !c.restart_loses_locks);
-        assert_eq!(c.wakeup_bound, Duration::from_millis(150));
-        assert_eq!(c.recovery_bound, Duration::from_millis(1000));
+        assert_eq!(c, Capabilities::watched_queue(Duration::from_millis(1000)));
         assert_eq!(dlock_core::Adapter::schemes(&ZkAdapter), ["zk"]);
     }
 

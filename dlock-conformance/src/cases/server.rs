@@ -26,20 +26,13 @@ struct Restore {
 impl Drop for Restore {
     fn drop(&mut self) {
         let servers = self.servers.clone();
-        let done = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("runtime");
-            rt.block_on(async {
-                for node in 0..servers.nodes() {
-                    let _ = servers.resume(node).await;
-                    let _ = servers.rejoin(node).await;
-                }
-                let _ = servers.start_all().await;
-            });
+        crate::process::run_aside(async move {
+            for node in 0..servers.nodes() {
+                let _ = servers.resume(node).await;
+                let _ = servers.rejoin(node).await;
+            }
+            let _ = servers.start_all().await;
         });
-        let _ = done.join();
     }
 }
 

@@ -17,7 +17,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use dlock_core::Error;
-pub use dlock_core::memory::{Fault, Flow, LinkState};
+pub use dlock_core::memory::{Fault, FaultSwitch, Flow, LinkState};
 pub use proxy::Proxy;
 
 /// One client's controllable paths to the store's nodes.

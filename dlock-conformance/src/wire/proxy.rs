@@ -16,7 +16,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
 use tokio::time::{Instant, sleep_until};
 
-use super::{Fault, Flow, LinkState};
+use super::{Fault, FaultSwitch, Flow, LinkState};
 
 /// One proxied endpoint: clients connect to [`Proxy::addr`], the proxy
 /// connects to the upstream server and forwards under the current [`Fault`].
@@ -35,7 +35,7 @@ use super::{Fault, Flow, LinkState};
 pub struct Proxy {
     addr: SocketAddr,
     upstream: String,
-    state: Arc<watch::Sender<LinkState>>,
+    state: FaultSwitch,
     accepted: Arc<AtomicU64>,
     tasks: JoinSet<()>,
 }
@@ -56,10 +56,7 @@ impl Proxy {
     pub async fn start(upstream: &str) -> io::Result<Self> {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
-        let state = Arc::new(watch::Sender::new(LinkState {
-            fault: Fault::Pass,
-            epoch: 0,
-        }));
+        let state = FaultSwitch::new();
         let accepted = Arc::new(AtomicU64::new(0));
         let mut tasks = JoinSet::new();
         tasks.spawn(accept_loop(
@@ -89,15 +86,12 @@ impl Proxy {
 
     /// Sets the fault; connections see it at once.
     pub fn set(&self, fault: Fault) {
-        self.state.send_modify(|s| {
-            s.fault = fault;
-            s.epoch += 1;
-        });
+        self.state.set(fault);
     }
 
     /// The fault in effect.
     pub fn fault(&self) -> Fault {
-        self.state.borrow().fault
+        self.state.state().fault
     }
 
     /// Connections accepted so far (a client that reconnects shows here).
@@ -116,7 +110,7 @@ impl Drop for Proxy {
 async fn accept_loop(
     listener: TcpListener,
     upstream: String,
-    state: Arc<watch::Sender<LinkState>>,
+    state: FaultSwitch,
     accepted: Arc<AtomicU64>,
 ) {
     let mut conns = JoinSet::new();

@@ -99,6 +99,46 @@ pub struct LinkState {
     pub epoch: u64,
 }
 
+/// The switch that sets a link's [`Fault`]: every change bumps the epoch,
+/// and the connections (or calls) that subscribed see it at once. Shared by
+/// the memory [`Link`] and the conformance suite's TCP proxy.
+#[derive(Debug, Clone)]
+pub struct FaultSwitch(Arc<watch::Sender<LinkState>>);
+
+impl Default for FaultSwitch {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl FaultSwitch {
+    /// A switch at [`Fault::Pass`], epoch 0.
+    pub fn new() -> Self {
+        Self(Arc::new(watch::Sender::new(LinkState {
+            fault: Fault::Pass,
+            epoch: 0,
+        })))
+    }
+
+    /// Sets the fault, in a new epoch.
+    pub fn set(&self, fault: Fault) {
+        self.0.send_modify(|s| {
+            s.fault = fault;
+            s.epoch += 1;
+        });
+    }
+
+    /// The fault and epoch in effect.
+    pub fn state(&self) -> LinkState {
+        *self.0.borrow()
+    }
+
+    /// A receiver that sees every change from now on.
+    pub fn subscribe(&self) -> watch::Receiver<LinkState> {
+        self.0.subscribe()
+    }
+}
+
 /// One memory client's link to its server (see the [module docs](crate::memory)).
 ///
 /// ```
@@ -116,7 +156,7 @@ pub struct LinkState {
 /// ```
 #[derive(Clone)]
 pub struct Link {
-    state: Arc<watch::Sender<LinkState>>,
+    state: FaultSwitch,
     calls: Arc<AtomicU64>,
     /// The epoch the client's current connection opened in. A call that is
     /// cut off or fails makes the client open a new one (as drivers do), so
@@ -146,10 +186,7 @@ impl Link {
     /// A healthy link.
     pub fn new() -> Self {
         Self {
-            state: Arc::new(watch::Sender::new(LinkState {
-                fault: Fault::Pass,
-                epoch: 0,
-            })),
+            state: FaultSwitch::new(),
             calls: Arc::default(),
             opened: Arc::default(),
         }
@@ -157,15 +194,12 @@ impl Link {
 
     /// Sets the fault; calls in flight see it at their next step.
     pub fn set(&self, fault: Fault) {
-        self.state.send_modify(|s| {
-            s.fault = fault;
-            s.epoch += 1;
-        });
+        self.state.set(fault);
     }
 
     /// The fault in effect.
     pub fn fault(&self) -> Fault {
-        self.state.borrow().fault
+        self.state.state().fault
     }
 
     /// Calls that crossed the link to the server (requests applied).
@@ -235,7 +269,7 @@ struct Reconnect<'a> {
 impl Drop for Reconnect<'_> {
     fn drop(&mut self) {
         if self.armed {
-            let now = self.link.state.borrow().epoch;
+            let now = self.link.state.state().epoch;
             self.link.opened.store(now, Ordering::Release);
         }
     }

@@ -45,7 +45,7 @@ use crate::{
     Backend, Capabilities, Error, FencingToken, LockInfo, LockName, SessionId, SessionOptions, name,
 };
 pub use clock::ServerClock;
-pub use link::{Fault, Flow, Link, LinkState};
+pub use link::{Fault, FaultSwitch, Flow, Link, LinkState};
 use server::{BACKEND, Leases, Run, Server, TakeArgs};
 
 /// The smallest TTL of the memory backend.

@@ -362,11 +362,15 @@ impl Server {
         Some(info)
     }
 
+    /// The state, locked, with what is due expired.
+    fn swept(&self) -> std::sync::MutexGuard<'_, State> {
+        let mut st = self.state.lock().unwrap();
+        sweep(&mut st, self.now());
+        st
+    }
+
     pub(crate) fn list(&self, prefix: &str) -> Vec<LockInfo> {
-        let mut guard = self.state.lock().unwrap();
-        let now = self.now();
-        let st = &mut *guard;
-        sweep(st, now);
+        let st = self.swept();
         st.locks
             .iter()
             .filter(|(name, _)| name.as_str().starts_with(prefix))
@@ -412,10 +416,7 @@ impl Server {
     /// Store objects (lock entries and queue entries) under `prefix`, after
     /// expiring what is due: the conformance suite's leak check.
     pub(crate) fn objects(&self, prefix: &str) -> usize {
-        let mut guard = self.state.lock().unwrap();
-        let now = self.now();
-        let st = &mut *guard;
-        sweep(st, now);
+        let st = self.swept();
         st.locks
             .iter()
             .filter(|(name, _)| name.as_str().starts_with(prefix))

@@ -90,16 +90,9 @@ pub(crate) struct StartAll(pub Arc<dyn Servers>);
 impl Drop for StartAll {
     fn drop(&mut self) {
         let servers = self.0.clone();
-        let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("runtime");
-            rt.block_on(async {
-                let _ = servers.start_all().await;
-            });
-        })
-        .join();
+        dlock_conformance::process::run_aside(async move {
+            let _ = servers.start_all().await;
+        });
     }
 }
 

@@ -12,9 +12,10 @@
 //! Any other option is refused, `dlock_prefix` included (the tenant sets it).
 //!
 //! Everything a lock does (take, renew, release, wake-up, fencing tokens) is
-//! dlock-redis's: [`TenantBackend`] forwards every [`Backend`] primitive to
+//! dlock-redis's: [`TenantBackend`] forwards every [`Backend`](dlock_core::Backend) primitive to
 //! a [`RedisBackend`] and changes only the scheme and how the URL is read.
-//! The sessions it opens are dlock-redis's own [`RawSession`]s, unwrapped.
+//! The sessions it opens are dlock-redis's own
+//! [`RawSession`](dlock_core::backend::RawSession)s, unwrapped.
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), dlock_core::Error> {
@@ -30,15 +31,8 @@
 //! # Ok(()) }
 //! ```
 
-use std::sync::Arc;
-use std::time::Duration;
-
-use async_trait::async_trait;
-use dlock_core::backend::RawSession;
 use dlock_core::url::StoreUrl;
-use dlock_core::{
-    Backend, Capabilities, Error, FencingToken, LockInfo, LockName, SessionId, SessionOptions,
-};
+use dlock_core::Error;
 use dlock_redis::RedisBackend;
 
 /// The URL scheme of this adapter.
@@ -114,55 +108,14 @@ pub fn redis_url(url: &StoreUrl) -> Result<(StoreUrl, String), Error> {
     Ok((redis, tenant))
 }
 
-/// Every primitive is dlock-redis's; only the scheme is this adapter's.
-#[async_trait]
-impl Backend for TenantBackend {
+// Every primitive is dlock-redis's; only the scheme is this adapter's.
+dlock_core::forward_backend! {
+    impl Backend for TenantBackend => inner;
+    forward: min_ttl, max_ttl, capabilities, wait_ready, open, inspect, list, validate,
+        force_release, ping;
+
     fn scheme(&self) -> &'static str {
         SCHEME
-    }
-
-    fn min_ttl(&self) -> Duration {
-        self.inner.min_ttl()
-    }
-
-    fn max_ttl(&self) -> Duration {
-        self.inner.max_ttl()
-    }
-
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
-    }
-
-    async fn wait_ready(&self, limit: Duration) -> Result<(), Error> {
-        self.inner.wait_ready(limit).await
-    }
-
-    async fn open(
-        &self,
-        id: SessionId,
-        options: &SessionOptions,
-    ) -> Result<Arc<dyn RawSession>, Error> {
-        self.inner.open(id, options).await
-    }
-
-    async fn inspect(&self, name: &LockName) -> Result<Option<LockInfo>, Error> {
-        self.inner.inspect(name).await
-    }
-
-    async fn list(&self, prefix: &str) -> Result<Vec<LockInfo>, Error> {
-        self.inner.list(prefix).await
-    }
-
-    async fn validate(&self, name: &LockName, token: FencingToken) -> Result<bool, Error> {
-        self.inner.validate(name, token).await
-    }
-
-    async fn force_release(&self, name: &LockName) -> Result<bool, Error> {
-        self.inner.force_release(name).await
-    }
-
-    async fn ping(&self) -> Result<(), Error> {
-        self.inner.ping().await
     }
 }
 

@@ -74,7 +74,7 @@ impl Session {
                 renewal.renewal_died();
             }
         });
-        tracing::debug!(session = %state.id(), backend = scheme, ttl = ?timing.ttl, "session opened");
+        tracing::debug!(target: crate::state::LOG_TARGET, session = %state.id(), backend = scheme, ttl = ?timing.ttl, "session opened");
         Ok(Session {
             keep_open: Arc::new(KeepOpen { state }),
         })

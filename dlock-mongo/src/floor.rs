@@ -38,7 +38,9 @@ impl Floor for MongoFloor {
 
     async fn cycle(&self, key: &LockName) -> Result<(), Error> {
         let locks = &self.backend.inner.clients.current().locks;
-        let id = doc! { "_id": key.as_str() };
+        // A space, which no lock name contains, keeps the floor's document
+        // apart from every real lock's.
+        let id = doc! { "_id": format!("dlock floor {key}") };
         locks.insert_one(&id).await.map_err(map_err)?;
         locks.delete_one(id).await.map_err(map_err)?;
         Ok(())

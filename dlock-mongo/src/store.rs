@@ -473,7 +473,7 @@ impl RawSession for MongoSession {
     }
 }
 
-/// One try to take one lock. There is no queue: a busy attempt waits for a
+/// A claim on one lock. There is no queue: a busy claim waits for a
 /// change-stream event (or polls) and tries again.
 struct MongoClaim {
     inner: Arc<Inner>,

@@ -174,7 +174,7 @@ impl RawSession for RedisSession {
     }
 }
 
-/// One try to take one lock on every node.
+/// A claim on one lock, on every node.
 struct RedisClaim {
     inner: Arc<Inner>,
     name: LockName,

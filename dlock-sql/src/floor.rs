@@ -17,6 +17,14 @@ use crate::dialect::{Arg, Dialect, Sql, Statements};
 use crate::options::SqlOptions;
 use crate::{create_table, first_connection, store};
 
+/// The row and native-lock name of the floor of `key`: a space, which no
+/// [`LockName`] contains, keeps the floor's rows apart from every real
+/// lock's (a cycle on a held name must not bump its token or delete its row:
+/// S1, S2), and its native locks apart from other applications' names.
+fn floor_key(key: &LockName) -> String {
+    format!("dlock floor {key}")
+}
+
 /// How long MySQL's `GET_LOCK` waits before it gives up, in seconds: longer
 /// than any benchmark waits for one grant.
 const GET_LOCK_WAIT_S: i64 = 3600;
@@ -144,8 +152,9 @@ impl Floor for SqlFloor {
     }
 
     async fn cycle(&self, key: &LockName) -> Result<(), Error> {
-        execute(&self.conn, &self.sql, &self.sql.upsert, key.as_str()).await?;
-        execute(&self.conn, &self.sql, &self.sql.delete, key.as_str()).await
+        let key = floor_key(key);
+        execute(&self.conn, &self.sql, &self.sql.upsert, &key).await?;
+        execute(&self.conn, &self.sql, &self.sql.delete, &key).await
     }
 
     fn native(&self) -> Option<&dyn NativeLock> {
@@ -163,11 +172,12 @@ impl NativeLock for SqlFloor {
     }
 
     async fn lock(&self, key: &LockName) -> Result<Box<dyn NativeGuard>, Error> {
-        native(&self.conn, &self.sql, &self.sql.lock, key.as_str()).await?;
+        let key = floor_key(key);
+        native(&self.conn, &self.sql, &self.sql.lock, &key).await?;
         Ok(Box::new(Held {
             conn: self.conn.clone(),
             sql: self.sql.clone(),
-            key: key.as_str().to_owned(),
+            key,
         }))
     }
 }

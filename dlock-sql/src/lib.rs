@@ -346,9 +346,6 @@ pub(crate) fn token_of(value: i64) -> Result<FencingToken, Error> {
         })
 }
 
-/// The first connection of a backend, with its errors typed: a refused or
-/// silent server is [`Error::Unavailable`] naming the (redacted) URL, a wrong
-/// password [`Error::Auth`], a TLS failure [`Error::Config`].
 /// Creates the lock table and its index if they do not exist.
 async fn create_table(conn: &mut AnyConnection, sql: &Statements) -> Result<(), Error> {
     for statement in &sql.create {
@@ -365,8 +362,10 @@ async fn create_table(conn: &mut AnyConnection, sql: &Statements) -> Result<(), 
     Ok(())
 }
 
-/// Opens one connection (mapping a refusal, a wrong password or a TLS
-/// problem to its meaning) and, for SQLite, sets its pragmas.
+/// The first connection of a backend, with its errors typed: a refused or
+/// silent server is [`Error::Unavailable`] naming the (redacted) URL, a wrong
+/// password [`Error::Auth`], a TLS failure [`Error::Config`]; for SQLite,
+/// with its pragmas set.
 async fn first_connection(
     options: &SqlOptions,
     connect_options: &AnyConnectOptions,

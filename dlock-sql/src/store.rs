@@ -379,7 +379,7 @@ impl RawSession for SqlSession {
     }
 }
 
-/// One try to take one lock. There is no queue in SQL: a busy attempt
+/// A claim on one lock. There is no queue in SQL: a busy claim
 /// polls (or, on PostgreSQL, waits for `NOTIFY`) and tries again.
 struct SqlClaim {
     inner: Arc<Inner>,

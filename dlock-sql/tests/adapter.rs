@@ -181,6 +181,48 @@ async fn late_take_after_release_is_refused_sqlite() {
     late_take_after_release_is_refused("sqlite").await;
 }
 
+/// The benchmark's floor writes to the lock table, but never to a lock's
+/// row (S1, S2): a floor cycle on the name of a held lock leaves the holder's
+/// row, token and ownership as they were.
+async fn floor_leaves_real_locks_alone(store: &str) {
+    let Some(url) = url(store, "floor_leaves_real_locks_alone") else {
+        return;
+    };
+    let backend = connect(&url).await;
+    let session = backend.session(SessionOptions::new()).await.unwrap();
+    let lock = name("floor");
+    let guard = session.lock(&lock).unwrap().acquire().await.unwrap();
+    let floor = dlock_sql::SqlFloor::connect(&StoreUrl::parse(&url).unwrap())
+        .await
+        .unwrap();
+    dlock_core::floor::Floor::cycle(&floor, &lock)
+        .await
+        .unwrap();
+    let info = backend.inspect(&lock).await.unwrap();
+    assert_eq!(
+        info.map(|i| i.token),
+        Some(guard.token()),
+        "{store}: a floor cycle on a held name changed its row"
+    );
+    assert!(guard.is_held());
+    guard.release().await.unwrap();
+}
+
+#[tokio::test]
+async fn floor_leaves_real_locks_alone_postgres() {
+    floor_leaves_real_locks_alone("postgres").await;
+}
+
+#[tokio::test]
+async fn floor_leaves_real_locks_alone_mysql() {
+    floor_leaves_real_locks_alone("mysql").await;
+}
+
+#[tokio::test]
+async fn floor_leaves_real_locks_alone_sqlite() {
+    floor_leaves_real_locks_alone("sqlite").await;
+}
+
 /// A port on which nothing listens.
 fn closed_port() -> u16 {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();

@@ -34,15 +34,15 @@ impl Cleanup {
         match timeout(self.state.timing.request_timeout, request).await {
             Ok(Ok(()) | Err(Error::NotHeld { .. })) => true,
             Ok(Err(e)) if !e.is_retryable() => {
-                tracing::debug!(what = self.what, error = %e, "clean-up failed for good");
+                tracing::debug!(target: crate::state::LOG_TARGET, what = self.what, error = %e, "clean-up failed for good");
                 true
             }
             Ok(Err(e)) => {
-                tracing::debug!(what = self.what, error = %e, "clean-up failed; retrying");
+                tracing::debug!(target: crate::state::LOG_TARGET, what = self.what, error = %e, "clean-up failed; retrying");
                 false
             }
             Err(_) => {
-                tracing::debug!(what = self.what, "clean-up timed out; retrying");
+                tracing::debug!(target: crate::state::LOG_TARGET, what = self.what, "clean-up timed out; retrying");
                 false
             }
         }
@@ -80,7 +80,7 @@ impl SessionState {
             // as the session lives: keep trying in the background (item 13).
             self.release_in_background(tenure.hold.clone(), "releasing after a failed release");
         }
-        tracing::debug!(lock = %tenure.hold.name, token = %tenure.hold.token, session = %self.id, ok = result.is_ok(), "released");
+        tracing::debug!(target: crate::state::LOG_TARGET, lock = %tenure.hold.name, token = %tenure.hold.token, session = %self.id, ok = result.is_ok(), "released");
         match lost_before {
             Some(lost) => Err(lost),
             None => result,
@@ -112,7 +112,7 @@ impl SessionState {
                     return Ok(());
                 }
                 Err(e) if e.is_retryable() && clock::now() + backoff < give_up_at => {
-                    tracing::debug!(lock = %hold.name, error = %e, "release failed; retrying");
+                    tracing::debug!(target: crate::state::LOG_TARGET, lock = %hold.name, error = %e, "release failed; retrying");
                     outcome_unknown = true;
                     sleep(backoff).await;
                     backoff = (backoff * 2).min(Duration::from_millis(500));

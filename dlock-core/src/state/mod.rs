@@ -42,6 +42,12 @@ use crate::info::SessionId;
 use crate::lost::LostReason;
 use crate::options::SessionOptions;
 
+/// The `tracing` target of the session's events ("lock lost", "session
+/// lost", releases and clean-ups), wherever their code lives: applications
+/// filter on it (the CLI silences "lock lost", which it reports itself), so
+/// it stays the same when modules move.
+pub(crate) const LOG_TARGET: &str = "dlock_core::session";
+
 const ALIVE: u8 = 0;
 const LOST: u8 = 1;
 const CLOSED: u8 = 2;
@@ -272,7 +278,7 @@ impl SessionState {
         }
         let reason = tenure.reason().unwrap_or(reason);
         Stats::bump(&self.stats.losses);
-        tracing::warn!(lock = %tenure.hold.name, token = %tenure.hold.token, session = %self.id, %reason, "lock lost");
+        tracing::warn!(target: crate::state::LOG_TARGET, lock = %tenure.hold.name, token = %tenure.hold.token, session = %self.id, %reason, "lock lost");
         if matches!(reason, LostReason::Expired | LostReason::Closed) {
             self.release_in_background(tenure.hold.clone(), "releasing a lost hold");
         }
@@ -292,7 +298,7 @@ impl SessionState {
     /// the holds would look valid while nothing renews them, so the session
     /// is lost now, and freed in the store so others need not wait (item 8).
     pub(crate) fn renewal_died(self: &Arc<Self>) {
-        tracing::error!(session = %self.id, "the renewal task panicked; the session is lost");
+        tracing::error!(target: crate::state::LOG_TARGET, session = %self.id, "the renewal task panicked; the session is lost");
         let holds: Vec<Hold> = self.tenures().iter().map(|t| t.hold.clone()).collect();
         self.mark_lost();
         let state = self.clone();
@@ -308,7 +314,7 @@ impl SessionState {
             .compare_exchange(ALIVE, LOST, Ordering::AcqRel, Ordering::Acquire)
             .is_ok()
         {
-            tracing::warn!(session = %self.id, "session lost");
+            tracing::warn!(target: crate::state::LOG_TARGET, session = %self.id, "session lost");
         }
         for tenure in self.tenures() {
             self.lose(&tenure, LostReason::SessionLost);
@@ -335,7 +341,7 @@ impl SessionState {
         self.ended.cancel();
         self.tasks.close();
         let _ = timeout(self.timing.request_timeout * 2, self.tasks.wait()).await;
-        tracing::debug!(session = %self.id, "session closed");
+        tracing::debug!(target: crate::state::LOG_TARGET, session = %self.id, "session closed");
         result
     }
 

@@ -31,8 +31,8 @@
 //! # Ok(()) }
 //! ```
 
-use dlock_core::url::StoreUrl;
 use dlock_core::Error;
+use dlock_core::url::StoreUrl;
 use dlock_redis::RedisBackend;
 
 /// The URL scheme of this adapter.

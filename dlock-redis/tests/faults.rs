@@ -10,19 +10,57 @@
 
 mod common;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use common::{
     StartAll, command, node_url, redlock_servers, redlock_url, skipped, unique, with_options,
 };
+use dlock_conformance::servers::Servers;
 use dlock_conformance::wire::{Fault, Link, ProxyLink};
 use dlock_core::url::StoreUrl;
-use dlock_core::{Backend, Error, LostReason, SessionOptions};
+use dlock_core::{Backend, Error, LostReason, Session, SessionOptions};
 use dlock_redis::RedisBackend;
+use tokio::sync::MutexGuard;
 use tokio::time::{Instant, sleep};
 
 /// One fault test at a time: they restart shared servers.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// What a fault test holds while it runs: the Redlock servers, started
+/// again when it ends (also when it fails), and the lock that keeps the
+/// fault tests one at a time.
+struct Faults {
+    servers: Arc<dyn Servers>,
+    // Dropped in this order: the servers start before the next test runs.
+    _restore: StartAll,
+    _serial: MutexGuard<'static, ()>,
+}
+
+impl Faults {
+    /// Waits for the other fault tests; `None` when `DLOCK_TEST_SKIP` skips
+    /// `test` (it says so loudly).
+    async fn begin(test: &str) -> Option<Self> {
+        let serial = SERIAL.lock().await;
+        if skipped("redlock", test) {
+            return None;
+        }
+        let servers = redlock_servers();
+        Some(Self {
+            _restore: StartAll(servers.clone()),
+            servers,
+            _serial: serial,
+        })
+    }
+}
+
+/// A session on `backend` with lease `ttl`.
+async fn session(backend: &RedisBackend, ttl: Duration) -> Session {
+    backend
+        .session(SessionOptions::new().ttl(ttl))
+        .await
+        .unwrap()
+}
 
 async fn connect(url: &str) -> RedisBackend {
     let backend = RedisBackend::connect(url)
@@ -49,18 +87,13 @@ async fn holder_on(i: usize, name: &str) -> Option<String> {
 /// tokens.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn majority_down_fails_then_recovers() {
-    let _serial = SERIAL.lock().await;
-    if skipped("redlock", "majority_down_fails_then_recovers") {
+    let Some(faults) = Faults::begin("majority_down_fails_then_recovers").await else {
         return;
-    }
-    let servers = redlock_servers();
-    let _restore = StartAll(servers.clone());
+    };
+    let servers = &faults.servers;
     let name = unique("majority");
     let backend = connect(&with_options(&redlock_url(), "max_ttl=1s")).await;
-    let session = backend
-        .session(SessionOptions::new().ttl(Duration::from_millis(500)))
-        .await
-        .unwrap();
+    let session = session(&backend, Duration::from_millis(500)).await;
     let g = session.lock(&name).unwrap().acquire().await.unwrap();
     let before = g.token();
     g.release().await.unwrap();
@@ -105,12 +138,10 @@ async fn majority_down_fails_then_recovers() {
 /// nodes, not of the 3 reachable) and takes part in grants once it is back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connect_needs_a_majority_and_keeps_the_others() {
-    let _serial = SERIAL.lock().await;
-    if skipped("redlock", "connect_needs_a_majority_and_keeps_the_others") {
+    let Some(faults) = Faults::begin("connect_needs_a_majority_and_keeps_the_others").await else {
         return;
-    }
-    let servers = redlock_servers();
-    let _restore = StartAll(servers.clone());
+    };
+    let servers = &faults.servers;
     let url = with_options(&redlock_url(), "max_ttl=1s");
     servers.kill(3).await.unwrap();
     servers.kill(4).await.unwrap();
@@ -133,10 +164,7 @@ async fn connect_needs_a_majority_and_keeps_the_others() {
         start.elapsed()
     );
     // The backend connected with 3 of 5 cannot grant on 2 of them.
-    let session = backend
-        .session(SessionOptions::new().ttl(Duration::from_millis(500)))
-        .await
-        .unwrap();
+    let session = session(&backend, Duration::from_millis(500)).await;
     let name = unique("reconnect");
     let r = session.lock(&name).unwrap().try_acquire().await;
     assert!(
@@ -192,10 +220,7 @@ async fn partial_acquire_is_cleaned_up() {
         .await;
         let _: () = command(&node_url(i), &["PEXPIRE", &key, "5000"]).await;
     }
-    let session = backend
-        .session(SessionOptions::new().ttl(Duration::from_millis(500)))
-        .await
-        .unwrap();
+    let session = session(&backend, Duration::from_millis(500)).await;
     let r = session.lock(&name).unwrap().try_acquire().await.unwrap();
     assert!(r.is_none(), "granted with only 2 of 5 nodes");
     for i in [3, 4] {
@@ -213,12 +238,10 @@ async fn partial_acquire_is_cleaned_up() {
 /// expired, and A must learn it lost the lock before B gets it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restarted_nodes_do_not_regrant_early() {
-    let _serial = SERIAL.lock().await;
-    if skipped("redlock", "restarted_nodes_do_not_regrant_early") {
+    let Some(faults) = Faults::begin("restarted_nodes_do_not_regrant_early").await else {
         return;
-    }
-    let servers = redlock_servers();
-    let _restore = StartAll(servers.clone());
+    };
+    let servers = &faults.servers;
     let name = unique("regrant");
     // A renews every TTL/3 = 2 s, longer than the restarts below take, so
     // without the guard B would win nodes 0, 3 and 4 before A notices.
@@ -227,10 +250,7 @@ async fn restarted_nodes_do_not_regrant_early() {
     let a_backend = connect(&url).await;
     servers.kill(3).await.unwrap();
     servers.kill(4).await.unwrap();
-    let a = a_backend
-        .session(SessionOptions::new().ttl(ttl))
-        .await
-        .unwrap();
+    let a = session(&a_backend, ttl).await;
     let ga = a.lock(&name).unwrap().acquire().await.unwrap();
     let lost = ga.lost();
     let watcher = tokio::spawn(async move { (lost.await, Instant::now()) });
@@ -238,10 +258,7 @@ async fn restarted_nodes_do_not_regrant_early() {
     servers.kill(0).await.unwrap();
     servers.start_all().await.unwrap();
     let b_backend = RedisBackend::connect(&url).await.expect("redlock back");
-    let b = b_backend
-        .session(SessionOptions::new().ttl(ttl))
-        .await
-        .unwrap();
+    let b = session(&b_backend, ttl).await;
     let gb = b
         .lock(&name)
         .unwrap()
@@ -278,22 +295,18 @@ async fn restarted_nodes_do_not_regrant_early() {
 /// 0, 1, 3 and 4 before then (S4), and its token is larger (S2).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nodes_restored_from_old_snapshots_do_not_regrant() {
-    let _serial = SERIAL.lock().await;
-    if skipped(
-        "redlock",
-        "nodes_restored_from_old_snapshots_do_not_regrant",
-    ) {
+    let Some(faults) = Faults::begin("nodes_restored_from_old_snapshots_do_not_regrant").await
+    else {
         return;
-    }
-    let servers = redlock_servers();
-    let _restore = StartAll(servers.clone());
+    };
+    let servers = &faults.servers;
     let url = with_options(&redlock_url(), "max_ttl=2s");
     let ttl = Duration::from_secs(2);
     let name = unique("snapshot");
     // dlock's state (restart records included) on every node, then the
     // snapshots.
     let c = connect(&url).await;
-    let cs = c.session(SessionOptions::new().ttl(ttl)).await.unwrap();
+    let cs = session(&c, ttl).await;
     cs.lock(&name)
         .unwrap()
         .acquire()
@@ -316,10 +329,7 @@ async fn nodes_restored_from_old_snapshots_do_not_regrant() {
     link.set(3, Fault::Cut);
     link.set(4, Fault::Cut);
     let a_backend = connect(parsed.with_hosts(&link.addrs().unwrap()).unwrap().expose()).await;
-    let a = a_backend
-        .session(SessionOptions::new().ttl(ttl))
-        .await
-        .unwrap();
+    let a = session(&a_backend, ttl).await;
     let ga = a.lock(&name).unwrap().acquire().await.unwrap();
     let first = ga.token();
     link.set_all(Fault::BLACKHOLE);
@@ -329,10 +339,7 @@ async fn nodes_restored_from_old_snapshots_do_not_regrant() {
         servers.start(node).await.unwrap();
     }
     let b_backend = RedisBackend::connect(&url).await.expect("redlock back");
-    let b = b_backend
-        .session(SessionOptions::new().ttl(ttl))
-        .await
-        .unwrap();
+    let b = session(&b_backend, ttl).await;
     let gb = loop {
         if let Some(gb) = b.lock(&name).unwrap().try_acquire().await.unwrap() {
             break gb;
@@ -373,17 +380,12 @@ async fn nodes_restored_from_old_snapshots_do_not_regrant() {
 /// a minute behind the first token.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tokens_ordered_whatever_the_node_clocks() {
-    let _serial = SERIAL.lock().await;
-    if skipped("redlock", "tokens_ordered_whatever_the_node_clocks") {
+    let Some(faults) = Faults::begin("tokens_ordered_whatever_the_node_clocks").await else {
         return;
-    }
-    let servers = redlock_servers();
-    let _restore = StartAll(servers.clone());
+    };
+    let servers = &faults.servers;
     let backend = connect(&with_options(&redlock_url(), "max_ttl=1s")).await;
-    let session = backend
-        .session(SessionOptions::new().ttl(Duration::from_millis(500)))
-        .await
-        .unwrap();
+    let session = session(&backend, Duration::from_millis(500)).await;
     let name = unique("skew");
     let last_key = format!("dlock:{{{name}}}:t");
     // Node 0's clock a minute ahead: its proposal is its clock, simulated by

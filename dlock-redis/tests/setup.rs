@@ -47,6 +47,37 @@ fn undo(url: &str, commands: &[&[&str]]) -> Undo {
     }
 }
 
+/// `CONFIG SET maxmemory <limit> maxmemory-policy <policy>` on `url`.
+async fn set_maxmemory(url: &str, limit: &str, policy: &str) {
+    let _: () = command(
+        url,
+        &[
+            "CONFIG",
+            "SET",
+            "maxmemory",
+            limit,
+            "maxmemory-policy",
+            policy,
+        ],
+    )
+    .await;
+}
+
+/// Puts `url` back to no memory limit and `noeviction` when dropped.
+fn undo_maxmemory(url: &str) -> Undo {
+    undo(
+        url,
+        &[&[
+            "CONFIG",
+            "SET",
+            "maxmemory",
+            "0",
+            "maxmemory-policy",
+            "noeviction",
+        ]],
+    )
+}
+
 /// `redis://user:password@host:port` for the host of `url`.
 fn as_user(url: &str, user: &str, password: &str) -> String {
     let (scheme, rest) = url.split_once("://").expect("scheme");
@@ -167,30 +198,9 @@ async fn evicting_policy_is_refused() {
         return;
     }
     let url = redis_url();
-    let _undo = undo(
-        &url,
-        &[&[
-            "CONFIG",
-            "SET",
-            "maxmemory",
-            "0",
-            "maxmemory-policy",
-            "noeviction",
-        ]],
-    );
+    let _undo = undo_maxmemory(&url);
     for policy in ["volatile-lru", "allkeys-lru", "volatile-ttl"] {
-        let _: () = command(
-            &url,
-            &[
-                "CONFIG",
-                "SET",
-                "maxmemory",
-                "1gb",
-                "maxmemory-policy",
-                policy,
-            ],
-        )
-        .await;
+        set_maxmemory(&url, "1gb", policy).await;
         let e = RedisBackend::connect(&url).await.unwrap_err();
         assert!(
             matches!(e, Error::Config(ref m) if m.contains(policy) && m.contains("evict")),
@@ -201,47 +211,15 @@ async fn evicting_policy_is_refused() {
             .expect("allow_eviction=true accepts the risk");
     }
     // No memory limit: nothing is evicted (a warning only).
-    let _: () = command(
-        &url,
-        &[
-            "CONFIG",
-            "SET",
-            "maxmemory",
-            "0",
-            "maxmemory-policy",
-            "allkeys-lru",
-        ],
-    )
-    .await;
+    set_maxmemory(&url, "0", "allkeys-lru").await;
     RedisBackend::connect(&url)
         .await
         .expect("no maxmemory: nothing to evict");
 
     if !skipped("redlock", "evicting_policy_is_refused (redlock)") {
         let node = node_url(2);
-        let _undo = undo(
-            &node,
-            &[&[
-                "CONFIG",
-                "SET",
-                "maxmemory",
-                "0",
-                "maxmemory-policy",
-                "noeviction",
-            ]],
-        );
-        let _: () = command(
-            &node,
-            &[
-                "CONFIG",
-                "SET",
-                "maxmemory",
-                "1gb",
-                "maxmemory-policy",
-                "volatile-lfu",
-            ],
-        )
-        .await;
+        let _undo = undo_maxmemory(&node);
+        set_maxmemory(&node, "1gb", "volatile-lfu").await;
         let e = RedisBackend::connect(&with_options(&redlock_url(), "max_ttl=1s"))
             .await
             .unwrap_err();

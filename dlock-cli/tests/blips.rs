@@ -6,7 +6,7 @@
 
 #![cfg(any(feature = "postgres", feature = "etcd", feature = "redis"))]
 
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use dlock_conformance::wire::{Fault, Proxy};
@@ -15,14 +15,38 @@ use dlocks::url::StoreUrl;
 
 const BIN: &str = env!("CARGO_BIN_EXE_dlock");
 
-/// A holder keeps `name` while the CLI, behind `proxy`, waits for it; the
-/// link is put under `fault` for `dark`, then healed, then the holder lets go.
-async fn waiter_survives(url: &str, fault: Fault, dark: Duration) {
+/// A fault proxy to the first host of `url`, and `url` through it.
+async fn behind_proxy(url: &str) -> (Proxy, String) {
     let parsed = StoreUrl::parse(url).expect("the test URL");
     let upstream = parsed.hosts()[0].to_string();
     let proxy = Proxy::start(&upstream).await.expect("proxy");
     let proxied = parsed.with_hosts(&[proxy.addr()]).expect("proxied");
-    let proxied = proxied.expose();
+    let proxied = proxied.expose().to_owned();
+    (proxy, proxied)
+}
+
+/// Starts the `dlock` binary with `args`, its output piped.
+fn spawn_dlock(args: &[&str]) -> Child {
+    Command::new(BIN)
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn dlock")
+}
+
+/// Waits for `child` (off the runtime's threads) and returns its output.
+async fn finished(child: Child) -> Output {
+    tokio::task::spawn_blocking(move || child.wait_with_output())
+        .await
+        .unwrap()
+        .unwrap()
+}
+
+/// A holder keeps `name` while the CLI, behind `proxy`, waits for it; the
+/// link is put under `fault` for `dark`, then healed, then the holder lets go.
+async fn waiter_survives(url: &str, fault: Fault, dark: Duration) {
+    let (proxy, proxied) = behind_proxy(url).await;
     let name = format!("dlock-test/cli-blip-{:08x}", rand::random::<u32>());
     let backend = dlocks::connect(url).await.expect("connect");
     let holder = backend
@@ -31,25 +55,27 @@ async fn waiter_survives(url: &str, fault: Fault, dark: Duration) {
         .unwrap();
     let guard = holder.lock(name.as_str()).unwrap().acquire().await.unwrap();
     let started = Instant::now();
-    let child = Command::new(BIN)
-        .args([
-            "run", &name, "--ttl", "2s", "--wait", "40s", "--url", proxied, "--",
-        ])
-        .args(["sh", "-c", "echo ran with $DLOCK_TOKEN"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn dlock");
+    let child = spawn_dlock(&[
+        "run",
+        &name,
+        "--ttl",
+        "2s",
+        "--wait",
+        "40s",
+        "--url",
+        &proxied,
+        "--",
+        "sh",
+        "-c",
+        "echo ran with $DLOCK_TOKEN",
+    ]);
     tokio::time::sleep(Duration::from_millis(700)).await;
     proxy.set(fault);
     tokio::time::sleep(dark).await;
     proxy.set(Fault::Pass);
     tokio::time::sleep(Duration::from_millis(500)).await;
     guard.release().await.unwrap();
-    let out = tokio::task::spawn_blocking(move || child.wait_with_output())
-        .await
-        .unwrap()
-        .unwrap();
+    let out = finished(child).await;
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(
@@ -65,29 +91,17 @@ async fn waiter_survives(url: &str, fault: Fault, dark: Duration) {
 /// unreachable store (69) or for a wait that ran out (75), never 1.
 #[cfg(any(feature = "postgres", feature = "redis"))]
 async fn dark_past_the_budget(url: &str) {
-    let parsed = StoreUrl::parse(url).expect("the test URL");
-    let upstream = parsed.hosts()[0].to_string();
-    let proxy = Proxy::start(&upstream).await.expect("proxy");
-    let proxied = parsed.with_hosts(&[proxy.addr()]).expect("proxied");
-    let proxied = proxied.expose();
+    let (proxy, proxied) = behind_proxy(url).await;
     let name = format!("dlock-test/cli-dark-{:08x}", rand::random::<u32>());
     let backend = dlocks::connect(url).await.expect("connect");
     let holder = backend.session(SessionOptions::new()).await.unwrap();
     let guard = holder.lock(name.as_str()).unwrap().acquire().await.unwrap();
-    let child = Command::new(BIN)
-        .args([
-            "run", &name, "--ttl", "2s", "--wait", "4s", "--url", proxied, "--", "true",
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn dlock");
+    let child = spawn_dlock(&[
+        "run", &name, "--ttl", "2s", "--wait", "4s", "--url", &proxied, "--", "true",
+    ]);
     tokio::time::sleep(Duration::from_millis(700)).await;
     proxy.set(Fault::Cut);
-    let out = tokio::task::spawn_blocking(move || child.wait_with_output())
-        .await
-        .unwrap()
-        .unwrap();
+    let out = finished(child).await;
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         matches!(out.status.code(), Some(69 | 75)),

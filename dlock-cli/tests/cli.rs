@@ -335,7 +335,12 @@ fn force_release_stops_command(store: &Store) {
 
     let ran = store.run(&["release", "--force", &name]);
     assert!(ran.stdout.contains("was not held"), "{ran:#?}");
-    let ran = store.run(&["run", &name, "--", "sh", "-c", "echo $DLOCK_TOKEN"]);
+    assert_next_token_above(store, &name, token);
+}
+
+/// The next `dlock run` of `name` gets a token larger than `token`.
+fn assert_next_token_above(store: &Store, name: &str, token: u64) {
+    let ran = store.run(&["run", name, "--", "sh", "-c", "echo $DLOCK_TOKEN"]);
     assert!(
         ran.stdout.trim().parse::<u64>().unwrap() > token,
         "{ran:#?}"
@@ -364,11 +369,7 @@ fn lost_lock_kills_stubborn_command(store: &Store) {
         ran.took < Duration::from_secs(1) / 3 + Duration::from_millis(700) + SLACK,
         "{ran:#?}"
     );
-    let ran = store.run(&["run", &name, "--", "sh", "-c", "echo $DLOCK_TOKEN"]);
-    assert!(
-        ran.stdout.trim().parse::<u64>().unwrap() > token,
-        "{ran:#?}"
-    );
+    assert_next_token_above(store, &name, token);
 }
 
 /// 4c. A holder paused past its TTL loses the lock to another process (with

@@ -53,6 +53,21 @@ fn name(what: &str) -> LockName {
     LockName::new(format!("adapter/{what}-{:08x}", rand::random::<u32>())).unwrap()
 }
 
+/// For each store named, a `#[tokio::test]` `case::store` that runs
+/// `case("store")`.
+macro_rules! on_stores {
+    ($case:ident: $($store:ident),+) => {
+        mod $case {
+            $(
+                #[tokio::test]
+                async fn $store() {
+                    super::$case(stringify!($store)).await;
+                }
+            )+
+        }
+    };
+}
+
 /// Item 5 (S4's converse, L1): the renewal extends only the holds the core
 /// passes it. A take the core never learned of (an acquire that gave up while
 /// its take committed) must expire after one TTL although the session keeps
@@ -103,20 +118,7 @@ async fn renewal_extends_only_tracked_holds(store: &str) {
     tracked.release().await.unwrap();
 }
 
-#[tokio::test]
-async fn renewal_extends_only_tracked_holds_postgres() {
-    renewal_extends_only_tracked_holds("postgres").await;
-}
-
-#[tokio::test]
-async fn renewal_extends_only_tracked_holds_mysql() {
-    renewal_extends_only_tracked_holds("mysql").await;
-}
-
-#[tokio::test]
-async fn renewal_extends_only_tracked_holds_sqlite() {
-    renewal_extends_only_tracked_holds("sqlite").await;
-}
+on_stores!(renewal_extends_only_tracked_holds: postgres, mysql, sqlite);
 
 /// S5: a copy of an attempt's take that reaches the store after the
 /// attempt's grant was released or abandoned (its first request timed out in
@@ -166,20 +168,7 @@ async fn late_take_after_release_is_refused(store: &str) {
     }
 }
 
-#[tokio::test]
-async fn late_take_after_release_is_refused_postgres() {
-    late_take_after_release_is_refused("postgres").await;
-}
-
-#[tokio::test]
-async fn late_take_after_release_is_refused_mysql() {
-    late_take_after_release_is_refused("mysql").await;
-}
-
-#[tokio::test]
-async fn late_take_after_release_is_refused_sqlite() {
-    late_take_after_release_is_refused("sqlite").await;
-}
+on_stores!(late_take_after_release_is_refused: postgres, mysql, sqlite);
 
 /// The benchmark's floor writes to the lock table, but never to a lock's
 /// row (S1, S2): a floor cycle on the name of a held lock leaves the holder's
@@ -208,20 +197,7 @@ async fn floor_leaves_real_locks_alone(store: &str) {
     guard.release().await.unwrap();
 }
 
-#[tokio::test]
-async fn floor_leaves_real_locks_alone_postgres() {
-    floor_leaves_real_locks_alone("postgres").await;
-}
-
-#[tokio::test]
-async fn floor_leaves_real_locks_alone_mysql() {
-    floor_leaves_real_locks_alone("mysql").await;
-}
-
-#[tokio::test]
-async fn floor_leaves_real_locks_alone_sqlite() {
-    floor_leaves_real_locks_alone("sqlite").await;
-}
+on_stores!(floor_leaves_real_locks_alone: postgres, mysql, sqlite);
 
 /// A port on which nothing listens.
 fn closed_port() -> u16 {
@@ -262,15 +238,7 @@ async fn refused_connection_says_so(scheme: &str) {
     );
 }
 
-#[tokio::test]
-async fn refused_connection_says_so_postgres() {
-    refused_connection_says_so("postgres").await;
-}
-
-#[tokio::test]
-async fn refused_connection_says_so_mysql() {
-    refused_connection_says_so("mysql").await;
-}
+on_stores!(refused_connection_says_so: postgres, mysql);
 
 /// Item 20: a wrong password is a typed, non-retryable `Auth` error that does
 /// not show the password; the right one connects.
@@ -516,12 +484,4 @@ async fn dead_connections_give_their_slots_back(store: &str) {
     proxy.set(Fault::Pass);
 }
 
-#[tokio::test]
-async fn dead_connections_give_their_slots_back_postgres() {
-    dead_connections_give_their_slots_back("postgres").await;
-}
-
-#[tokio::test]
-async fn dead_connections_give_their_slots_back_mysql() {
-    dead_connections_give_their_slots_back("mysql").await;
-}
+on_stores!(dead_connections_give_their_slots_back: postgres, mysql);

@@ -85,6 +85,21 @@ impl Raw {
             .expect("read the session document")
     }
 
+    /// The server's clock before and after `wait`, and between them the
+    /// ping of session `id` read at the end.
+    async fn ping_across(&self, id: &SessionId, wait: Duration) -> (DateTime, DateTime, DateTime) {
+        let start = self.server_now().await;
+        tokio::time::sleep(wait).await;
+        let end = self.server_now().await;
+        let ping = *self
+            .session(id)
+            .await
+            .unwrap()
+            .get_datetime("ping")
+            .unwrap();
+        (start, ping, end)
+    }
+
     /// The server's clock now: `$$NOW` projected from any session document
     /// (every caller has a session open).
     async fn server_now(&self) -> DateTime {
@@ -223,15 +238,7 @@ async fn session_document_is_pinged_with_the_server_clock() {
     let first = *doc.get_datetime("ping").unwrap();
 
     // Without holds: the ping is the heartbeat.
-    let start = raw.server_now().await;
-    tokio::time::sleep(period * 3).await;
-    let end = raw.server_now().await;
-    let ping = *raw
-        .session(session.id())
-        .await
-        .unwrap()
-        .get_datetime("ping")
-        .unwrap();
+    let (start, ping, end) = raw.ping_across(session.id(), period * 3).await;
     assert!(
         ping > first,
         "ping did not advance without holds: {first} → {ping}"
@@ -245,15 +252,7 @@ async fn session_document_is_pinged_with_the_server_clock() {
     let name = fresh_name("ping");
     let guard = dlock_conformance::unit::acquired(&session, &name).await;
     let expires_first = *raw.lock(&name).await.get_datetime("expiresAt").unwrap();
-    let start = raw.server_now().await;
-    tokio::time::sleep(period * 4).await;
-    let end = raw.server_now().await;
-    let held_ping = *raw
-        .session(session.id())
-        .await
-        .unwrap()
-        .get_datetime("ping")
-        .unwrap();
+    let (start, held_ping, end) = raw.ping_across(session.id(), period * 4).await;
     assert!(
         ms(end, held_ping) >= 0 && ms(held_ping, start) >= 0,
         "ping {held_ping} did not advance while holding: [{start}, {end}]"

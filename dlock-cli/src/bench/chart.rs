@@ -11,7 +11,7 @@ use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 
-use super::report::Report;
+use super::report::{BackendReport, Report};
 
 /// Picture size in pixels.
 const SIZE: (u32, u32) = (1200, 520);
@@ -42,74 +42,68 @@ struct Series<'a> {
     values: Vec<Option<f64>>,
 }
 
+impl<'a> Series<'a> {
+    /// The series `name` in `colour`: `value` of each backend in `report`.
+    fn of(
+        report: &Report,
+        name: &'a str,
+        colour: RGBColor,
+        value: impl Fn(&BackendReport) -> Option<f64>,
+    ) -> Self {
+        Self {
+            name,
+            colour,
+            values: report.backends.iter().map(value).collect(),
+        }
+    }
+}
+
 /// The SVG document for `report`.
 pub(crate) fn svg(report: &Report) -> Result<String, String> {
     let labels: Vec<&str> = report.backends.iter().map(|b| b.backend.as_str()).collect();
     let latency = [
-        Series {
-            name: "baseline (ping) p50",
-            colour: LATENCY_COLOURS[0],
-            values: report
-                .backends
-                .iter()
-                .map(|b| b.baseline.map(|l| l.p50_us))
-                .collect(),
-        },
-        Series {
-            name: "raw floor (take+release) p50",
-            colour: LATENCY_COLOURS[1],
-            values: (report.backends.iter())
-                .map(|b| b.floor.as_ref().and_then(|f| f.latency).map(|l| l.p50_us))
-                .collect(),
-        },
-        Series {
-            name: "acquire+release p50",
-            colour: LATENCY_COLOURS[2],
-            values: (report.backends.iter())
-                .map(|b| b.acquire_release.map(|l| l.p50_us))
-                .collect(),
-        },
-        Series {
-            name: "hot lock release→grant p50",
-            colour: LATENCY_COLOURS[3],
-            values: (report.backends.iter())
-                .map(|b| b.hot_lock.release_to_grant.map(|l| l.p50_us))
-                .collect(),
-        },
-        Series {
-            name: "native lock release→grant p50",
-            colour: LATENCY_COLOURS[4],
-            values: (report.backends.iter())
-                .map(|b| {
-                    (b.native_lock.as_ref())
-                        .and_then(|n| n.hot_lock.release_to_grant)
-                        .map(|l| l.p50_us)
-                })
-                .collect(),
-        },
+        Series::of(report, "baseline (ping) p50", LATENCY_COLOURS[0], |b| {
+            b.baseline.map(|l| l.p50_us)
+        }),
+        Series::of(
+            report,
+            "raw floor (take+release) p50",
+            LATENCY_COLOURS[1],
+            |b| b.floor.as_ref().and_then(|f| f.latency).map(|l| l.p50_us),
+        ),
+        Series::of(report, "acquire+release p50", LATENCY_COLOURS[2], |b| {
+            b.acquire_release.map(|l| l.p50_us)
+        }),
+        Series::of(
+            report,
+            "hot lock release→grant p50",
+            LATENCY_COLOURS[3],
+            |b| b.hot_lock.release_to_grant.map(|l| l.p50_us),
+        ),
+        Series::of(
+            report,
+            "native lock release→grant p50",
+            LATENCY_COLOURS[4],
+            |b| {
+                (b.native_lock.as_ref())
+                    .and_then(|n| n.hot_lock.release_to_grant)
+                    .map(|l| l.p50_us)
+            },
+        ),
     ];
     let rates = [
-        Series {
-            name: "hot-lock handoffs/s",
-            colour: RATE_COLOURS[0],
-            values: (report.backends.iter())
-                .map(|b| Some(b.hot_lock.handoffs_per_s))
-                .collect(),
-        },
-        Series {
-            name: "native lock handoffs/s",
-            colour: RATE_COLOURS[1],
-            values: (report.backends.iter())
-                .map(|b| b.native_lock.as_ref().map(|n| n.hot_lock.handoffs_per_s))
-                .collect(),
-        },
-        Series {
-            name: "independent locks: acquisitions/s",
-            colour: RATE_COLOURS[2],
-            values: (report.backends.iter())
-                .map(|b| Some(b.independent.per_s))
-                .collect(),
-        },
+        Series::of(report, "hot-lock handoffs/s", RATE_COLOURS[0], |b| {
+            Some(b.hot_lock.handoffs_per_s)
+        }),
+        Series::of(report, "native lock handoffs/s", RATE_COLOURS[1], |b| {
+            b.native_lock.as_ref().map(|n| n.hot_lock.handoffs_per_s)
+        }),
+        Series::of(
+            report,
+            "independent locks: acquisitions/s",
+            RATE_COLOURS[2],
+            |b| Some(b.independent.per_s),
+        ),
     ];
     let mut out = String::new();
     {

@@ -8,8 +8,8 @@ use dlock_core::raw;
 use tokio::time::{Instant, sleep};
 
 use super::{
-    busy, ensure, faulty_holder, increased, joined, passed, recovered, start, takes_over,
-    watch_lost, within,
+    busy, ensure, faulty_holder, held_by_a, increased, joined, passed, recovered, start,
+    takes_over, watch_lost, within,
 };
 use crate::checker::FencedRegister;
 use crate::process::Process;
@@ -38,8 +38,7 @@ pub async fn holder_crash_recovery(h: &dyn Harness) -> Outcome {
 /// TTLs, and the holder stays valid throughout.
 pub async fn no_early_grant_while_renewing(h: &dyn Harness) -> Outcome {
     let (ctx, name, t) = start(h, "no_early_grant_while_renewing");
-    let (a, b, admin) = (ctx.client().await?, ctx.client().await?, ctx.admin().await?);
-    let ga = a.lock(&name)?.acquire().await?;
+    let (a, b, admin, ga) = held_by_a(&ctx, &name).await?;
     let until = Instant::now() + t * 3;
     while Instant::now() < until {
         ensure!(busy(&b, &name).await?, "lock granted to B while A renews");
@@ -185,8 +184,7 @@ pub async fn tokens_after_expiry(h: &dyn Harness) -> Outcome {
 /// holder's release fails.
 pub async fn force_release(h: &dyn Harness) -> Outcome {
     let (ctx, name, t) = start(h, "force_release");
-    let (a, b, admin) = (ctx.client().await?, ctx.client().await?, ctx.admin().await?);
-    let ga = a.lock(&name)?.acquire().await?;
+    let (a, b, admin, ga) = held_by_a(&ctx, &name).await?;
     let first = ga.token();
     ensure!(
         admin.force_release(&name).await?,

@@ -334,6 +334,17 @@ pub(crate) async fn faulty_holder(
     Ok((a, faults, b, ga))
 }
 
+/// Where the two-client cases start: clients A and B and the admin; A holds
+/// `name`.
+pub(crate) async fn held_by_a(
+    ctx: &Ctx<'_>,
+    name: &LockName,
+) -> Result<(Session, Session, Arc<dyn Backend>, LockGuard), Failure> {
+    let (a, b, admin) = (ctx.client().await?, ctx.client().await?, ctx.admin().await?);
+    let ga = a.lock(name)?.acquire().await?;
+    Ok((a, b, admin, ga))
+}
+
 /// Median time of an uncontended acquire + release: the backend's round
 /// trip as the core sees it.
 pub(crate) async fn round_trip(session: &Session, name: &LockName) -> Result<Duration, Failure> {

@@ -6,7 +6,9 @@ use dlock_core::backend::Hold;
 use dlock_core::{Error, FencingToken};
 use tokio::time::sleep;
 
-use super::{busy, ensure, faulty_holder, increased, joined, passed, still_held, within};
+use super::{
+    busy, ensure, faulty_holder, held_by_a, increased, joined, passed, still_held, within,
+};
 use crate::{Ctx, Harness, Outcome};
 
 fn not_held(r: &Result<(), Error>) -> bool {
@@ -19,8 +21,7 @@ fn not_held(r: &Result<(), Error>) -> bool {
 pub async fn release_by_non_owner(h: &dyn Harness) -> Outcome {
     let ctx = Ctx::new(h, "release_by_non_owner");
     let name = ctx.name("x");
-    let (a, b, admin) = (ctx.client().await?, ctx.client().await?, ctx.admin().await?);
-    let ga = a.lock(&name)?.acquire().await?;
+    let (a, b, admin, ga) = held_by_a(&ctx, &name).await?;
     let other = b.lock(ctx.name("other"))?.acquire().await?;
     // B presents A's token with B's own identity.
     let forged = Hold {

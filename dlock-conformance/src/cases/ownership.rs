@@ -7,7 +7,7 @@ use dlock_core::{Error, FencingToken};
 use tokio::time::sleep;
 
 use super::{
-    busy, ensure, faulty_holder, held_by_a, increased, joined, passed, still_held, within,
+    busy, ensure, faulty_holder, held_by_a, increased, joined, passed, start, still_held, within,
 };
 use crate::{Ctx, Harness, Outcome};
 
@@ -82,10 +82,9 @@ pub async fn release_by_non_owner(h: &dyn Harness) -> Outcome {
 /// S3, S4 (seed 001, problem 3): A's lock expires while A is stalled; B takes
 /// it; A's late release fails and does not free B's lock.
 pub async fn stale_release_after_expiry(h: &dyn Harness) -> Outcome {
-    let ctx = Ctx::new(h, "stale_release_after_expiry");
-    let t = ctx.caps.ttl;
+    let (ctx, name, t) = start(h, "stale_release_after_expiry");
     let (a, faults, b, ga) = faulty_holder(&ctx).await?;
-    let (name, admin) = (ga.name().clone(), ctx.admin().await?);
+    let admin = ctx.admin().await?;
     let old = dlock_core::raw::hold(&ga).clone();
     faults.stall_renewals();
     let reason = within(t * 2, "lost() after renewals stopped", ga.lost()).await?;
@@ -113,10 +112,9 @@ pub async fn stale_release_after_expiry(h: &dyn Harness) -> Outcome {
 /// S3: A's release commits but its reply is lost; the core retries; the retry
 /// must neither fail the release nor free B, who got the lock in between.
 pub async fn stale_release_retried_after_lost_reply(h: &dyn Harness) -> Outcome {
-    let ctx = Ctx::new(h, "stale_release_retried_after_lost_reply");
-    let t = ctx.caps.ttl;
+    let (ctx, name, t) = start(h, "stale_release_retried_after_lost_reply");
     let (_a, faults, b, ga) = faulty_holder(&ctx).await?;
-    let (name, admin) = (ga.name().clone(), ctx.admin().await?);
+    let admin = ctx.admin().await?;
     let b_lock = b.lock(&name)?;
     let waiter = tokio::spawn(async move { b_lock.acquire_timeout(t * 10).await });
     super::queued(&*admin, &name, 1, t / 3).await?;

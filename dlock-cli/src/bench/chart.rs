@@ -42,69 +42,63 @@ struct Series<'a> {
     values: Vec<Option<f64>>,
 }
 
-impl<'a> Series<'a> {
-    /// The series `name` in `colour`: `value` of each backend in `report`.
-    fn of(
-        report: &Report,
-        name: &'a str,
-        colour: RGBColor,
-        value: impl Fn(&BackendReport) -> Option<f64>,
-    ) -> Self {
-        Self {
+/// What one series shows of a backend (`None`: not measured).
+type Value = fn(&BackendReport) -> Option<f64>;
+
+/// One series per `(name, value)` of `rows`, coloured in order from
+/// `colours` (one each): `value` of each backend in `report`.
+fn series<'a, const N: usize>(
+    report: &Report,
+    colours: &[RGBColor; N],
+    rows: &[(&'a str, Value); N],
+) -> Vec<Series<'a>> {
+    rows.iter()
+        .zip(colours)
+        .map(|(&(name, value), &colour)| Series {
             name,
             colour,
             values: report.backends.iter().map(value).collect(),
-        }
-    }
+        })
+        .collect()
 }
 
 /// The SVG document for `report`.
 pub(crate) fn svg(report: &Report) -> Result<String, String> {
     let labels: Vec<&str> = report.backends.iter().map(|b| b.backend.as_str()).collect();
-    let latency = [
-        Series::of(report, "baseline (ping) p50", LATENCY_COLOURS[0], |b| {
-            b.baseline.map(|l| l.p50_us)
-        }),
-        Series::of(
-            report,
-            "raw floor (take+release) p50",
-            LATENCY_COLOURS[1],
-            |b| b.floor.as_ref().and_then(|f| f.latency).map(|l| l.p50_us),
-        ),
-        Series::of(report, "acquire+release p50", LATENCY_COLOURS[2], |b| {
-            b.acquire_release.map(|l| l.p50_us)
-        }),
-        Series::of(
-            report,
-            "hot lock release→grant p50",
-            LATENCY_COLOURS[3],
-            |b| b.hot_lock.release_to_grant.map(|l| l.p50_us),
-        ),
-        Series::of(
-            report,
-            "native lock release→grant p50",
-            LATENCY_COLOURS[4],
-            |b| {
+    let latency = series(
+        report,
+        &LATENCY_COLOURS,
+        &[
+            ("baseline (ping) p50", |b| b.baseline.map(|l| l.p50_us)),
+            ("raw floor (take+release) p50", |b| {
+                b.floor.as_ref().and_then(|f| f.latency).map(|l| l.p50_us)
+            }),
+            ("acquire+release p50", |b| {
+                b.acquire_release.map(|l| l.p50_us)
+            }),
+            ("hot lock release→grant p50", |b| {
+                b.hot_lock.release_to_grant.map(|l| l.p50_us)
+            }),
+            ("native lock release→grant p50", |b| {
                 (b.native_lock.as_ref())
                     .and_then(|n| n.hot_lock.release_to_grant)
                     .map(|l| l.p50_us)
-            },
-        ),
-    ];
-    let rates = [
-        Series::of(report, "hot-lock handoffs/s", RATE_COLOURS[0], |b| {
-            Some(b.hot_lock.handoffs_per_s)
-        }),
-        Series::of(report, "native lock handoffs/s", RATE_COLOURS[1], |b| {
-            b.native_lock.as_ref().map(|n| n.hot_lock.handoffs_per_s)
-        }),
-        Series::of(
-            report,
-            "independent locks: acquisitions/s",
-            RATE_COLOURS[2],
-            |b| Some(b.independent.per_s),
-        ),
-    ];
+            }),
+        ],
+    );
+    let rates = series(
+        report,
+        &RATE_COLOURS,
+        &[
+            ("hot-lock handoffs/s", |b| Some(b.hot_lock.handoffs_per_s)),
+            ("native lock handoffs/s", |b| {
+                b.native_lock.as_ref().map(|n| n.hot_lock.handoffs_per_s)
+            }),
+            ("independent locks: acquisitions/s", |b| {
+                Some(b.independent.per_s)
+            }),
+        ],
+    );
     let mut out = String::new();
     {
         let root = SVGBackend::with_string(&mut out, SIZE).into_drawing_area();

@@ -169,14 +169,9 @@ impl Registry {
 
     /// [`Registry::register`] for an adapter already in an `Arc`.
     pub fn register_arc(&self, adapter: Arc<dyn Adapter>) -> Result<(), Error> {
+        check_schemes(&*adapter)?;
         let mut schemes = self.schemes.write().unwrap_or_else(|e| e.into_inner());
         for &scheme in adapter.schemes() {
-            if scheme.is_empty() || scheme != scheme.to_ascii_lowercase() {
-                return Err(Error::Config(format!(
-                    "adapter {}: scheme {scheme:?} must be non-empty lower case",
-                    adapter.name()
-                )));
-            }
             if let Some(Entry::Adapter(other)) = schemes.get(scheme) {
                 return Err(Error::Config(format!(
                     "the {scheme}:// scheme is already registered by the {} adapter",
@@ -188,6 +183,67 @@ impl Registry {
             schemes.insert(scheme.to_owned(), Entry::Adapter(adapter.clone()));
         }
         Ok(())
+    }
+
+    /// Registers `adapter` for each of its schemes that no other adapter
+    /// has, and returns the schemes it left to their adapters. For adapters
+    /// filled in by default (the facade's built-in ones): an application's
+    /// adapter registered earlier keeps its scheme, and the built-in one
+    /// still gets all its others (a taken `sqlite://` does not cost
+    /// `postgres://`).
+    ///
+    /// ```
+    /// use dlock_core::{Registry, memory::MemoryAdapter};
+    /// let registry = Registry::new();
+    /// assert!(registry.register_free(MemoryAdapter)?.is_empty());
+    /// assert_eq!(registry.register_free(MemoryAdapter)?, ["memory"]);
+    /// # Ok::<(), dlock_core::Error>(())
+    /// ```
+    pub fn register_free(&self, adapter: impl Adapter) -> Result<Vec<&'static str>, Error> {
+        check_schemes(&adapter)?;
+        let adapter: Arc<dyn Adapter> = Arc::new(adapter);
+        let mut schemes = self.schemes.write().unwrap_or_else(|e| e.into_inner());
+        let mut taken = Vec::new();
+        for &scheme in adapter.schemes() {
+            match schemes.get(scheme) {
+                Some(Entry::Adapter(_)) => taken.push(scheme),
+                _ => {
+                    schemes.insert(scheme.to_owned(), Entry::Adapter(adapter.clone()));
+                }
+            }
+        }
+        Ok(taken)
+    }
+
+    /// Registers `adapter` for each of its schemes, replacing whatever
+    /// adapter had them (say, a built-in one, to wrap it with metrics or a
+    /// tenant prefix), and returns the names of the other adapters it
+    /// replaced (an adapter of the same name replacing itself is not listed).
+    /// Explicit where [`Registry::register`] refuses, so that which adapter
+    /// serves a scheme never depends on initialization order.
+    ///
+    /// ```
+    /// use dlock_core::{Registry, memory::MemoryAdapter};
+    /// let registry = Registry::new();
+    /// registry.register(MemoryAdapter)?;
+    /// assert!(registry.replace(MemoryAdapter)?.is_empty(), "the same adapter again");
+    /// # Ok::<(), dlock_core::Error>(())
+    /// ```
+    pub fn replace(&self, adapter: impl Adapter) -> Result<Vec<&'static str>, Error> {
+        check_schemes(&adapter)?;
+        let adapter: Arc<dyn Adapter> = Arc::new(adapter);
+        let mut schemes = self.schemes.write().unwrap_or_else(|e| e.into_inner());
+        let mut replaced = Vec::new();
+        for &scheme in adapter.schemes() {
+            let old = schemes.insert(scheme.to_owned(), Entry::Adapter(adapter.clone()));
+            if let Some(Entry::Adapter(old)) = old
+                && old.name() != adapter.name()
+                && !replaced.contains(&old.name())
+            {
+                replaced.push(old.name());
+            }
+        }
+        Ok(replaced)
     }
 
     /// Marks `schemes` as known but not compiled in: connecting gives
@@ -269,6 +325,22 @@ impl Registry {
                 )))
             }
         }
+    }
+}
+
+/// Refuses an adapter whose schemes a URL could not name (a registered
+/// scheme is matched against a parsed, lower-cased one).
+fn check_schemes(adapter: &dyn Adapter) -> Result<(), Error> {
+    match adapter
+        .schemes()
+        .iter()
+        .find(|s| s.is_empty() || **s != s.to_ascii_lowercase())
+    {
+        Some(scheme) => Err(Error::Config(format!(
+            "adapter {}: scheme {scheme:?} must be non-empty lower case",
+            adapter.name()
+        ))),
+        None => Ok(()),
     }
 }
 
@@ -362,6 +434,47 @@ mod tests {
         let e = r.floor(&url("gopher://u:s3cret@h")).await.unwrap_err();
         assert!(matches!(e, Error::InvalidUrl { .. }), "{e:?}");
         assert!(!e.to_string().contains("s3cret"), "{e}");
+    }
+
+    /// A default adapter takes the schemes still free and leaves the taken
+    /// one to the adapter that has it; a replacement takes them all.
+    #[tokio::test]
+    async fn defaults_fill_free_schemes_and_replace_is_explicit() {
+        let r = Registry::new();
+        r.register(MemoryAdapter).unwrap();
+        assert_eq!(r.register_free(Other).unwrap(), ["memory"]);
+        assert_eq!(r.adapter("memory").unwrap().name(), "memory");
+        assert_eq!(r.adapter("other").unwrap().name(), "other");
+        assert_eq!(r.replace(Other).unwrap(), ["memory"]);
+        assert_eq!(r.adapter("memory").unwrap().name(), "other");
+        assert!(r.connect("memory://x").await.is_ok());
+    }
+
+    #[test]
+    fn schemes_are_checked_before_anything_is_registered() {
+        #[derive(Debug)]
+        struct Upper;
+        #[async_trait]
+        impl Adapter for Upper {
+            fn name(&self) -> &'static str {
+                "upper"
+            }
+            fn schemes(&self) -> &'static [&'static str] {
+                &["fine", "Bad"]
+            }
+            async fn connect(&self, url: &StoreUrl) -> Result<Arc<dyn Backend>, Error> {
+                MemoryAdapter.connect(url).await
+            }
+        }
+        let r = Registry::new();
+        for result in [
+            r.register(Upper),
+            r.register_free(Upper).map(drop),
+            r.replace(Upper).map(drop),
+        ] {
+            assert!(matches!(result, Err(Error::Config(_))), "{result:?}");
+        }
+        assert!(r.schemes().is_empty(), "{:?}", r.schemes());
     }
 
     #[tokio::test]

@@ -104,23 +104,24 @@ pub const KNOWN_SCHEMES: &[(&[&str], &str, bool)] = &[
 /// [`Error::FeatureDisabled`].
 ///
 /// An adapter registered in [`dlock_core::registry`] before the first call
-/// keeps its schemes: a third-party adapter may take the place of a built-in
-/// one.
+/// keeps its schemes, and the built-in adapter still gets its other schemes;
+/// to take a built-in scheme afterwards, [`replace`] it.
 pub fn registry() -> &'static Registry {
     static BUILT_IN: Once = Once::new();
     let registry = dlock_core::registry();
     BUILT_IN.call_once(|| {
-        // Errors only where an adapter registered earlier holds the scheme.
+        // Errors only for malformed schemes, which the built-in ones are not;
+        // a scheme taken earlier stays with its adapter.
         #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
-        let _ = registry.register(sql::SqlAdapter);
+        let _ = registry.register_free(sql::SqlAdapter);
         #[cfg(feature = "redis")]
-        let _ = registry.register(redis::RedisAdapter);
+        let _ = registry.register_free(redis::RedisAdapter);
         #[cfg(feature = "etcd")]
-        let _ = registry.register(etcd::EtcdAdapter);
+        let _ = registry.register_free(etcd::EtcdAdapter);
         #[cfg(feature = "zk")]
-        let _ = registry.register(zk::ZkAdapter);
+        let _ = registry.register_free(zk::ZkAdapter);
         #[cfg(feature = "mongo")]
-        let _ = registry.register(mongo::MongoAdapter);
+        let _ = registry.register_free(mongo::MongoAdapter);
         // Only the features not compiled in: a compiled-in adapter that lost
         // a scheme to an earlier registration must not be reported missing.
         for &(schemes, feature, compiled) in KNOWN_SCHEMES {
@@ -171,6 +172,20 @@ pub async fn connect(url: &str) -> Result<Arc<dyn Backend>> {
 /// ```
 pub fn register(adapter: impl Adapter) -> Result<()> {
     registry().register(adapter)
+}
+
+/// Registers `adapter` for all its schemes in place of whatever adapter had
+/// them, built-in ones included, and returns the names of the other adapters
+/// it replaced:
+/// for an application that wraps a built-in backend (metrics, a tenant
+/// prefix) under the built-in scheme. Which adapter serves a scheme then
+/// does not depend on the order of initialization.
+///
+/// # Errors
+/// [`Error::Config`] if one of its schemes is empty or not lower case
+/// (nothing is registered then).
+pub fn replace(adapter: impl Adapter) -> Result<Vec<&'static str>> {
+    registry().replace(adapter)
 }
 
 #[cfg(test)]

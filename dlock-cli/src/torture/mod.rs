@@ -178,28 +178,6 @@ impl Deployment {
             .map(|l| Arc::new(l) as Arc<dyn Link>)
             .map_err(|e| Failure::new(FAILURE, format!("cannot start a fault proxy: {e}")))
     }
-
-    /// A new client over `link`, opened inside `process`.
-    ///
-    /// The previous profile may have left the deployment recovering (an
-    /// ensemble electing a leader after a restart), so an open that may
-    /// succeed later is retried for up to [`OPEN_BOUND`]; a configuration
-    /// error is not.
-    fn client(process: &Process, reopen: &ReOpen) -> Result<Session, Failure> {
-        process.enter(async {
-            let deadline = Instant::now() + OPEN_BOUND;
-            let mut backoff = Duration::from_millis(50);
-            loop {
-                match reopen.open().await {
-                    Err(e) if e.is_retryable() && Instant::now() + backoff < deadline => {
-                        sleep(backoff).await;
-                        backoff = (backoff * 2).min(Duration::from_secs(2));
-                    }
-                    result => return Ok::<_, Failure>(result?),
-                }
-            }
-        })
-    }
 }
 
 /// What the clients of one profile share.
@@ -257,7 +235,7 @@ async fn run_profile(
             link: link.clone(),
             ttl: args.ttl,
         };
-        let session = Deployment::client(&process, &reopen)?;
+        let session = reopen.first(&process)?;
         let plan = Plan {
             name: name.clone(),
             ttl: args.ttl,
@@ -335,6 +313,28 @@ impl ReOpen {
             },
         };
         backend.session(options).await
+    }
+
+    /// A client's first session, opened inside `process`.
+    ///
+    /// The previous profile may have left the deployment recovering (an
+    /// ensemble electing a leader after a restart), so an open that may
+    /// succeed later is retried for up to [`OPEN_BOUND`]; a configuration
+    /// error is not.
+    fn first(&self, process: &Process) -> Result<Session, Failure> {
+        process.enter(async {
+            let deadline = Instant::now() + OPEN_BOUND;
+            let mut backoff = Duration::from_millis(50);
+            loop {
+                match self.open().await {
+                    Err(e) if e.is_retryable() && Instant::now() + backoff < deadline => {
+                        sleep(backoff).await;
+                        backoff = (backoff * 2).min(Duration::from_secs(2));
+                    }
+                    result => return Ok::<_, Failure>(result?),
+                }
+            }
+        })
     }
 }
 

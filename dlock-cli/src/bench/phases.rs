@@ -150,16 +150,17 @@ pub(crate) async fn latency(
     bar: &ProgressBar,
 ) -> Result<Vec<Latencies>, Failure> {
     let mut locks = Vec::with_capacity(targets.len());
+    let mut floor_keys = Vec::with_capacity(targets.len());
     for t in targets {
         locks.push(first_client(t)?.session.lock(t.name("solo")?)?);
+        floor_keys.push(t.name("floor")?);
     }
-    let floor_key = |t: &Target| t.name("floor");
     let mut samples: Vec<[_; 3]> = targets
         .iter()
         .map(|_| [stats::histogram(), stats::histogram(), stats::histogram()])
         .collect();
     for round in 0..warmup + cycles {
-        for (k, (t, lock)) in targets.iter().zip(&locks).enumerate() {
+        for (k, ((t, lock), floor_key)) in targets.iter().zip(&locks).zip(&floor_keys).enumerate() {
             let client = first_client(t)?;
             let mut took = [None; 3];
             for step in 0..3 {
@@ -168,8 +169,7 @@ pub(crate) async fn latency(
                     (0, _) => Some(timed(t, "ping", client.backend.ping()).await?),
                     (1, _) => Some(timed(t, "acquire+release", cycle(lock)).await?),
                     (_, Some(floor)) => {
-                        let key = floor_key(t)?;
-                        Some(timed(t, "the floor's raw cycle", floor.cycle(&key)).await?)
+                        Some(timed(t, "the floor's raw cycle", floor.cycle(floor_key)).await?)
                     }
                     (_, None) => None,
                 };

@@ -15,7 +15,7 @@ use tokio::sync::Mutex;
 
 use crate::dialect::{Arg, Dialect, Sql, Statements};
 use crate::options::SqlOptions;
-use crate::{create_table, first_connection, store};
+use crate::{ready_connection, store};
 
 /// The row and native-lock name of the floor of `key`: a space, which no
 /// [`LockName`] contains, keeps the floor's rows apart from every real
@@ -89,13 +89,8 @@ impl SqlFloor {
     /// Cancel safe: nothing is left behind but an idempotently created table.
     pub async fn connect(url: &StoreUrl) -> Result<Self, Error> {
         let options = SqlOptions::from_url(url)?;
-        sqlx::any::install_default_drivers();
-        let scheme = options.dialect.scheme();
-        let connect_options = options
-            .connect_options()
-            .map_err(|e| store::map_err(scheme, e))?;
-        let mut conn = first_connection(&options, &connect_options).await?;
-        create_table(&mut conn, &Statements::new(options.dialect, &options.table)).await?;
+        let statements = Statements::new(options.dialect, &options.table);
+        let (conn, _) = ready_connection(&options, &statements).await?;
         Ok(Self {
             conn: Arc::new(Mutex::new(conn)),
             sql: Arc::new(FloorSql::new(options.dialect, &options.table)),

@@ -207,15 +207,10 @@ impl SqlBackend {
     /// # Cancel safety
     /// Cancel safe, as [`SqlBackend::connect`].
     pub async fn with_options(options: SqlOptions) -> Result<Self, Error> {
-        sqlx::any::install_default_drivers();
         let dialect = options.dialect;
         let scheme = dialect.scheme();
-        let connect_options = options
-            .connect_options()
-            .map_err(|e| store::map_err(scheme, e))?;
         let sql = Statements::new(dialect, &options.table);
-        let mut first = first_connection(&options, &connect_options).await?;
-        create_table(&mut first, &sql).await?;
+        let (first, connect_options) = ready_connection(&options, &sql).await?;
         let _ = first.close().await;
         let mut pool = AnyPoolOptions::new()
             .max_connections(options.pool)
@@ -344,6 +339,23 @@ pub(crate) fn token_of(value: i64) -> Result<FencingToken, Error> {
                 format!("token {value} in the lock table is not positive"),
             )
         })
+}
+
+/// One connection of its own to the store `options` name, with the lock
+/// table created (typed errors as [`first_connection`]), and the options it
+/// was opened with, for more: what both the backend and its floor start
+/// from.
+async fn ready_connection(
+    options: &SqlOptions,
+    sql: &Statements,
+) -> Result<(AnyConnection, AnyConnectOptions), Error> {
+    sqlx::any::install_default_drivers();
+    let connect_options = options
+        .connect_options()
+        .map_err(|e| store::map_err(options.dialect.scheme(), e))?;
+    let mut conn = first_connection(options, &connect_options).await?;
+    create_table(&mut conn, sql).await?;
+    Ok((conn, connect_options))
 }
 
 /// Creates the lock table and its index if they do not exist.

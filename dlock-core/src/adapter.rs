@@ -143,6 +143,12 @@ enum Entry {
     Disabled {
         feature: &'static str,
     },
+    /// An alias of a store whose scheme `alias` the adapter `other` took
+    /// (see [`Registry::register_free`]).
+    Split {
+        alias: &'static str,
+        other: &'static str,
+    },
 }
 
 /// Maps URL schemes to adapters.
@@ -185,42 +191,72 @@ impl Registry {
         Ok(())
     }
 
-    /// Registers `adapter` for each of its schemes that no other adapter
-    /// has, and returns the schemes it left to their adapters. For adapters
+    /// Registers `adapter` store by store, for the stores no other adapter
+    /// serves yet, and returns the schemes it left alone. For adapters
     /// filled in by default (the facade's built-in ones): an application's
-    /// adapter registered earlier keeps its scheme, and the built-in one
-    /// still gets all its others (a taken `sqlite://` does not cost
+    /// adapter registered earlier keeps its store, and the built-in one
+    /// still gets its other stores (a taken `sqlite://` does not cost
     /// `postgres://`).
+    ///
+    /// `stores` groups `adapter`'s schemes by store: the aliases of one
+    /// store (`["redis", "rediss", "redlock"]`) go to one adapter or none;
+    /// a scheme in no group is a store of its own. If another adapter has
+    /// any alias of a store, the store's other aliases get no adapter and
+    /// refuse their URLs with an [`Error::Config`] naming that adapter:
+    /// served by two adapters (say an application's wrapper with its own
+    /// key layout on `redis://`, the built-in one on `rediss://`), one lock
+    /// name would be two locks on one server.
     ///
     /// ```
     /// use dlock_core::{Registry, memory::MemoryAdapter};
     /// let registry = Registry::new();
-    /// assert!(registry.register_free(MemoryAdapter)?.is_empty());
-    /// assert_eq!(registry.register_free(MemoryAdapter)?, ["memory"]);
+    /// assert!(registry.register_free(MemoryAdapter, &[])?.is_empty());
+    /// assert_eq!(registry.register_free(MemoryAdapter, &[])?, ["memory"]);
     /// # Ok::<(), dlock_core::Error>(())
     /// ```
-    pub fn register_free(&self, adapter: impl Adapter) -> Result<Vec<&'static str>, Error> {
+    pub fn register_free(
+        &self,
+        adapter: impl Adapter,
+        stores: &[&[&'static str]],
+    ) -> Result<Vec<&'static str>, Error> {
         check_schemes(&adapter)?;
         let adapter: Arc<dyn Adapter> = Arc::new(adapter);
         let mut schemes = self.schemes.write().unwrap_or_else(|e| e.into_inner());
-        let mut taken = Vec::new();
+        let mut left = Vec::new();
         for &scheme in adapter.schemes() {
-            match schemes.get(scheme) {
-                Some(Entry::Adapter(_)) => taken.push(scheme),
-                _ => {
+            let store = stores
+                .iter()
+                .find(|store| store.contains(&scheme))
+                .map_or(std::slice::from_ref(&scheme), |store| *store);
+            let taken_by = store.iter().find_map(|alias| match schemes.get(*alias) {
+                Some(Entry::Adapter(other)) if !Arc::ptr_eq(other, &adapter) => {
+                    Some((*alias, other.name()))
+                }
+                _ => None,
+            });
+            match taken_by {
+                None => {
                     schemes.insert(scheme.to_owned(), Entry::Adapter(adapter.clone()));
+                }
+                Some((alias, other)) => {
+                    if alias != scheme {
+                        schemes.insert(scheme.to_owned(), Entry::Split { alias, other });
+                    }
+                    left.push(scheme);
                 }
             }
         }
-        Ok(taken)
+        Ok(left)
     }
 
     /// Registers `adapter` for each of its schemes, replacing whatever
     /// adapter had them (say, a built-in one, to wrap it with metrics or a
     /// tenant prefix), and returns the names of the other adapters it
     /// replaced (an adapter of the same name replacing itself is not listed).
-    /// Explicit where [`Registry::register`] refuses, so that which adapter
-    /// serves a scheme never depends on initialization order.
+    /// Explicit where [`Registry::register`] refuses a taken scheme, so that
+    /// taking a built-in scheme works whether the defaults were filled in
+    /// before or after. Backends already open keep the adapter that opened
+    /// them.
     ///
     /// ```
     /// use dlock_core::{Registry, memory::MemoryAdapter};
@@ -316,6 +352,13 @@ impl Registry {
                 scheme: url.scheme().to_owned(),
                 feature,
             }),
+            Some(Entry::Split { alias, other }) => Err(Error::Config(format!(
+                "{}:// names the same store as {alias}://, which the {other} adapter serves: \
+                 register {other} for {}:// too (or replace the built-in adapter), so that \
+                 one lock is not two",
+                url.scheme(),
+                url.scheme()
+            ))),
             None => {
                 let known: Vec<String> = self.schemes().iter().map(|s| format!("{s}://")).collect();
                 Err(url.invalid(format!(
@@ -442,12 +485,35 @@ mod tests {
     async fn defaults_fill_free_schemes_and_replace_is_explicit() {
         let r = Registry::new();
         r.register(MemoryAdapter).unwrap();
-        assert_eq!(r.register_free(Other).unwrap(), ["memory"]);
+        assert_eq!(r.register_free(Other, &[]).unwrap(), ["memory"]);
         assert_eq!(r.adapter("memory").unwrap().name(), "memory");
         assert_eq!(r.adapter("other").unwrap().name(), "other");
         assert_eq!(r.replace(Other).unwrap(), ["memory"]);
         assert_eq!(r.adapter("memory").unwrap().name(), "other");
         assert!(r.connect("memory://x").await.is_ok());
+    }
+
+    /// One store's aliases go to one adapter: with `memory` taken, its
+    /// alias `other` gets no adapter and says which adapter has the store
+    /// (red before: the default adapter took `other`, so one store had two
+    /// adapters).
+    #[tokio::test]
+    async fn a_store_taken_by_one_alias_is_not_split() {
+        let r = Registry::new();
+        r.register(MemoryAdapter).unwrap();
+        let left = r.register_free(Other, &[&["memory", "other"]]).unwrap();
+        assert_eq!(left, ["memory", "other"]);
+        assert!(r.adapter("other").is_none());
+        assert_eq!(r.schemes(), ["memory"]);
+        let e = r.connect("other://x").await.unwrap_err();
+        assert!(matches!(e, Error::Config(_)), "{e:?}");
+        assert!(
+            e.to_string().contains("memory://") && e.to_string().contains("memory adapter"),
+            "{e}"
+        );
+        // Registering the alias's store explicitly takes it.
+        assert_eq!(r.replace(Other).unwrap(), ["memory"]);
+        assert_eq!(r.adapter("other").unwrap().name(), "other");
     }
 
     #[test]
@@ -469,7 +535,7 @@ mod tests {
         let r = Registry::new();
         for result in [
             r.register(Upper),
-            r.register_free(Upper).map(drop),
+            r.register_free(Upper, &[]).map(drop),
             r.replace(Upper).map(drop),
         ] {
             assert!(matches!(result, Err(Error::Config(_))), "{result:?}");

@@ -58,6 +58,32 @@ impl SessionId {
     pub fn as_str(&self) -> &str {
         &self.0
     }
+
+    /// A fresh owner value for one claim of this session: the id, `#` and
+    /// 64 random bits, so two claims of one session on one name (a retry
+    /// after a lost reply, a second guard) never pass for each other, and
+    /// [`SessionId::issued`] still tells this session's owners from others'.
+    ///
+    /// ```
+    /// use dlock_core::SessionId;
+    /// let id = SessionId::generate(None);
+    /// let owner = id.claim_owner();
+    /// assert!(id.issued(&owner));
+    /// assert_ne!(owner, id.claim_owner());
+    /// assert!(!SessionId::generate(None).issued(&owner));
+    /// ```
+    pub fn claim_owner(&self) -> String {
+        format!("{self}#{:016x}", rand::random::<u64>())
+    }
+
+    /// Whether `owner` is one of this session's [`claim_owner`](Self::claim_owner)
+    /// values (S3: another session's hold is refused even with the right
+    /// key and token).
+    pub fn issued(&self, owner: &str) -> bool {
+        owner
+            .strip_prefix(self.as_str())
+            .is_some_and(|rest| rest.starts_with('#'))
+    }
 }
 
 impl fmt::Debug for SessionId {

@@ -587,13 +587,7 @@ mod server_tests {
         let backend = EtcdBackend::connect(&via)
             .await
             .expect("etcd up (scripts/services up etcd)");
-        EtcdSession::open(
-            backend.inner.clone(),
-            SessionId::generate(None),
-            Duration::from_secs(5),
-        )
-        .await
-        .unwrap()
+        session(&backend).await
     }
 
     /// Item 2 of issue 12: a keep-alive that timed out must not leave its

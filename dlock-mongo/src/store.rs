@@ -366,7 +366,7 @@ impl RawSession for MongoSession {
             inner: self.inner.clone(),
             session: self.id.clone(),
             name: name.clone(),
-            owner: format!("{}#{:016x}", self.id, rand::random::<u64>()),
+            owner: self.id.claim_owner(),
             why: why.map(str::to_owned),
             ttl: self.ttl,
             stall: self.stall,

@@ -554,8 +554,7 @@ impl Backend for RedisBackend {
                 .map(|n| async { n.ping(ADMIN_TIMEOUT).await.map(|()| true) }),
         )
         .await;
-        let (_, answered) = count(answers)?;
-        check_answered(&self.inner, answered)
+        majority(&self.inner, answers).map(drop)
     }
 
     async fn inspect(&self, name: &LockName) -> Result<Option<LockInfo>, Error> {
@@ -578,24 +577,10 @@ impl Backend for RedisBackend {
                 .map(|n| n.scan(prefix, ADMIN_TIMEOUT)),
         )
         .await;
-        let mut names = Vec::new();
-        let mut answered = 0;
-        let mut first_error = None;
-        for scan in scans {
-            match scan {
-                Ok(n) => {
-                    answered += 1;
-                    names.extend(n);
-                }
-                Err(e) => {
-                    first_error.get_or_insert(e);
-                }
-            }
-        }
-        if answered == 0 {
-            return Err(first_error.expect("a node"));
-        }
-        check_answered(&self.inner, answered)?;
+        let mut names: Vec<_> = majority(&self.inner, scans)?
+            .into_iter()
+            .flatten()
+            .collect();
         names.sort();
         names.dedup();
         let mut out = Vec::new();
@@ -615,8 +600,10 @@ impl Backend for RedisBackend {
                 .map(|n| n.validate(name, token, ADMIN_TIMEOUT)),
         )
         .await;
-        let (ok, answered) = count(answers)?;
-        check_answered(&self.inner, answered)?;
+        let ok = majority(&self.inner, answers)?
+            .into_iter()
+            .filter(|v| *v)
+            .count();
         Ok(ok >= self.inner.quorum())
     }
 
@@ -628,8 +615,10 @@ impl Backend for RedisBackend {
                 .map(|n| n.force_release(name, ADMIN_TIMEOUT)),
         )
         .await;
-        let (freed, answered) = count(answers)?;
-        check_answered(&self.inner, answered)?;
+        let freed = majority(&self.inner, answers)?
+            .into_iter()
+            .filter(|v| *v)
+            .count();
         if freed > 0 {
             tracing::info!(lock = %name, "force-released");
         }
@@ -664,26 +653,36 @@ fn capabilities(options: &RedisOptions) -> Capabilities {
     caps
 }
 
-/// Counts `true` answers and answers at all; the first error if none answered.
-pub(crate) fn count(answers: Vec<Result<bool, Error>>) -> Result<(usize, usize), Error> {
-    let mut yes = 0;
-    let mut answered = 0;
+/// The nodes' answers, dropping the failures; the first error if none answered.
+pub(crate) fn answers<T>(results: Vec<Result<T, Error>>) -> Result<Vec<T>, Error> {
+    let mut answers = Vec::with_capacity(results.len());
     let mut first_error = None;
-    for a in answers {
-        match a {
-            Ok(v) => {
-                answered += 1;
-                yes += usize::from(v);
-            }
+    for result in results {
+        match result {
+            Ok(v) => answers.push(v),
             Err(e) => {
                 first_error.get_or_insert(e);
             }
         }
     }
-    match (answered, first_error) {
-        (0, Some(e)) => Err(e),
-        _ => Ok((yes, answered)),
+    match first_error {
+        Some(e) if answers.is_empty() => Err(e),
+        _ => Ok(answers),
     }
+}
+
+/// Counts `true` answers and answers at all; the first error if none answered.
+pub(crate) fn count(results: Vec<Result<bool, Error>>) -> Result<(usize, usize), Error> {
+    let answers = answers(results)?;
+    Ok((answers.iter().filter(|v| **v).count(), answers.len()))
+}
+
+/// The answers of a majority of the nodes; fails with the first error if
+/// none answered, else unless a majority did (a decision on fewer is a guess).
+pub(crate) fn majority<T>(inner: &Inner, results: Vec<Result<T, Error>>) -> Result<Vec<T>, Error> {
+    let answers = answers(results)?;
+    check_answered(inner, answers.len())?;
+    Ok(answers)
 }
 
 /// Fails unless a majority of the nodes answered (else a decision is a guess).
@@ -710,24 +709,7 @@ fn quorum_view(
     inner: &Inner,
     answers: Vec<Result<Option<Record>, Error>>,
 ) -> Result<Option<LockInfo>, Error> {
-    let mut records = Vec::new();
-    let mut answered = 0;
-    let mut first_error = None;
-    for a in answers {
-        match a {
-            Ok(r) => {
-                answered += 1;
-                records.extend(r);
-            }
-            Err(e) => {
-                first_error.get_or_insert(e);
-            }
-        }
-    }
-    if answered == 0 {
-        return Err(first_error.expect("some node"));
-    }
-    check_answered(inner, answered)?;
+    let records: Vec<Record> = majority(inner, answers)?.into_iter().flatten().collect();
     let quorum = inner.quorum();
     for record in &records {
         let agreeing: Vec<&Record> = records

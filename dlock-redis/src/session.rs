@@ -12,13 +12,11 @@ use futures::future::join_all;
 use tokio::time::{Instant, sleep_until};
 
 use crate::node::{Keys, Subscription, Taken};
-use crate::{Inner, check_answered, count};
+use crate::{Inner, check_answered, count, majority};
 
 pub(crate) struct RedisSession {
     inner: Arc<Inner>,
     id: SessionId,
-    /// `id#`: every owner value of this session starts with it.
-    owner_prefix: String,
     ttl: Duration,
     /// How long one node may take to answer one of this session's requests.
     limit: Duration,
@@ -27,7 +25,6 @@ pub(crate) struct RedisSession {
 impl RedisSession {
     pub(crate) fn new(inner: Arc<Inner>, id: SessionId, ttl: Duration, limit: Duration) -> Self {
         Self {
-            owner_prefix: format!("{id}#"),
             inner,
             id,
             ttl,
@@ -38,7 +35,7 @@ impl RedisSession {
     /// Whether `hold` was issued to this session (S3: another session's
     /// hold is refused even with the right key and token).
     fn owns(&self, hold: &Hold) -> bool {
-        hold.key.starts_with(&self.owner_prefix)
+        self.id.issued(&hold.key)
     }
 }
 
@@ -89,7 +86,7 @@ impl RawSession for RedisSession {
             keys: Keys::new(&self.inner.options.prefix, name),
             inner: self.inner.clone(),
             name: name.clone(),
-            owner: format!("{}{:016x}", self.owner_prefix, rand::random::<u64>()),
+            owner: self.id.claim_owner(),
             session: self.id.to_string(),
             why: why.unwrap_or_default().to_owned(),
             ttl: self.ttl,
@@ -118,25 +115,11 @@ impl RawSession for RedisSession {
         )
         .await;
         let mut votes = vec![0usize; holds.len()];
-        let mut answered = 0;
-        let mut first_error = None;
-        for a in answers {
-            match a {
-                Ok(v) => {
-                    answered += 1;
-                    for (vote, ok) in votes.iter_mut().zip(v) {
-                        *vote += usize::from(ok);
-                    }
-                }
-                Err(e) => {
-                    first_error.get_or_insert(e);
-                }
+        for answer in majority(&self.inner, answers)? {
+            for (vote, ok) in votes.iter_mut().zip(answer) {
+                *vote += usize::from(ok);
             }
         }
-        if answered == 0 {
-            return Err(first_error.expect("a node"));
-        }
-        check_answered(&self.inner, answered)?;
         let quorum = self.inner.quorum();
         Ok(holds
             .iter()

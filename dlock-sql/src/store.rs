@@ -314,7 +314,7 @@ impl RawSession for SqlSession {
             inner: self.inner.clone(),
             session: self.id.clone(),
             name: name.clone(),
-            owner: format!("{}#{:016x}", self.id, rand::random::<u64>()),
+            owner: self.id.claim_owner(),
             why: why.map(str::to_owned),
             ttl_ms: self.ttl_ms(),
             sent: false,

@@ -104,24 +104,25 @@ pub const KNOWN_SCHEMES: &[(&[&str], &str, bool)] = &[
 /// [`Error::FeatureDisabled`].
 ///
 /// An adapter registered in [`dlock_core::registry`] before the first call
-/// keeps its schemes, and the built-in adapter still gets its other schemes;
-/// to take a built-in scheme afterwards, [`replace`] it.
+/// keeps its stores, and the built-in adapter still gets its other stores; an
+/// alias of a taken store (`rediss://` when an application took `redis://`)
+/// then refuses its URLs rather than reach the same server through another
+/// adapter. After the first call, [`register`] refuses a built-in scheme
+/// ([`Error::Config`]): [`replace`] takes it, whenever it runs.
 pub fn registry() -> &'static Registry {
     static BUILT_IN: Once = Once::new();
     let registry = dlock_core::registry();
     BUILT_IN.call_once(|| {
-        // Errors only for malformed schemes, which the built-in ones are not;
-        // a scheme taken earlier stays with its adapter.
         #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
-        let _ = registry.register_free(sql::SqlAdapter);
+        fill_free(registry, sql::SqlAdapter);
         #[cfg(feature = "redis")]
-        let _ = registry.register_free(redis::RedisAdapter);
+        fill_free(registry, redis::RedisAdapter);
         #[cfg(feature = "etcd")]
-        let _ = registry.register_free(etcd::EtcdAdapter);
+        fill_free(registry, etcd::EtcdAdapter);
         #[cfg(feature = "zk")]
-        let _ = registry.register_free(zk::ZkAdapter);
+        fill_free(registry, zk::ZkAdapter);
         #[cfg(feature = "mongo")]
-        let _ = registry.register_free(mongo::MongoAdapter);
+        fill_free(registry, mongo::MongoAdapter);
         // Only the features not compiled in: a compiled-in adapter that lost
         // a scheme to an earlier registration must not be reported missing.
         for &(schemes, feature, compiled) in KNOWN_SCHEMES {
@@ -131,6 +132,31 @@ pub fn registry() -> &'static Registry {
         }
     });
     registry
+}
+
+/// Registers a built-in adapter for the stores no adapter serves yet, one
+/// store's aliases ([`KNOWN_SCHEMES`]) together (see
+/// [`Registry::register_free`]).
+#[cfg(any(
+    feature = "sqlite",
+    feature = "postgres",
+    feature = "mysql",
+    feature = "redis",
+    feature = "etcd",
+    feature = "zk",
+    feature = "mongo"
+))]
+fn fill_free(registry: &Registry, adapter: impl dlock_core::Adapter) {
+    let stores: Vec<&[&'static str]> = KNOWN_SCHEMES.iter().map(|k| k.0).collect();
+    // Errors only for malformed schemes, which the built-in ones are not.
+    if let Ok(left) = registry.register_free(adapter, &stores)
+        && !left.is_empty()
+    {
+        tracing::info!(
+            ?left,
+            "a built-in adapter left the stores of these schemes to an adapter registered before it"
+        );
+    }
 }
 
 /// Opens the backend a URL names, with the adapter registered for its
@@ -178,8 +204,10 @@ pub fn register(adapter: impl Adapter) -> Result<()> {
 /// them, built-in ones included, and returns the names of the other adapters
 /// it replaced:
 /// for an application that wraps a built-in backend (metrics, a tenant
-/// prefix) under the built-in scheme. Which adapter serves a scheme then
-/// does not depend on the order of initialization.
+/// prefix) under the built-in scheme, whether the registry was filled
+/// before or not. Backends opened before keep the adapter that opened them:
+/// replace before the first `connect`, or a wrapper with another key layout
+/// and the backends opened earlier see one lock name as two locks.
 ///
 /// # Errors
 /// [`Error::Config`] if one of its schemes is empty or not lower case

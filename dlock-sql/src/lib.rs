@@ -47,15 +47,18 @@
 //!   re-established every local waiter is woken, since notifications sent
 //!   while it was down are lost.
 //! * Not fair (no queue): whoever asks first after a release wins.
-//! * **Connections**: a pool of `dlock_pool` connections. The statements of
+//! * **Connections**: at most `dlock_pool` connections, kept open between
+//!   operations (they are never closed for being idle). The statements of
 //!   a lock's life are prepared when a connection opens, and connections are
-//!   not pinged before use (only after 30 s idle), so every operation is one
-//!   round trip and a request that reaches the server takes effect even if
-//!   its reply is lost (the core's retry then finds it: same grant, or
-//!   `NotHeld` after a release). A statement cut off by the core's request
-//!   timeout leaves its connection 2 s to answer a ping (a late reply is
-//!   drained and the connection reused), else it is closed: a connection
-//!   that died silently never keeps its pool slot. A take cut off that way
+//!   not pinged before use (only after 30 s idle) nor after it (sqlx's pool
+//!   pings every connection it gets back; sqlx only opens them here), so
+//!   every operation is one round trip and a request that reaches the server
+//!   takes effect even if its reply is lost (the core's retry then finds it:
+//!   same grant, or `NotHeld` after a release). A statement cut off by the
+//!   core's request timeout, or answered with an error, leaves its
+//!   connection 2 s to answer a ping (a late reply is drained and the
+//!   connection reused), else it is closed: a connection that died silently
+//!   never keeps its slot. A take cut off that way
 //!   may still land (its bytes may leave only with the drain's ping): the
 //!   attempt's abandon frees its grant, waits for those drains, and frees
 //!   again.
@@ -107,6 +110,7 @@
 //! # Ok(()) }
 //! ```
 
+mod conns;
 mod dialect;
 mod floor;
 #[cfg(feature = "postgres")]
@@ -125,8 +129,9 @@ use dlock_core::{
     Backend, Capabilities, Error, FencingToken, LockInfo, LockName, SessionId, SessionOptions, name,
 };
 use sqlx::any::{AnyConnectOptions, AnyPoolOptions, AnyRow};
-use sqlx::{AnyConnection, AnyPool, Connection, Row};
+use sqlx::{AnyConnection, Connection, Row};
 
+use conns::Conns;
 use dialect::{Arg, Dialect, Sql, Statements, prefix_end};
 use dlock_core::wake::WakeHub;
 pub use floor::SqlFloor;
@@ -139,10 +144,6 @@ pub const MIN_TTL: Duration = Duration::from_millis(100);
 /// How long opening a connection may take (the first one, in
 /// [`SqlBackend::connect`], and the pool's) before it counts as failed.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// Pooled connections idle for longer than this are pinged before use (a
-/// firewall or proxy may have dropped them); fresher ones are used at once.
-const IDLE_CHECK: Duration = Duration::from_secs(30);
 
 /// The SQL [`Adapter`](dlock_core::Adapter): `postgres://`, `postgresql://`, `mysql://`,
 /// `mariadb://` and `sqlite://` URLs, opened with [`SqlBackend::connect`].
@@ -169,7 +170,7 @@ pub struct SqlBackend {
 }
 
 pub(crate) struct Inner {
-    pub(crate) pool: AnyPool,
+    pub(crate) conns: Arc<Conns>,
     pub(crate) sql: Statements,
     pub(crate) hub: Arc<WakeHub>,
     pub(crate) options: SqlOptions,
@@ -212,27 +213,13 @@ impl SqlBackend {
         let sql = Statements::new(dialect, &options.table);
         let (first, connect_options) = ready_connection(&options, &sql).await?;
         let _ = first.close().await;
+        // The pool only opens connections (see `conns`): none kept in it,
+        // none tested on the way out (the cache pings the long-idle ones).
         let mut pool = AnyPoolOptions::new()
             .max_connections(options.pool)
+            .min_connections(0)
             .acquire_timeout(CONNECT_TIMEOUT)
-            // No ping before each use: it costs a round trip per operation,
-            // and a ping whose reply is lost keeps the statement from ever
-            // being sent (the store then never sees a take or a release that
-            // the core retries). A connection that died while idle fails its
-            // statement, which the core retries on another one; only
-            // connections idle for long are checked first.
-            .test_before_acquire(false)
-            .before_acquire(|conn, meta| {
-                Box::pin(async move {
-                    if meta.idle_for < IDLE_CHECK {
-                        return Ok(true);
-                    }
-                    Ok(matches!(
-                        tokio::time::timeout(store::DRAIN_TIMEOUT, conn.ping()).await,
-                        Ok(Ok(()))
-                    ))
-                })
-            });
+            .test_before_acquire(false);
         if dialect == Dialect::Sqlite {
             pool = pool.after_connect(|conn, _| Box::pin(sqlite_pragmas(conn)));
         } else {
@@ -242,20 +229,23 @@ impl SqlBackend {
                 Box::pin(async move { prepare(conn, &hot).await })
             });
         }
-        // One connection now (prepared while the network is known to work),
-        // more as needed; the pool reopens one in the background when it has
-        // none left.
         let pool = pool
-            .min_connections(1)
             .connect_with(connect_options)
             .await
             .map_err(|e| store::map_err(scheme, e))?;
+        let conns = Conns::new(pool, options.pool);
+        // One connection now, prepared while the network is known to work.
+        let warm = conns
+            .get(CONNECT_TIMEOUT, store::DRAIN_TIMEOUT)
+            .await
+            .map_err(|e| store::map_err(scheme, e))?;
+        conns.put(warm);
         let hub = Arc::new(WakeHub::default());
         let listener = Self::start_listener(&options, &hub).await;
         tracing::debug!(backend = scheme, url = %options, "connected");
         Ok(Self {
             inner: Arc::new(Inner {
-                pool,
+                conns,
                 sql,
                 hub,
                 options,
@@ -611,9 +601,17 @@ mod tests {
         // More than one pooled connection: each has its own setting.
         let mut conns = Vec::new();
         for _ in 0..2 {
-            conns.push(backend.inner.pool.acquire().await.unwrap());
+            conns.push(
+                backend
+                    .inner
+                    .conns
+                    .get(CONNECT_TIMEOUT, store::DRAIN_TIMEOUT)
+                    .await
+                    .unwrap(),
+            );
         }
-        for conn in &mut conns {
+        for slot in &mut conns {
+            let conn = &mut slot.conn;
             let row = conn.fetch_one("PRAGMA synchronous").await.unwrap();
             assert_eq!(
                 row.try_get::<i64, _>(0).unwrap(),
@@ -638,11 +636,12 @@ mod tests {
     async fn mysql_transient_errors_are_retryable() {
         let Some(url) = url("mysql") else { return };
         let backend = SqlBackend::connect(&url).await.unwrap();
-        let pool = &backend.inner.pool;
+        let conns = &backend.inner.conns;
         let table = &backend.inner.options.table;
         let name = format!("unit/{:08x}", rand::random::<u32>());
-        let mut a = pool.acquire().await.unwrap();
-        let mut b = pool.acquire().await.unwrap();
+        let get = || conns.get(CONNECT_TIMEOUT, store::DRAIN_TIMEOUT);
+        let mut a = get().await.unwrap().conn;
+        let mut b = get().await.unwrap().conn;
         a.execute(
             sqlx::query(&format!(
                 "INSERT INTO {table} (name, token, acquired_at, expires_at) VALUES (?, 1, 0, 0)"

@@ -12,13 +12,13 @@ use dlock_core::backend::{Busy, Claim, ExpiryModel, Hold, RawSession, Take};
 use dlock_core::wake::{PollBackoff, Waiter};
 use dlock_core::{Error, LockName, SessionId};
 use sqlx::any::{AnyArguments, AnyQueryResult, AnyRow};
-use sqlx::pool::PoolConnection;
 use sqlx::query::Query;
 use sqlx::{Any, Connection, Row};
 use tokio::sync::oneshot;
 use tokio::sync::oneshot::error::TryRecvError;
 use tokio::time::{Instant, sleep_until, timeout};
 
+use crate::conns::{Conns, Slot};
 use crate::dialect::{Arg, Dialect, RENEW_CHUNK};
 use crate::{Inner, token_of};
 
@@ -108,17 +108,18 @@ fn classify(d: &dyn sqlx::error::DatabaseError) -> Class {
     }
 }
 
-/// A pooled connection for one operation.
+/// A connection for one operation.
 ///
 /// The core cuts a request off at its request timeout by dropping it; if
 /// that happens while a statement is in flight, the connection still owes
-/// the reply. sqlx would then ping it on its way back to the pool with no
-/// time limit, so a connection whose replies are lost would hold a pool slot
-/// for as long as it stays open. Instead, an abandoned connection is given
-/// [`DRAIN_TIMEOUT`] to answer a ping (a late reply is drained and the
-/// connection reused) and is closed otherwise.
+/// the reply. Such a connection is given [`DRAIN_TIMEOUT`] to answer a ping
+/// (a late reply is drained and the connection reused) and is closed
+/// otherwise, so a connection whose replies are lost never keeps its slot.
+/// A connection whose statement answered goes back at once, without a
+/// round trip (see [`Conns`]).
 pub(crate) struct Conn {
-    conn: Option<PoolConnection<Any>>,
+    slot: Option<Slot>,
+    conns: Arc<Conns>,
     /// A statement is in flight.
     busy: bool,
     /// Told (by being dropped) once the connection is drained or closed
@@ -127,27 +128,32 @@ pub(crate) struct Conn {
 }
 
 impl Conn {
-    /// A connection from `inner`'s pool.
+    /// A connection from `inner`'s cache.
     pub(crate) async fn get(inner: &Inner) -> Result<Self, Error> {
         let scheme = inner.sql.dialect.scheme();
-        let conn = inner.pool.acquire().await.map_err(|e| match e {
-            // Garbage while opening a connection is the network's doing (a
-            // connection cut during the handshake), not the store's reply.
-            sqlx::Error::Protocol(_) => Error::unavailable(scheme, e),
-            e => map_err(scheme, e),
-        })?;
+        let slot = inner
+            .conns
+            .get(crate::CONNECT_TIMEOUT, DRAIN_TIMEOUT)
+            .await
+            .map_err(|e| match e {
+                // Garbage while opening a connection is the network's doing (a
+                // connection cut during the handshake), not the store's reply.
+                sqlx::Error::Protocol(_) => Error::unavailable(scheme, e),
+                e => map_err(scheme, e),
+            })?;
         Ok(Self {
-            conn: Some(conn),
+            slot: Some(slot),
+            conns: inner.conns.clone(),
             busy: false,
             drained: None,
         })
     }
 
     /// `drained` is dropped once no statement of this connection can reach
-    /// the server any more: when the connection goes back to the pool
-    /// normally, or after the drain (or close) that follows an abandoned
-    /// statement. A statement cut off before its bytes left sqlx's buffer
-    /// is sent by that drain: late, which is what the receiver waits for.
+    /// the server any more: when the connection goes back normally, or
+    /// after the drain (or close) that follows an abandoned statement. A
+    /// statement cut off before its bytes left sqlx's buffer is sent by
+    /// that drain: late, which is what the receiver waits for.
     pub(crate) fn drained(mut self, drained: oneshot::Sender<()>) -> Self {
         self.drained = Some(drained);
         self
@@ -155,7 +161,7 @@ impl Conn {
 
     /// Runs `request` on the connection, marked busy while it runs: a
     /// request dropped before its answer leaves the connection busy, so it
-    /// is drained rather than handed back to the pool.
+    /// is drained rather than handed back.
     async fn run<'c, T, Fut>(
         &'c mut self,
         request: impl FnOnce(&'c mut sqlx::AnyConnection) -> Fut,
@@ -163,10 +169,13 @@ impl Conn {
     where
         Fut: Future<Output = Result<T, sqlx::Error>> + 'c,
     {
-        let Self { conn, busy, .. } = self;
+        let Self { slot, busy, .. } = self;
         *busy = true;
-        let r = request(conn.as_mut().expect("connection present until drop")).await;
-        *busy = false;
+        let conn = &mut slot.as_mut().expect("connection present until drop").conn;
+        let r = request(conn).await;
+        // A failed statement may have left the connection broken: it is
+        // drained like an abandoned one (reused if it answers a ping).
+        *busy = r.is_err();
         r
     }
 
@@ -201,27 +210,29 @@ impl Conn {
 
 impl Drop for Conn {
     fn drop(&mut self) {
-        if !self.busy {
-            return; // back to the pool as usual
-        }
-        let Some(mut conn) = self.conn.take() else {
+        let Some(mut slot) = self.slot.take() else {
             return;
         };
+        if !self.busy {
+            self.conns.put(slot); // answered: back at once
+            return;
+        }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return; // no runtime: sqlx's own drop handles it
+            return; // no runtime: the connection is dropped (closed)
         };
         let drained = self.drained.take();
+        let conns = self.conns.clone();
         runtime.spawn(async move {
             let _drained = drained;
-            match timeout(DRAIN_TIMEOUT, conn.ping()).await {
-                // Answered: the late reply is drained; back to the pool.
-                Ok(Ok(())) => drop(conn),
+            match timeout(DRAIN_TIMEOUT, slot.conn.ping()).await {
+                // Answered: the late reply is drained; back to the cache.
+                Ok(Ok(())) => conns.put(slot),
                 // Broken or silent: close it and free its slot at once.
                 _ => {
                     tracing::debug!(
                         "closing a connection that did not answer after an abandoned statement"
                     );
-                    drop(conn.detach());
+                    drop(slot);
                 }
             }
         });

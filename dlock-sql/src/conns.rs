@@ -7,30 +7,49 @@
 //! connection drained or closed by [`Conn`](crate::store::Conn), so that
 //! ping buys nothing here. The pool still opens connections (connect
 //! options, TLS, the prepared statements of `after_connect`, typed errors);
-//! they are detached from it and kept in this LIFO cache, whose semaphore
-//! bounds them to `dlock_pool`.
+//! they are detached from it (so it does not count them) and kept in this
+//! LIFO cache, whose semaphore bounds them to `dlock_pool`. Like sqlx's
+//! pool, the cache retires connections idle for [`IDLE_TIMEOUT`] or older
+//! than [`MAX_LIFETIME`] (a failover or a moved DNS name reaches a process
+//! that keeps busy), closing them gracefully.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use sqlx::{AnyConnection, AnyPool, Connection};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
-use tokio::time::{Instant, timeout};
+use tokio::time::{Instant, timeout, timeout_at};
 
 /// A connection idle for this long answers a ping before it is used again:
 /// a server or middlebox may have dropped it meanwhile.
 pub(crate) const IDLE_CHECK: Duration = Duration::from_secs(30);
 
+/// A connection idle for this long is closed (sqlx's default).
+pub(crate) const IDLE_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// A connection this old is closed when it comes back (sqlx's default).
+pub(crate) const MAX_LIFETIME: Duration = Duration::from_secs(1800);
+
+/// How long a graceful close may take before the socket is just dropped.
+const CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// An open connection and when it was opened.
+pub(crate) struct Open {
+    pub(crate) conn: AnyConnection,
+    opened: Instant,
+}
+
 /// The idle connections and the slots of all of them, idle or in use.
 pub(crate) struct Conns {
     opener: AnyPool,
-    idle: Mutex<Vec<(AnyConnection, Instant)>>,
+    /// Most recently used last; each with when it went idle.
+    idle: Mutex<Vec<(Open, Instant)>>,
     slots: Arc<Semaphore>,
 }
 
 /// One slot's connection, out of the cache for one operation.
 pub(crate) struct Slot {
-    pub(crate) conn: AnyConnection,
+    pub(crate) open: Open,
     _permit: OwnedSemaphorePermit,
 }
 
@@ -44,45 +63,89 @@ impl Conns {
         })
     }
 
-    /// A connection, within `limit`: the most recently used idle one (pinged
-    /// first if idle for [`IDLE_CHECK`]), else a new one.
+    /// A connection within `limit`: the most recently used idle one (pinged
+    /// first, within `ping_limit`, if idle for [`IDLE_CHECK`]), else a new
+    /// one. When an idle one fails its ping, the older ones are dropped
+    /// too: whatever killed it (a restart, a middlebox's idle timer) killed
+    /// them.
     pub(crate) async fn get(
         &self,
         limit: Duration,
         ping_limit: Duration,
     ) -> Result<Slot, sqlx::Error> {
-        let permit = timeout(limit, self.slots.clone().acquire_owned())
-            .await
-            .map_err(|_| sqlx::Error::PoolTimedOut)?
-            .map_err(|_| sqlx::Error::PoolClosed)?;
-        loop {
-            let popped = self.idle.lock().unwrap_or_else(|e| e.into_inner()).pop();
-            let Some((mut conn, since)) = popped else {
-                let conn = self.opener.acquire().await?.detach();
-                return Ok(Slot {
-                    conn,
-                    _permit: permit,
-                });
-            };
-            if since.elapsed() < IDLE_CHECK
-                || matches!(timeout(ping_limit, conn.ping()).await, Ok(Ok(())))
-            {
-                return Ok(Slot {
-                    conn,
-                    _permit: permit,
-                });
+        let deadline = Instant::now() + limit;
+        timeout_at(deadline, async {
+            let permit = self
+                .slots
+                .clone()
+                .acquire_owned()
+                .await
+                .map_err(|_| sqlx::Error::PoolClosed)?;
+            loop {
+                let popped = self.lock().pop();
+                let Some((mut open, since)) = popped else {
+                    let conn = self.opener.acquire().await?.detach();
+                    let open = Open {
+                        conn,
+                        opened: Instant::now(),
+                    };
+                    return Ok(Slot {
+                        open,
+                        _permit: permit,
+                    });
+                };
+                if since.elapsed() < IDLE_CHECK
+                    || matches!(timeout(ping_limit, open.conn.ping()).await, Ok(Ok(())))
+                {
+                    return Ok(Slot {
+                        open,
+                        _permit: permit,
+                    });
+                }
+                close(open);
+                for (older, _) in self.lock().drain(..) {
+                    close(older);
+                }
             }
-            // Dead while idle: dropped, and the next one tried.
-        }
+        })
+        .await
+        .map_err(|_| sqlx::Error::PoolTimedOut)?
     }
 
     /// Takes `slot`'s connection back, answered and ready for the next
-    /// statement; its slot is free again.
+    /// statement (closed instead if older than [`MAX_LIFETIME`]), and
+    /// closes the ones idle for [`IDLE_TIMEOUT`]; the slot is free again.
     pub(crate) fn put(&self, slot: Slot) {
-        let Slot { conn, _permit } = slot;
-        self.idle
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push((conn, Instant::now()));
+        let Slot { open, _permit } = slot;
+        let now = Instant::now();
+        let mut idle = self.lock();
+        let stale = idle
+            .iter()
+            .take_while(|(_, since)| now.duration_since(*since) >= IDLE_TIMEOUT)
+            .count();
+        let retired: Vec<_> = idle.drain(..stale).map(|(open, _)| open).collect();
+        let old = if now.duration_since(open.opened) < MAX_LIFETIME {
+            idle.push((open, now));
+            None
+        } else {
+            Some(open)
+        };
+        drop(idle);
+        retired.into_iter().chain(old).for_each(close);
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<(Open, Instant)>> {
+        self.idle.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Closes `open` gracefully (PostgreSQL's Terminate, MySQL's COM_QUIT) in
+/// the background when a runtime is there, so the server logs no aborted
+/// connection; else drops the socket.
+pub(crate) fn close(open: Open) {
+    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+        runtime.spawn(async move {
+            let _ = timeout(CLOSE_TIMEOUT, open.conn.close()).await;
+        });
     }
 }

@@ -48,14 +48,15 @@
 //!   while it was down are lost.
 //! * Not fair (no queue): whoever asks first after a release wins.
 //! * **Connections**: at most `dlock_pool` connections, kept open between
-//!   operations (they are never closed for being idle). The statements of
+//!   operations (closed after 10 min idle or 30 min of age, and after a
+//!   statement that failed). The statements of
 //!   a lock's life are prepared when a connection opens, and connections are
 //!   not pinged before use (only after 30 s idle) nor after it (sqlx's pool
 //!   pings every connection it gets back; sqlx only opens them here), so
 //!   every operation is one round trip and a request that reaches the server
 //!   takes effect even if its reply is lost (the core's retry then finds it:
 //!   same grant, or `NotHeld` after a release). A statement cut off by the
-//!   core's request timeout, or answered with an error, leaves its
+//!   core's request timeout leaves its
 //!   connection 2 s to answer a ping (a late reply is drained and the
 //!   connection reused), else it is closed: a connection that died silently
 //!   never keeps its slot. A take cut off that way
@@ -611,7 +612,7 @@ mod tests {
             );
         }
         for slot in &mut conns {
-            let conn = &mut slot.conn;
+            let conn = &mut slot.open.conn;
             let row = conn.fetch_one("PRAGMA synchronous").await.unwrap();
             assert_eq!(
                 row.try_get::<i64, _>(0).unwrap(),
@@ -640,8 +641,8 @@ mod tests {
         let table = &backend.inner.options.table;
         let name = format!("unit/{:08x}", rand::random::<u32>());
         let get = || conns.get(CONNECT_TIMEOUT, store::DRAIN_TIMEOUT);
-        let mut a = get().await.unwrap().conn;
-        let mut b = get().await.unwrap().conn;
+        let (mut sa, mut sb) = (get().await.unwrap(), get().await.unwrap());
+        let (a, b) = (&mut sa.open.conn, &mut sb.open.conn);
         a.execute(
             sqlx::query(&format!(
                 "INSERT INTO {table} (name, token, acquired_at, expires_at) VALUES (?, 1, 0, 0)"

@@ -25,7 +25,7 @@ use crate::{Inner, token_of};
 /// How long a connection whose statement was abandoned mid-way (the core's
 /// request timeout) may take to answer a ping before it is closed: a late
 /// reply is drained and the connection (with its prepared statements) goes
-/// back to the pool; a lost one costs the connection, not the pool slot.
+/// back to the cache; a lost one costs the connection, not its slot.
 pub(crate) const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Maps a driver error to the meaning-based core error.
@@ -122,6 +122,10 @@ pub(crate) struct Conn {
     conns: Arc<Conns>,
     /// A statement is in flight.
     busy: bool,
+    /// A statement failed: the connection is closed, not reused (an error
+    /// may come from a server turned read-only by a failover, or leave
+    /// the connection in a state no ping reveals).
+    failed: bool,
     /// Told (by being dropped) once the connection is drained or closed
     /// after an abandoned statement, or at once if none was abandoned.
     drained: Option<oneshot::Sender<()>>,
@@ -145,6 +149,7 @@ impl Conn {
             slot: Some(slot),
             conns: inner.conns.clone(),
             busy: false,
+            failed: false,
             drained: None,
         })
     }
@@ -169,13 +174,18 @@ impl Conn {
     where
         Fut: Future<Output = Result<T, sqlx::Error>> + 'c,
     {
-        let Self { slot, busy, .. } = self;
+        let Self {
+            slot, busy, failed, ..
+        } = self;
         *busy = true;
-        let conn = &mut slot.as_mut().expect("connection present until drop").conn;
+        let conn = &mut slot
+            .as_mut()
+            .expect("connection present until drop")
+            .open
+            .conn;
         let r = request(conn).await;
-        // A failed statement may have left the connection broken: it is
-        // drained like an abandoned one (reused if it answers a ping).
-        *busy = r.is_err();
+        *busy = false;
+        *failed |= r.is_err();
         r
     }
 
@@ -213,6 +223,10 @@ impl Drop for Conn {
         let Some(mut slot) = self.slot.take() else {
             return;
         };
+        if self.failed && !self.busy {
+            crate::conns::close(slot.open); // answered with an error
+            return;
+        }
         if !self.busy {
             self.conns.put(slot); // answered: back at once
             return;
@@ -224,7 +238,7 @@ impl Drop for Conn {
         let conns = self.conns.clone();
         runtime.spawn(async move {
             let _drained = drained;
-            match timeout(DRAIN_TIMEOUT, slot.conn.ping()).await {
+            match timeout(DRAIN_TIMEOUT, slot.open.conn.ping()).await {
                 // Answered: the late reply is drained; back to the cache.
                 Ok(Ok(())) => conns.put(slot),
                 // Broken or silent: close it and free its slot at once.
@@ -451,8 +465,13 @@ impl SqlClaim {
         ];
         let state = sql.state.bind(&args[..1]);
         match sql.dialect {
+            // `fetch_all`: the statement's commit is confirmed before the
+            // grant is reported (a commit refused after the row was sent, as
+            // a serialization failure can be, is this take's error, not the
+            // next statement's on this connection).
             Dialect::Postgres => {
-                let row = conn.fetch_one(sql.take.bind(&args)).await?;
+                let rows = conn.fetch_all(sql.take.bind(&args)).await?;
+                let row = rows.first().ok_or(sqlx::Error::RowNotFound)?;
                 let token: Option<i64> = row.try_get(0)?;
                 let remaining: Option<i64> = row.try_get(1)?;
                 Ok(match token {

@@ -18,7 +18,10 @@ use std::time::Duration;
 
 use sqlx::{AnyConnection, AnyPool, Connection};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
-use tokio::time::{Instant, timeout, timeout_at};
+use tokio::time::{Instant, timeout};
+
+use crate::CONNECT_TIMEOUT;
+use crate::store::DRAIN_TIMEOUT;
 
 /// A connection idle for this long answers a ping before it is used again:
 /// a server or middlebox may have dropped it meanwhile.
@@ -63,18 +66,13 @@ impl Conns {
         })
     }
 
-    /// A connection within `limit`: the most recently used idle one (pinged
-    /// first, within `ping_limit`, if idle for [`IDLE_CHECK`]), else a new
-    /// one. When an idle one fails its ping, the older ones are dropped
-    /// too: whatever killed it (a restart, a middlebox's idle timer) killed
-    /// them.
-    pub(crate) async fn get(
-        &self,
-        limit: Duration,
-        ping_limit: Duration,
-    ) -> Result<Slot, sqlx::Error> {
-        let deadline = Instant::now() + limit;
-        timeout_at(deadline, async {
+    /// A connection within [`CONNECT_TIMEOUT`]: the most recently used idle
+    /// one (pinged first, within [`DRAIN_TIMEOUT`], if idle for
+    /// [`IDLE_CHECK`]), else a new one. When an idle one fails its ping, the
+    /// older ones are dropped too: whatever killed it (a restart, a
+    /// middlebox's idle timer) killed them.
+    pub(crate) async fn get(&self) -> Result<Slot, sqlx::Error> {
+        timeout(CONNECT_TIMEOUT, async {
             let permit = self
                 .slots
                 .clone()
@@ -95,7 +93,7 @@ impl Conns {
                     });
                 };
                 if since.elapsed() < IDLE_CHECK
-                    || matches!(timeout(ping_limit, open.conn.ping()).await, Ok(Ok(())))
+                    || matches!(timeout(DRAIN_TIMEOUT, open.conn.ping()).await, Ok(Ok(())))
                 {
                     return Ok(Slot {
                         open,

@@ -236,10 +236,7 @@ impl SqlBackend {
             .map_err(|e| store::map_err(scheme, e))?;
         let conns = Conns::new(pool, options.pool);
         // One connection now, prepared while the network is known to work.
-        let warm = conns
-            .get(CONNECT_TIMEOUT, store::DRAIN_TIMEOUT)
-            .await
-            .map_err(|e| store::map_err(scheme, e))?;
+        let warm = conns.get().await.map_err(|e| store::map_err(scheme, e))?;
         conns.put(warm);
         let hub = Arc::new(WakeHub::default());
         let listener = Self::start_listener(&options, &hub).await;
@@ -602,14 +599,7 @@ mod tests {
         // More than one pooled connection: each has its own setting.
         let mut conns = Vec::new();
         for _ in 0..2 {
-            conns.push(
-                backend
-                    .inner
-                    .conns
-                    .get(CONNECT_TIMEOUT, store::DRAIN_TIMEOUT)
-                    .await
-                    .unwrap(),
-            );
+            conns.push(backend.inner.conns.get().await.unwrap());
         }
         for slot in &mut conns {
             let conn = &mut slot.open.conn;
@@ -640,8 +630,7 @@ mod tests {
         let conns = &backend.inner.conns;
         let table = &backend.inner.options.table;
         let name = format!("unit/{:08x}", rand::random::<u32>());
-        let get = || conns.get(CONNECT_TIMEOUT, store::DRAIN_TIMEOUT);
-        let (mut sa, mut sb) = (get().await.unwrap(), get().await.unwrap());
+        let (mut sa, mut sb) = (conns.get().await.unwrap(), conns.get().await.unwrap());
         let (a, b) = (&mut sa.open.conn, &mut sb.open.conn);
         a.execute(
             sqlx::query(&format!(

@@ -135,16 +135,12 @@ impl Conn {
     /// A connection from `inner`'s cache.
     pub(crate) async fn get(inner: &Inner) -> Result<Self, Error> {
         let scheme = inner.sql.dialect.scheme();
-        let slot = inner
-            .conns
-            .get(crate::CONNECT_TIMEOUT, DRAIN_TIMEOUT)
-            .await
-            .map_err(|e| match e {
-                // Garbage while opening a connection is the network's doing (a
-                // connection cut during the handshake), not the store's reply.
-                sqlx::Error::Protocol(_) => Error::unavailable(scheme, e),
-                e => map_err(scheme, e),
-            })?;
+        let slot = inner.conns.get().await.map_err(|e| match e {
+            // Garbage while opening a connection is the network's doing (a
+            // connection cut during the handshake), not the store's reply.
+            sqlx::Error::Protocol(_) => Error::unavailable(scheme, e),
+            e => map_err(scheme, e),
+        })?;
         Ok(Self {
             slot: Some(slot),
             conns: inner.conns.clone(),
@@ -223,12 +219,12 @@ impl Drop for Conn {
         let Some(mut slot) = self.slot.take() else {
             return;
         };
-        if self.failed && !self.busy {
-            crate::conns::close(slot.open); // answered with an error
-            return;
-        }
         if !self.busy {
-            self.conns.put(slot); // answered: back at once
+            if self.failed {
+                crate::conns::close(slot.open); // answered with an error
+            } else {
+                self.conns.put(slot); // answered: back at once
+            }
             return;
         }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {

@@ -40,6 +40,9 @@ const CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
 pub(crate) struct Open {
     pub(crate) conn: AnyConnection,
     opened: Instant,
+    /// The server's id of this connection, once asked (a queue lane's wait
+    /// is cancelled by it).
+    pub(crate) pid: Option<i64>,
 }
 
 /// The idle connections and the slots of all of them, idle or in use.
@@ -79,35 +82,56 @@ impl Conns {
                 .acquire_owned()
                 .await
                 .map_err(|_| sqlx::Error::PoolClosed)?;
-            loop {
-                let popped = self.lock().pop();
-                let Some((mut open, since)) = popped else {
-                    let conn = self.opener.acquire().await?.detach();
-                    let open = Open {
-                        conn,
-                        opened: Instant::now(),
-                    };
-                    return Ok(Slot {
-                        open,
-                        _permit: permit,
-                    });
-                };
-                if since.elapsed() < IDLE_CHECK
-                    || matches!(timeout(DRAIN_TIMEOUT, open.conn.ping()).await, Ok(Ok(())))
-                {
-                    return Ok(Slot {
-                        open,
-                        _permit: permit,
-                    });
-                }
-                close(open);
-                for (older, _) in self.lock().drain(..) {
-                    close(older);
-                }
-            }
+            self.fill(permit).await
         })
         .await
         .map_err(|_| sqlx::Error::PoolTimedOut)?
+    }
+
+    /// [`Conns::get`], but waiting for a free slot as long as it takes (in
+    /// arrival order: the semaphore is fair); only opening or checking the
+    /// connection is bounded by [`CONNECT_TIMEOUT`].
+    pub(crate) async fn get_in_turn(&self) -> Result<Slot, sqlx::Error> {
+        let permit = self
+            .slots
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|_| sqlx::Error::PoolClosed)?;
+        timeout(CONNECT_TIMEOUT, self.fill(permit))
+            .await
+            .map_err(|_| sqlx::Error::PoolTimedOut)?
+    }
+
+    /// A connection for the slot `permit` holds.
+    async fn fill(&self, permit: OwnedSemaphorePermit) -> Result<Slot, sqlx::Error> {
+        loop {
+            let popped = self.lock().pop();
+            let Some((mut open, since)) = popped else {
+                let conn = self.opener.acquire().await?.detach();
+                let open = Open {
+                    conn,
+                    opened: Instant::now(),
+                    pid: None,
+                };
+                return Ok(Slot {
+                    open,
+                    _permit: permit,
+                });
+            };
+            if since.elapsed() < IDLE_CHECK
+                || matches!(timeout(DRAIN_TIMEOUT, open.conn.ping()).await, Ok(Ok(())))
+            {
+                return Ok(Slot {
+                    open,
+                    _permit: permit,
+                });
+            }
+            close(open);
+            for (older, _) in self.lock().drain(..) {
+                close(older);
+            }
+        }
     }
 
     /// Takes `slot`'s connection back, answered and ready for the next

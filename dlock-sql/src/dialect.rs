@@ -117,6 +117,14 @@ impl Sql {
     }
 }
 
+/// MySQL's take answers a busy lock with a `LAST_INSERT_ID` at or above this
+/// (2^62, above any token): `MYSQL_BUSY + MYSQL_OFFSET + remaining ms`.
+pub(crate) const MYSQL_BUSY: i64 = 1 << 62;
+
+/// Keeps the holder's remaining ms (negative for a row free or expired
+/// since, down to the epoch) positive in MySQL's busy answer.
+pub(crate) const MYSQL_OFFSET: i64 = 1 << 50;
+
 /// How many holds one renewal statement carries at most: a session renews
 /// up to this many holds in one statement per period, more in chunks.
 pub(crate) const RENEW_CHUNK: usize = 256;
@@ -151,6 +159,8 @@ pub(crate) struct Statements {
     /// renewal matched fewer rows than it listed).
     held: Vec<Sql>,
     pub(crate) close: Sql,
+    /// The wait queue's statements (PostgreSQL, MySQL).
+    pub(crate) queue: Option<QueueSql>,
     pub(crate) inspect: Sql,
     pub(crate) list: Sql,
     pub(crate) validate: Sql,
@@ -171,7 +181,9 @@ impl Statements {
         // take whose request timed out, retried on another connection and
         // released since), is refused instead of granting a hold no one
         // tracks (S5).
-        let free = "holder = NULL, expires_at = 0";
+        // Its `expires_at` says when it was freed: the queue's grace period
+        // counts from then.
+        let free = "holder = NULL, expires_at = {now}";
         let create = match dialect {
             Dialect::Postgres => vec![
                 sql(
@@ -205,44 +217,62 @@ impl Statements {
         // extended: rule 4).
         let fresh = "{t}.expires_at <= {now} AND ({t}.holder IS NOT NULL OR {t}.owner IS NULL \
              OR {t}.owner <> excluded.owner)";
-        let upsert = format!(
-            "ON CONFLICT (name) DO UPDATE SET \
-             token = CASE WHEN {fresh} THEN {{t}}.token + 1 ELSE {{t}}.token END, \
-             acquired_at = CASE WHEN {fresh} THEN excluded.acquired_at \
-             ELSE {{t}}.acquired_at END, \
-             holder = excluded.holder, owner = excluded.owner, why = excluded.why, \
-             expires_at = excluded.expires_at \
-             WHERE ({fresh}) OR ({{t}}.expires_at > {{now}} AND {{t}}.owner = excluded.owner) \
-             RETURNING token"
-        );
+        // PostgreSQL and MySQL: a fresh grant also needs the wait queue's
+        // consent (see `queue`): no one waits in it, or this take comes from
+        // its head, or the row has been free for the grace period ?7 (the
+        // head is stuck: it may be paused, or gone without its connection
+        // noticing).
+        let upsert = |queue: &str| {
+            format!(
+                "ON CONFLICT (name) DO UPDATE SET \
+                 token = CASE WHEN {fresh} THEN {{t}}.token + 1 ELSE {{t}}.token END, \
+                 acquired_at = CASE WHEN {fresh} THEN excluded.acquired_at \
+                 ELSE {{t}}.acquired_at END, \
+                 holder = excluded.holder, owner = excluded.owner, why = excluded.why, \
+                 expires_at = excluded.expires_at \
+                 WHERE (({fresh}){queue}) \
+                 OR ({{t}}.expires_at > {{now}} AND {{t}}.owner = excluded.owner) \
+                 RETURNING token"
+            )
+        };
         let take = match dialect {
             // One round trip whatever happens: the CTE's snapshot shows the
-            // holder as it was before the take.
+            // holder as it was before the take. The transaction-scoped
+            // advisory lock is free unless a waiter holds it (as a session
+            // lock) at the head of the queue; the head's own session lock
+            // lets its take through.
             Dialect::Postgres => sql(&format!(
                 "WITH prior AS (SELECT expires_at - {{now}} AS remaining FROM {{t}} WHERE name = ?1), \
-                 taken AS ({columns} {values} {upsert}) \
-                 SELECT (SELECT token FROM taken), (SELECT remaining FROM prior)"
+                 taken AS ({columns} {values} {}) \
+                 SELECT (SELECT token FROM taken), (SELECT remaining FROM prior)",
+                upsert(
+                    " AND (pg_try_advisory_xact_lock(?6) OR {t}.expires_at <= {now} - ?7)"
+                )
             )),
-            Dialect::Sqlite => sql(&format!("{columns} {values} {upsert}")),
-            // MySQL has no RETURNING: the granted token comes back as the
+            Dialect::Sqlite => sql(&format!("{columns} {values} {}", upsert(""))),
+            // MySQL has no RETURNING: the answer comes back as the
             // statement's LAST_INSERT_ID (the OK packet carries the last
-            // LAST_INSERT_ID(expr) the statement evaluated: VALUES sets 1,
-            // the update branch then the token, or 0 if busy). Assignments
-            // see the columns assigned before them: expires_at, which every
-            // condition reads, is assigned last, and holder and owner just
-            // before it, when the conditions give the same answer either way
-            // (a granted row gets a holder and this owner).
+            // LAST_INSERT_ID(expr) the statement evaluated): VALUES sets 1 (a
+            // new row), the update's first assignment then the token if
+            // granted, or BUSY + 2^50 + the holder's remaining ms if not (one
+            // round trip either way). Only that first assignment reads the
+            // queue (its lock can change hands while the statement runs);
+            // the others ask LAST_INSERT_ID() what it decided. `fresh`
+            // reads expires_at, holder and owner, assigned after it.
             Dialect::MySql => {
                 let fresh = "expires_at <= {now} AND (holder IS NOT NULL OR owner IS NULL \
                              OR owner <> VALUES(owner))";
                 let mine = "expires_at > {now} AND owner = VALUES(owner)";
-                let granted = format!("({fresh}) OR ({mine})");
+                let queue = "(IS_FREE_LOCK(?6) = 1 OR IS_USED_LOCK(?6) = CONNECTION_ID() \
+                             OR expires_at <= {now} - ?7)";
+                let granted = format!("LAST_INSERT_ID() < {MYSQL_BUSY}");
                 sql(&format!(
                     "{columns} VALUES (?1, ?2, ?3, LAST_INSERT_ID(1), ?4, {{now}}, {{now}} + ?5) \
                      ON DUPLICATE KEY UPDATE \
-                     token = IF({fresh}, LAST_INSERT_ID(token + 1), \
-                     IF({mine}, LAST_INSERT_ID(token), token + LAST_INSERT_ID(0))), \
-                     acquired_at = IF({fresh}, VALUES(acquired_at), acquired_at), \
+                     token = IF(({fresh}) AND {queue}, LAST_INSERT_ID(token + 1), \
+                     IF({mine}, LAST_INSERT_ID(token), \
+                     LEAST(token, LAST_INSERT_ID({MYSQL_BUSY} + {MYSQL_OFFSET} + expires_at - {{now}})))), \
+                     acquired_at = IF(({fresh}) AND {granted}, VALUES(acquired_at), acquired_at), \
                      why = IF({granted}, VALUES(why), why), \
                      holder = IF({granted}, VALUES(holder), holder), \
                      owner = IF({granted}, VALUES(owner), owner), \
@@ -286,6 +316,7 @@ impl Statements {
             close: sql(&format!(
                 "UPDATE {{t}} SET {free} WHERE holder = ?1 AND expires_at > {{now}}{notify}"
             )),
+            queue: QueueSql::new(dialect, table, free, &notify),
             inspect: sql(
                 "SELECT holder, token, why, acquired_at, expires_at, {now} FROM {t} \
                  WHERE name = ?1 AND expires_at > {now}",
@@ -318,6 +349,10 @@ impl Statements {
         if !self.has_returning() {
             hot.extend(self.held.iter().take(2));
         }
+        if let Some(q) = &self.queue {
+            hot.extend([&q.lock, &q.unlock]);
+            hot.extend(&q.release);
+        }
         hot.into_iter().map(|s| s.text.clone()).collect()
     }
 
@@ -336,6 +371,51 @@ impl Statements {
     pub(crate) fn held(&self, n: usize) -> &Sql {
         let i = n.max(1).next_power_of_two().trailing_zeros() as usize;
         &self.held[i]
+    }
+}
+
+/// The statements of the wait queue in front of the lock rows (see
+/// `crate::queue`): a lock of the database's own lock manager per lock name,
+/// `?1` (PostgreSQL: a `bigint` session-level advisory lock; MySQL: a
+/// `GET_LOCK` name).
+#[derive(Debug)]
+pub(crate) struct QueueSql {
+    /// Waits in the lock manager's queue until the lock is this
+    /// connection's; answers 1.
+    pub(crate) lock: Sql,
+    /// Lets the lock go.
+    pub(crate) unlock: Sql,
+    /// This connection's id on the server (to cancel its wait).
+    pub(crate) pid: Sql,
+    /// PostgreSQL: the release (arguments as `release`) and the unlock of
+    /// `?5` in one statement, answering how many rows it freed. MySQL
+    /// releases, then unlocks.
+    pub(crate) release: Option<Sql>,
+}
+
+impl QueueSql {
+    fn new(dialect: Dialect, table: &str, free: &str, notify: &str) -> Option<Self> {
+        let sql = |template: &str| Sql::new(dialect, table, template);
+        match dialect {
+            Dialect::Postgres => Some(Self {
+                lock: sql("SELECT COUNT(*) FROM (SELECT pg_advisory_lock(?1)) AS queued"),
+                unlock: sql("SELECT pg_advisory_unlock(?1)"),
+                pid: sql("SELECT CAST(pg_backend_pid() AS BIGINT)"),
+                release: Some(sql(&format!(
+                    "WITH freed AS (UPDATE {{t}} SET {free} WHERE name = ?1 AND owner = ?2 \
+                     AND token = ?3 AND holder = ?4 AND expires_at > {{now}}{notify}) \
+                     SELECT (SELECT COUNT(*) FROM freed), pg_advisory_unlock(?5)"
+                ))),
+            }),
+            // A year: GET_LOCK has no "forever" in every MariaDB version.
+            Dialect::MySql => Some(Self {
+                lock: sql("SELECT GET_LOCK(?1, 31536000)"),
+                unlock: sql("SELECT RELEASE_LOCK(?1)"),
+                pid: sql("SELECT CAST(CONNECTION_ID() AS SIGNED)"),
+                release: None,
+            }),
+            Dialect::Sqlite => None,
+        }
     }
 }
 

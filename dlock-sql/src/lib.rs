@@ -117,6 +117,7 @@ mod floor;
 #[cfg(feature = "postgres")]
 mod notify;
 mod options;
+mod queue;
 mod store;
 
 use std::fmt;
@@ -136,7 +137,7 @@ use conns::Conns;
 use dialect::{Arg, Dialect, Sql, Statements, prefix_end};
 use dlock_core::wake::WakeHub;
 pub use floor::SqlFloor;
-pub use options::{DEFAULT_TABLE, SqlOptions};
+pub use options::{DEFAULT_QUEUE, DEFAULT_TABLE, SqlOptions};
 
 /// The smallest TTL: the database clock has millisecond resolution, and a
 /// statement plus a renewal round must fit comfortably.
@@ -172,6 +173,8 @@ pub struct SqlBackend {
 
 pub(crate) struct Inner {
     pub(crate) conns: Arc<Conns>,
+    /// The wait queue's lanes (`None`: no queue).
+    pub(crate) lanes: Option<Arc<Conns>>,
     pub(crate) sql: Statements,
     pub(crate) hub: Arc<WakeHub>,
     pub(crate) options: SqlOptions,
@@ -234,6 +237,8 @@ impl SqlBackend {
             .connect_with(connect_options)
             .await
             .map_err(|e| store::map_err(scheme, e))?;
+        let lanes = (sql.queue.is_some() && options.queue > 0)
+            .then(|| Conns::new(pool.clone(), options.queue));
         let conns = Conns::new(pool, options.pool);
         // One connection now, prepared while the network is known to work.
         let warm = conns.get().await.map_err(|e| store::map_err(scheme, e))?;
@@ -244,6 +249,7 @@ impl SqlBackend {
         Ok(Self {
             inner: Arc::new(Inner {
                 conns,
+                lanes,
                 sql,
                 hub,
                 options,

@@ -27,7 +27,14 @@ pub struct SqlOptions {
     url: StoreUrl,
     pub(crate) table: String,
     pub(crate) pool: u32,
+    /// Connections that wait in the database's lock queue (and keep a
+    /// contended hold's place), beyond `pool`; 0 turns the queue off.
+    pub(crate) queue: u32,
 }
+
+/// How many waiters per backend queue in the database by default (see
+/// [`SqlOptions::capabilities`]).
+pub const DEFAULT_QUEUE: u32 = 16;
 
 /// The default lock table.
 pub const DEFAULT_TABLE: &str = "dlock_locks";
@@ -143,6 +150,15 @@ impl SqlOptions {
                 "dlock_pool must be a number from 1 to 256, not {pool}"
             )));
         }
+        let queue = options
+            .parse::<u32>("dlock_queue", "a number from 0 to 1024")?
+            .unwrap_or(DEFAULT_QUEUE);
+        if queue > 1024 {
+            return Err(url.invalid(format!(
+                "dlock_queue must be a number from 0 to 1024, not {queue}"
+            )));
+        }
+        let queue = if dialect == Dialect::Sqlite { 0 } else { queue };
         for key in options.unread() {
             if driver_reads(dialect, key) {
                 options.pass(key);
@@ -157,6 +173,7 @@ impl SqlOptions {
             url,
             table,
             pool,
+            queue,
         })
     }
 
@@ -185,10 +202,16 @@ impl SqlOptions {
     /// * a session is a set of rows, not a connection: it survives a
     ///   dropped connection re-established within its TTL.
     ///
-    /// Not fair (no queue) and one release may wake one waiter per process.
+    /// * PostgreSQL and MySQL waiters queue in the database's own lock
+    ///   manager (`dlock_queue`, on by default): they are granted in
+    ///   arrival order and one release wakes one of them, so both are
+    ///   declared fair and herd-free. SQLite, or `dlock_queue=0`, has no
+    ///   queue: whoever asks first after a release wins, and one release
+    ///   may wake one waiter per process.
     pub fn capabilities(&self) -> Capabilities {
         let listens = self.dialect == Dialect::Postgres;
         let mut caps = Capabilities::default();
+        (caps.fair, caps.no_herd) = (self.queue > 0, self.queue > 0);
         // Held locks survive a restart: a committed row survives a restart.
         caps.restart_loses_locks = false;
         (caps.durable_tokens, caps.survives_reconnect) = (true, true);
@@ -284,6 +307,7 @@ impl fmt::Debug for SqlOptions {
             .field("url", &self.url)
             .field("table", &self.table)
             .field("pool", &self.pool)
+            .field("queue", &self.queue)
             .finish()
     }
 }
@@ -409,8 +433,13 @@ mod tests {
             let bound = if notify { 150 } else { 300 };
             assert_eq!(c.wakeup_bound, Duration::from_millis(bound), "{url}");
             assert!(c.durable_tokens && c.survives_reconnect, "{url}");
-            assert!(!c.fair && !c.no_herd && !c.restart_loses_locks, "{url}");
+            // The database's lock queue: PostgreSQL and MySQL only.
+            let queue = !url.starts_with("sqlite");
+            assert_eq!((c.fair, c.no_herd), (queue, queue), "{url}");
+            assert!(!c.restart_loses_locks, "{url}");
             assert_eq!(c.recovery_bound, Duration::from_secs(1), "{url}");
         }
+        let off = caps("postgres://h/db?dlock_queue=0");
+        assert!(!off.fair && !off.no_herd);
     }
 }

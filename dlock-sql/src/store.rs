@@ -1,10 +1,10 @@
 //! The store primitives on SQL: sessions, attempts, connections, error
 //! mapping.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -19,7 +19,8 @@ use tokio::sync::oneshot::error::TryRecvError;
 use tokio::time::{Instant, sleep_until, timeout};
 
 use crate::conns::{Conns, Slot};
-use crate::dialect::{Arg, Dialect, RENEW_CHUNK};
+use crate::dialect::{Arg, Dialect, MYSQL_BUSY, MYSQL_OFFSET, RENEW_CHUNK, Sql};
+use crate::queue::{QueueKey, Queued, grace_ms};
 use crate::{Inner, token_of};
 
 /// How long a connection whose statement was abandoned mid-way (the core's
@@ -129,6 +130,9 @@ pub(crate) struct Conn {
     /// Told (by being dropped) once the connection is drained or closed
     /// after an abandoned statement, or at once if none was abandoned.
     drained: Option<oneshot::Sender<()>>,
+    /// A queue lane that may hold its queue lock: closed when dropped
+    /// (which frees the lock), never handed back (see `queue`).
+    locked: bool,
 }
 
 impl Conn {
@@ -147,7 +151,60 @@ impl Conn {
             busy: false,
             failed: false,
             drained: None,
+            locked: false,
         })
+    }
+
+    /// A queue lane: a connection from `inner`'s lanes (`dlock_queue` of
+    /// them, apart from the `dlock_pool` ones, so that waiters never take
+    /// the connections releases need), waiting in arrival order for one to
+    /// be free. `None` if the queue is off.
+    pub(crate) async fn lane(inner: &Inner) -> Option<Result<Self, sqlx::Error>> {
+        let lanes = inner.lanes.as_ref()?;
+        Some(lanes.get_in_turn().await.map(|slot| Self {
+            slot: Some(slot),
+            conns: lanes.clone(),
+            busy: false,
+            failed: false,
+            drained: None,
+            locked: false,
+        }))
+    }
+
+    /// The connection's id on the server (asked once per connection).
+    pub(crate) async fn pid(&mut self, query: &Sql) -> Result<i64, sqlx::Error> {
+        if let Some(pid) = self.open().pid {
+            return Ok(pid);
+        }
+        let pid: i64 = self.fetch_one(query.bind(&[])).await?.try_get(0)?;
+        self.open().pid = Some(pid);
+        Ok(pid)
+    }
+
+    fn open(&mut self) -> &mut crate::conns::Open {
+        &mut self.slot.as_mut().expect("connection present until drop").open
+    }
+
+    /// From now on the connection may hold a queue lock.
+    pub(crate) fn mark_locked(&mut self) {
+        self.locked = true;
+    }
+
+    /// An unlock answered: the connection holds no queue lock.
+    pub(crate) fn mark_unlocked(&mut self) {
+        self.locked = false;
+    }
+
+    /// For the next statement of a connection kept across statements (a
+    /// lane): `drained` is told once it answered ([`Conn::settle`]) or, if
+    /// it is cut off, once the connection is drained or closed.
+    pub(crate) fn watch(&mut self, drained: oneshot::Sender<()>) {
+        self.drained = Some(drained);
+    }
+
+    /// The watched statement answered.
+    pub(crate) fn settle(&mut self) {
+        self.drained = None;
     }
 
     /// `drained` is dropped once no statement of this connection can reach
@@ -212,6 +269,13 @@ impl Conn {
     ) -> Result<Vec<AnyRow>, sqlx::Error> {
         self.run(|c| q.fetch_all(c)).await
     }
+
+    /// A statement that cannot be prepared (MySQL's `KILL`).
+    pub(crate) async fn execute_raw(&mut self, text: &str) -> Result<(), sqlx::Error> {
+        self.run(|c| sqlx::Executor::execute(c, text))
+            .await
+            .map(drop)
+    }
 }
 
 impl Drop for Conn {
@@ -220,8 +284,10 @@ impl Drop for Conn {
             return;
         };
         if !self.busy {
-            if self.failed {
-                crate::conns::close(slot.open); // answered with an error
+            if self.failed || self.locked {
+                // Answered with an error, or may hold a queue lock (closing
+                // frees it).
+                crate::conns::close(slot.open);
             } else {
                 self.conns.put(slot); // answered: back at once
             }
@@ -232,9 +298,12 @@ impl Drop for Conn {
         };
         let drained = self.drained.take();
         let conns = self.conns.clone();
+        let locked = self.locked;
         runtime.spawn(async move {
             let _drained = drained;
             match timeout(DRAIN_TIMEOUT, slot.open.conn.ping()).await {
+                // Answered, but may hold a queue lock: closed.
+                Ok(Ok(())) if locked => crate::conns::close(slot.open),
                 // Answered: the late reply is drained; back to the cache.
                 Ok(Ok(())) => conns.put(slot),
                 // Broken or silent: close it and free its slot at once.
@@ -253,11 +322,44 @@ pub(crate) struct SqlSession {
     inner: Arc<Inner>,
     id: SessionId,
     ttl: Duration,
+    lanes: Arc<HeldLanes>,
+}
+
+/// The lanes of holds granted through the wait queue, by lock name and
+/// owner: each keeps its queue lock until its hold is released (so the next
+/// waiter is woken by the lock manager), or dropped (closed, which frees
+/// the lock) when its hold is found gone.
+#[derive(Default)]
+pub(crate) struct HeldLanes(Mutex<HashMap<(String, String), Conn>>);
+
+impl HeldLanes {
+    fn put(&self, hold: &Hold, lane: Conn) {
+        let key = (hold.name.to_string(), hold.key.clone());
+        self.lock().insert(key, lane);
+    }
+
+    fn take(&self, name: &LockName, owner: &str) -> Option<Conn> {
+        self.lock().remove(&(name.to_string(), owner.to_owned()))
+    }
+
+    fn clear(&self) {
+        let lanes: Vec<Conn> = self.lock().drain().map(|(_, lane)| lane).collect();
+        drop(lanes);
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), Conn>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
 }
 
 impl SqlSession {
     pub(crate) fn new(inner: Arc<Inner>, id: SessionId, ttl: Duration) -> Self {
-        Self { inner, id, ttl }
+        Self {
+            inner,
+            id,
+            ttl,
+            lanes: Arc::default(),
+        }
     }
 
     fn scheme(&self) -> &'static str {
@@ -266,6 +368,36 @@ impl SqlSession {
 
     fn ttl_ms(&self) -> i64 {
         self.ttl.as_millis() as i64
+    }
+
+    /// Releases `hold` on its lane and lets the queue lock go: in one
+    /// statement on PostgreSQL (the next waiter's take then waits for this
+    /// one's commit), in two on MySQL. Returns the rows freed. The lane goes
+    /// back to the lanes' cache only after an unlock that answered.
+    async fn release_on_lane(&self, mut lane: Conn, hold: &Hold) -> Result<u64, sqlx::Error> {
+        let sql = &self.inner.sql;
+        let queue = sql.queue.as_ref().expect("a lane implies a queue");
+        let key = QueueKey::new(&self.inner.options.table, hold.name.as_str());
+        let args = [
+            Arg::Text(hold.name.as_str()),
+            Arg::Text(&hold.key),
+            Arg::Int(hold.token.get() as i64),
+            Arg::Text(self.id.as_str()),
+            key.arg(sql.dialect),
+        ];
+        let freed = match &queue.release {
+            Some(both) => {
+                let row = lane.fetch_one(both.bind(&args)).await?;
+                row.try_get::<i64, _>(0)? as u64
+            }
+            None => {
+                let done = lane.execute(sql.release.bind(&args[..4])).await?;
+                lane.fetch_one(queue.unlock.bind(&args[4..])).await?;
+                done.rows_affected()
+            }
+        };
+        lane.mark_unlocked();
+        Ok(freed)
     }
 
     /// Extends the live holds among `batch` (at most [`RENEW_CHUNK`]) in one
@@ -330,8 +462,17 @@ impl RawSession for SqlSession {
     }
 
     async fn claim(&self, name: &LockName, why: Option<&str>) -> Result<Box<dyn Claim>, Error> {
+        // With a queue, only the head (or a claim without a lane) waits for
+        // release notifications: it subscribes when it becomes one.
+        let waiter = match self.inner.lanes {
+            Some(_) => None,
+            None => Some(self.inner.hub.subscribe(name.as_str())),
+        };
         Ok(Box::new(SqlClaim {
-            waiter: self.inner.hub.subscribe(name.as_str()),
+            waiter,
+            key: QueueKey::new(&self.inner.options.table, name.as_str()),
+            place: Place::Out,
+            lanes: self.lanes.clone(),
             inner: self.inner.clone(),
             session: self.id.clone(),
             name: name.clone(),
@@ -360,24 +501,33 @@ impl RawSession for SqlSession {
                 .await
                 .map_err(|e| map_err(self.scheme(), e))?;
         }
-        Ok(holds
+        let live: Vec<bool> = holds
             .iter()
             .map(|h| live.contains(&(h.name.to_string(), h.token.get() as i64)))
-            .collect())
+            .collect();
+        for (hold, _) in holds.iter().zip(&live).filter(|(_, live)| !**live) {
+            drop(self.lanes.take(&hold.name, &hold.key));
+        }
+        Ok(live)
     }
 
     async fn release(&self, hold: &Hold) -> Result<(), Error> {
-        let mut conn = Conn::get(&self.inner).await?;
-        let done = conn
-            .execute(self.inner.sql.release.bind(&[
-                Arg::Text(hold.name.as_str()),
-                Arg::Text(&hold.key),
-                Arg::Int(hold.token.get() as i64),
-                Arg::Text(self.id.as_str()),
-            ]))
-            .await
-            .map_err(|e| map_err(self.scheme(), e))?;
-        if done.rows_affected() == 0 {
+        let freed = match self.lanes.take(&hold.name, &hold.key) {
+            Some(lane) => self.release_on_lane(lane, hold).await,
+            None => {
+                let mut conn = Conn::get(&self.inner).await?;
+                conn.execute(self.inner.sql.release.bind(&[
+                    Arg::Text(hold.name.as_str()),
+                    Arg::Text(&hold.key),
+                    Arg::Int(hold.token.get() as i64),
+                    Arg::Text(self.id.as_str()),
+                ]))
+                .await
+                .map(|done| done.rows_affected())
+            }
+        }
+        .map_err(|e| map_err(self.scheme(), e))?;
+        if freed == 0 {
             return Err(Error::NotHeld {
                 name: hold.name.to_string(),
             });
@@ -390,9 +540,11 @@ impl RawSession for SqlSession {
 
     async fn close(&self, holds: &[Hold]) -> Result<(), Error> {
         let mut conn = Conn::get(&self.inner).await?;
-        conn.execute(self.inner.sql.close.bind(&[Arg::Text(self.id.as_str())]))
-            .await
-            .map_err(|e| map_err(self.scheme(), e))?;
+        let closed = conn
+            .execute(self.inner.sql.close.bind(&[Arg::Text(self.id.as_str())]))
+            .await;
+        self.lanes.clear();
+        closed.map_err(|e| map_err(self.scheme(), e))?;
         for hold in holds {
             self.inner.hub.wake_first(hold.name.as_str());
         }
@@ -400,8 +552,10 @@ impl RawSession for SqlSession {
     }
 }
 
-/// A claim on one lock. There is no queue in SQL: a busy claim
-/// polls (or, on PostgreSQL, waits for `NOTIFY`) and tries again.
+/// A claim on one lock. On PostgreSQL and MySQL a busy claim joins the
+/// database's lock queue (see `queue`) and takes the row when first in
+/// line; without a lane (SQLite, `dlock_queue=0`, every lane in use) it
+/// polls, or on PostgreSQL waits for `NOTIFY`, and tries again.
 struct SqlClaim {
     inner: Arc<Inner>,
     session: SessionId,
@@ -410,7 +564,15 @@ struct SqlClaim {
     owner: String,
     why: Option<String>,
     ttl_ms: i64,
-    waiter: Waiter,
+    /// Release notifications (see [`SqlSession::claim`]).
+    waiter: Option<Waiter>,
+    /// The name's queue lock.
+    key: QueueKey,
+    /// Where the claim is in the queue.
+    place: Place,
+    /// The session's lanes of held locks: a grant on this claim's lane goes
+    /// there.
+    lanes: Arc<HeldLanes>,
     /// Whether a take was sent (so a grant may exist that abandon must free).
     sent: bool,
     /// Takes cut off in flight (the core's request timeout, the caller's
@@ -421,11 +583,27 @@ struct SqlClaim {
     backoff: PollBackoff,
 }
 
+/// A claim's place in the wait queue.
+enum Place {
+    /// Not in it: not waiting yet, or waiting without a lane.
+    Out,
+    /// Waiting in the database's lock manager.
+    Queued(Queued),
+    /// First in line: the lane holds the queue lock.
+    Head(Conn),
+}
+
 impl fmt::Debug for SqlClaim {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let place = match self.place {
+            Place::Out => "out",
+            Place::Queued(_) => "queued",
+            Place::Head(_) => "head",
+        };
         f.debug_struct("SqlClaim")
             .field("name", &self.name)
             .field("owner", &self.owner)
+            .field("place", &place)
             .finish()
     }
 }
@@ -443,14 +621,30 @@ impl SqlClaim {
         }))
     }
 
-    /// Busy, with the holder's remaining time as the hint.
-    fn busy(remaining: Option<i64>) -> Take {
+    /// Busy, with the holder's remaining time as the hint; where a queue
+    /// kept a free row from this take, the end of its grace period.
+    fn busy(&self, remaining: Option<i64>) -> Take {
+        let grace = match self.inner.sql.queue {
+            Some(_) => grace_ms(self.ttl_ms),
+            None => 0,
+        };
+        let hint = remaining.map(|ms| if ms > 0 { ms } else { (grace + ms).max(0) });
         Take::Busy(Busy {
-            retry_after: remaining.map(|ms| Duration::from_millis(ms.max(0) as u64)),
+            retry_after: hint.map(|ms| Duration::from_millis(ms as u64)),
         })
     }
 
-    async fn take(&self, conn: &mut Conn) -> Result<Take, sqlx::Error> {
+    /// First in line, with `lane`: from now on it waits for the row's
+    /// release (subscribed before its first take as the head, L2).
+    fn head(&mut self, lane: Conn) {
+        let (hub, name) = (&self.inner.hub, &self.name);
+        self.waiter
+            .get_or_insert_with(|| hub.subscribe(name.as_str()));
+        self.backoff = PollBackoff::default();
+        self.place = Place::Head(lane);
+    }
+
+    async fn take(&mut self, conn: &mut Conn) -> Result<Take, sqlx::Error> {
         let sql = &self.inner.sql;
         let args = [
             Arg::Text(self.name.as_str()),
@@ -458,8 +652,9 @@ impl SqlClaim {
             Arg::Text(&self.owner),
             Arg::OptText(self.why.as_deref()),
             Arg::Int(self.ttl_ms),
+            self.key.arg(sql.dialect),
+            Arg::Int(grace_ms(self.ttl_ms)),
         ];
-        let state = sql.state.bind(&args[..1]);
         match sql.dialect {
             // `fetch_all`: the statement's commit is confirmed before the
             // grant is reported (a commit refused after the row was sent, as
@@ -472,7 +667,7 @@ impl SqlClaim {
                 let remaining: Option<i64> = row.try_get(1)?;
                 Ok(match token {
                     Some(token) => self.granted(token).map_err(protocol)?,
-                    None => Self::busy(remaining),
+                    None => self.busy(remaining),
                 })
             }
             // `fetch_all`, not `fetch_optional`: sqlx-sqlite stops at the
@@ -480,24 +675,46 @@ impl SqlClaim {
             // failed commit's error; a take reported granted must be
             // committed (adversarial review: a grant rolled back at commit
             // was reported, and its token issued again).
-            Dialect::Sqlite => match conn.fetch_all(sql.take.bind(&args)).await?.first() {
+            Dialect::Sqlite => match conn.fetch_all(sql.take.bind(&args[..5])).await?.first() {
                 Some(row) => self.granted(row.try_get(0)?).map_err(protocol),
                 None => {
-                    let row = conn.fetch_optional(state).await?;
-                    Ok(Self::busy(row.map(|r| r.try_get(0)).transpose()?))
+                    let row = conn.fetch_optional(sql.state.bind(&args[..1])).await?;
+                    Ok(self.busy(row.map(|r| r.try_get(0)).transpose()?))
                 }
             },
+            // The answer is the statement's LAST_INSERT_ID (see `dialect`).
             Dialect::MySql => {
                 let done = conn.execute(sql.take.bind(&args)).await?;
                 match done.last_insert_id().unwrap_or(0) {
-                    0 => {
-                        let row = conn.fetch_optional(state).await?;
-                        Ok(Self::busy(row.map(|r| r.try_get(0)).transpose()?))
+                    busy if busy >= MYSQL_BUSY => {
+                        Ok(self.busy(Some(busy - MYSQL_BUSY - MYSQL_OFFSET)))
                     }
-                    token => self.granted(token).map_err(protocol),
+                    token if token > 0 => self.granted(token).map_err(protocol),
+                    other => Err(sqlx::Error::Protocol(format!(
+                        "the take answered LAST_INSERT_ID {other}"
+                    ))),
                 }
             }
         }
+    }
+
+    /// The head's take, on its lane: a grant keeps the lane (and the queue
+    /// lock) with the hold; busy keeps it at the head; an error closes it,
+    /// which lets the next waiter through.
+    async fn take_as_head(&mut self, mut lane: Conn) -> Result<Take, Error> {
+        let (drained, rx) = oneshot::channel();
+        self.in_flight.push(rx);
+        lane.watch(drained);
+        self.sent = true;
+        let taken = self.take(&mut lane).await;
+        lane.settle();
+        self.in_flight.pop(); // answered: nothing of this take is left to land
+        match &taken {
+            Ok(Take::Granted(hold)) => self.lanes.put(hold, lane),
+            Ok(Take::Busy(_)) => self.place = Place::Head(lane),
+            Err(_) => drop(lane),
+        }
+        taken.map_err(|e| map_err(self.scheme(), e))
     }
 }
 
@@ -511,10 +728,28 @@ fn protocol(e: Error) -> sqlx::Error {
 impl Claim for SqlClaim {
     /// One statement that takes a free or expired lock, or re-confirms and
     /// extends this attempt's own grant after a lost reply (rule 4): the
-    /// retry of a take whose reply was lost returns the same token.
+    /// retry of a take whose reply was lost returns the same token. The
+    /// head of the queue takes on its lane; anyone else on a pooled
+    /// connection, which the queue lets through only if no one waits in it
+    /// (or the row has been free for the grace period).
     async fn try_take(&mut self) -> Result<Take, Error> {
         self.in_flight
             .retain_mut(|rx| matches!(rx.try_recv(), Err(TryRecvError::Empty)));
+        if let Place::Queued(queued) = &mut self.place {
+            match queued.try_first() {
+                Some(Ok(lane)) => self.head(lane),
+                Some(Err(e)) => {
+                    tracing::debug!(error = %e, "left the lock queue");
+                    self.place = Place::Out;
+                }
+                None => {}
+            }
+        }
+        // Out of its place while it runs: a take cut off drops the lane
+        // (drained, then closed).
+        if let Place::Head(lane) = std::mem::replace(&mut self.place, Place::Out) {
+            return self.take_as_head(lane).await;
+        }
         let (drained, rx) = oneshot::channel();
         self.in_flight.push(rx);
         let mut conn = Conn::get(&self.inner).await?.drained(drained);
@@ -523,29 +758,61 @@ impl Claim for SqlClaim {
         let taken = self.take(&mut conn).await.map_err(|e| map_err(scheme, e));
         drop(conn);
         self.in_flight.pop(); // answered: nothing of this take is left to land
+        if matches!(taken, Ok(Take::Granted(_))) {
+            self.place = Place::Out; // leaves the queue, if in it
+        }
         taken
     }
 
+    /// Queued: until first in line (or `until`); joins the queue first if
+    /// a lane is free. The head, or a claim without a lane: until a release
+    /// notification (PostgreSQL) or the next poll.
     async fn wait(&mut self, until: Instant) -> Result<(), Error> {
+        if matches!(self.place, Place::Out)
+            && let Some(queued) = Queued::join(&self.inner, &self.key)
+        {
+            self.place = Place::Queued(queued);
+        }
+        if let Place::Queued(queued) = &mut self.place {
+            tokio::select! {
+                first = queued.first() => match first {
+                    Ok(lane) => self.head(lane),
+                    Err(e) => {
+                        tracing::debug!(error = %e, "left the lock queue");
+                        self.place = Place::Out;
+                    }
+                },
+                _ = sleep_until(until) => {}
+            }
+            return Ok(());
+        }
         let until = if self.inner.sql.dialect == Dialect::Postgres {
             until
         } else {
             self.backoff.next_wake(until)
         };
+        let (hub, name) = (&self.inner.hub, &self.name);
+        let waiter = self
+            .waiter
+            .get_or_insert_with(|| hub.subscribe(name.as_str()));
         tokio::select! {
-            _ = self.waiter.notified() => {}
+            _ = waiter.notified() => {}
             _ = sleep_until(until) => {}
         }
         Ok(())
     }
 
-    /// Frees this attempt's grant, if it has one; then, if takes of it were
-    /// cut off in flight, waits until their connections are drained or
-    /// closed (one may land only now, e.g. after the holder's release) and
-    /// frees again. A connection that never drains keeps the clean-up
-    /// retrying until the core gives up at one TTL, when whatever such a
-    /// take could have granted has expired.
+    /// Leaves the queue; frees this attempt's grant, if it has one; then,
+    /// if takes of it were cut off in flight, waits until their connections
+    /// are drained or closed (one may land only now, e.g. after the
+    /// holder's release) and frees again. A connection that never drains
+    /// keeps the clean-up retrying until the core gives up at one TTL, when
+    /// whatever such a take could have granted has expired.
     async fn abandon(&mut self) -> Result<(), Error> {
+        self.place = Place::Out;
+        // A grant on the lane the core never learned of: its lane goes (the
+        // row is freed below).
+        drop(self.lanes.take(&self.name, &self.owner));
         if !self.sent {
             return Ok(());
         }

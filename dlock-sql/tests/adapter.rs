@@ -308,6 +308,14 @@ async fn listen_reconnect_wakes_waiters() {
     let waiter = via.session(SessionOptions::new()).await.unwrap();
     let mut attempt = raw::session(&waiter).claim(&lock, None).await.unwrap();
     assert!(matches!(attempt.try_take().await.unwrap(), Take::Busy(_)));
+    // The first wait joins the queue, whose head it is at once (the holder
+    // took the lock without queueing): from its next take on, it waits for
+    // release notifications.
+    attempt
+        .wait(Instant::now() + Duration::from_secs(5))
+        .await
+        .unwrap();
+    assert!(matches!(attempt.try_take().await.unwrap(), Take::Busy(_)));
     let far = Instant::now() + Duration::from_secs(60);
     let waiting = tokio::spawn(async move {
         attempt.wait(far).await.unwrap();

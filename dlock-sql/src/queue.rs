@@ -1,0 +1,229 @@
+//! The wait queue in front of the lock rows (PostgreSQL, MySQL): waiters
+//! line up in the database's own lock manager, one lock per lock name
+//! (`pg_advisory_lock` / `GET_LOCK`), which grants in arrival order and
+//! wakes one waiter per release, from inside the server.
+//!
+//! The row stays the only thing that grants (S1–S5 are the row
+//! statements'); the queue only decides who may ask, and when:
+//! * a take that finds no one in the queue (or is its head) may take a
+//!   free row; one that finds the queue occupied is busy, and its claim
+//!   joins the queue on a **lane**, a connection of its own (at most
+//!   `dlock_queue` per backend) whose lock wait runs in a task, outliving
+//!   the core's bounded waits;
+//! * the head takes the row on its lane and keeps the queue lock for as long
+//!   as it holds the row, so the next waiter is woken by the lock manager
+//!   the moment the holder releases (release and unlock in one statement on
+//!   PostgreSQL) — no notification, no poll;
+//! * a holder or head that stalls (paused, or gone while its connection
+//!   lingers) cannot stall the lock for long: once a row has been free or
+//!   expired for the grace period ([`grace_ms`]), anyone may take it.
+//!
+//! A wrong queue state can only delay a grant, never make one.
+
+use std::sync::Arc;
+
+use dlock_core::Error;
+use sqlx::Row;
+use tokio::sync::oneshot;
+use tokio::time::timeout;
+
+use crate::Inner;
+use crate::dialect::{Arg, Dialect};
+use crate::store::{Conn, DRAIN_TIMEOUT, map_err};
+
+/// The queue lock of one lock name in one table.
+#[derive(Debug, Clone)]
+pub(crate) struct QueueKey {
+    id: i64,
+    name: String,
+}
+
+impl QueueKey {
+    /// FNV-1a (64 bits) of the table and the name: the same in every process
+    /// and version. Two names that collide share a queue, which costs
+    /// fairness, not safety (and their grace period bounds the wait).
+    pub(crate) fn new(table: &str, name: &str) -> Self {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for b in table.bytes().chain([0]).chain(name.bytes()) {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+        Self {
+            id: h as i64,
+            name: format!("dlock/{h:016x}"),
+        }
+    }
+
+    /// The key as the dialect's lock functions take it.
+    pub(crate) fn arg(&self, dialect: Dialect) -> Arg<'_> {
+        match dialect {
+            Dialect::MySql => Arg::Text(&self.name),
+            _ => Arg::Int(self.id),
+        }
+    }
+}
+
+/// How long a freed or expired row is kept for the queue's head before any
+/// take may have it: the TTL, at most 1 s (a head takes within a round trip
+/// of its turn; this only matters when the head is stuck).
+pub(crate) fn grace_ms(ttl_ms: i64) -> i64 {
+    ttl_ms.min(1000)
+}
+
+/// A claim waiting in the queue on its lane. Dropping it leaves the queue.
+pub(crate) struct Queued {
+    scheme: &'static str,
+    /// The lane, once it holds the queue lock (or the wait's error).
+    /// `None` once taken.
+    rx: Option<oneshot::Receiver<Result<Conn, Error>>>,
+    /// Dropped with the claim's place: the lane's task then leaves the queue.
+    _stay: oneshot::Sender<()>,
+}
+
+impl Queued {
+    /// Joins the queue of `key`: a task waits for a lane (in arrival order
+    /// among this backend's waiters), then in the lock manager. `None` if
+    /// the queue is off.
+    pub(crate) fn join(inner: &Arc<Inner>, key: &QueueKey) -> Option<Self> {
+        inner.lanes.as_ref()?;
+        let (tx, rx) = oneshot::channel();
+        let (stay, left) = oneshot::channel();
+        tokio::spawn(wait_in_line(inner.clone(), key.clone(), tx, left));
+        Some(Self {
+            scheme: inner.sql.dialect.scheme(),
+            rx: Some(rx),
+            _stay: stay,
+        })
+    }
+
+    /// Resolves when this claim is first in line, with its lane (holding the
+    /// queue lock), or with the error that ended its wait.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: the answer stays until a call takes it.
+    pub(crate) async fn first(&mut self) -> Result<Conn, Error> {
+        let Some(rx) = self.rx.as_mut() else {
+            return Err(Error::protocol(self.scheme, "the queue's answer was taken"));
+        };
+        let answer = rx.await;
+        self.rx = None;
+        self.answer(answer)
+    }
+
+    /// [`Queued::first`] if it has answered already.
+    pub(crate) fn try_first(&mut self) -> Option<Result<Conn, Error>> {
+        let answer = self.rx.as_mut()?.try_recv();
+        if matches!(answer, Err(oneshot::error::TryRecvError::Empty)) {
+            return None;
+        }
+        self.rx = None;
+        Some(self.answer(answer.map_err(|_| ())))
+    }
+
+    fn answer<E>(&self, answer: Result<Result<Conn, Error>, E>) -> Result<Conn, Error> {
+        answer.unwrap_or_else(|_| Err(Error::unavailable(self.scheme, "the queue's lock wait ended")))
+    }
+}
+
+/// A queued claim's task: a lane, its id, then the lock manager's wait,
+/// answered on `tx`. When `left` fires (the claim left the queue), the wait
+/// is cancelled on the server from another connection (so no dead waiter
+/// stays in line), and the lane is closed (it may have got the lock
+/// meanwhile). The task owns the lane throughout, so the id it cancels is
+/// still this lane's.
+async fn wait_in_line(
+    inner: Arc<Inner>,
+    key: QueueKey,
+    tx: oneshot::Sender<Result<Conn, Error>>,
+    mut left: oneshot::Receiver<()>,
+) {
+    let Some(queue) = &inner.sql.queue else {
+        return;
+    };
+    let scheme = inner.sql.dialect.scheme();
+    let ready = async {
+        let mut lane = Conn::lane(&inner).await.expect("queue on")?;
+        let pid = lane.pid(&queue.pid).await?;
+        Ok::<_, sqlx::Error>((lane, pid))
+    };
+    let (mut lane, pid) = tokio::select! {
+        ready = ready => match ready {
+            Ok(ready) => ready,
+            Err(e) => {
+                let _ = tx.send(Err(map_err(scheme, e)));
+                return;
+            }
+        },
+        _ = &mut left => return,
+    };
+    // From here the lane may hold the queue lock: it goes back to the cache
+    // only after an unlock that answered.
+    lane.mark_locked();
+    let arg = key.arg(inner.sql.dialect);
+    let answer = {
+        let wait = lane.fetch_one(queue.lock.bind(&[arg]));
+        tokio::pin!(wait);
+        tokio::select! {
+            waited = &mut wait => Some(waited),
+            _ = &mut left => {
+                if !matches!(timeout(DRAIN_TIMEOUT, cancel(&inner, pid)).await, Ok(Ok(()))) {
+                    tracing::debug!("cancelling a queued lock wait failed; its lane is closed");
+                }
+                let _ = timeout(DRAIN_TIMEOUT, wait).await;
+                None
+            }
+        }
+    };
+    let Some(waited) = answer else {
+        return; // the lane is dropped: closed
+    };
+    let first = waited.and_then(|row| match row.try_get::<Option<i64>, _>(0)? {
+        Some(1) => Ok(()),
+        other => Err(sqlx::Error::Protocol(format!(
+            "the queue's lock wait answered {other:?}"
+        ))),
+    });
+    // If the claim is gone meanwhile, the lane is dropped with the message:
+    // closed, which frees the lock.
+    let _ = tx.send(first.map(|()| lane).map_err(|e| map_err(scheme, e)));
+}
+
+/// Cancels the statement running on the connection `pid`, from another
+/// connection.
+async fn cancel(inner: &Inner, pid: i64) -> Result<(), sqlx::Error> {
+    let mut conn = Conn::get(inner)
+        .await
+        .map_err(|_| sqlx::Error::PoolTimedOut)?;
+    match inner.sql.dialect {
+        Dialect::Postgres => {
+            let cancel = sqlx::query("SELECT pg_cancel_backend(CAST($1 AS INTEGER))").bind(pid);
+            conn.fetch_all(cancel).await?;
+        }
+        // KILL cannot be prepared; `pid` is a number the server gave.
+        _ => conn.execute_raw(&format!("KILL QUERY {pid}")).await?,
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_are_stable_and_fit_mysql() {
+        let k = QueueKey::new("dlock_locks", "jobs/a");
+        assert_eq!(k.name.len(), 22); // GET_LOCK names: at most 64
+        assert_eq!(k.id, QueueKey::new("dlock_locks", "jobs/a").id);
+        assert_ne!(k.id, QueueKey::new("dlock_locks", "jobs/b").id);
+        assert_ne!(k.id, QueueKey::new("other", "jobs/a").id);
+        // FNV-1a's published value for the empty input is its offset basis.
+        let empty = QueueKey::new("", "");
+        assert_ne!(empty.id, 0);
+    }
+
+    #[test]
+    fn grace_is_the_ttl_up_to_a_second() {
+        assert_eq!(grace_ms(100), 100);
+        assert_eq!(grace_ms(30_000), 1000);
+    }
+}

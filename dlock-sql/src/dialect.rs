@@ -245,9 +245,7 @@ impl Statements {
                 "WITH prior AS (SELECT expires_at - {{now}} AS remaining FROM {{t}} WHERE name = ?1), \
                  taken AS ({columns} {values} {}) \
                  SELECT (SELECT token FROM taken), (SELECT remaining FROM prior)",
-                upsert(
-                    " AND (pg_try_advisory_xact_lock(?6) OR {t}.expires_at <= {now} - ?7)"
-                )
+                upsert(" AND (pg_try_advisory_xact_lock(?6) OR {t}.expires_at <= {now} - ?7)")
             )),
             Dialect::Sqlite => sql(&format!("{columns} {values} {}", upsert(""))),
             // MySQL has no RETURNING: the answer comes back as the

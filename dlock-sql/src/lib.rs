@@ -16,9 +16,10 @@
 //!   DO UPDATE … WHERE expires_at <= now OR owner = this attempt` (PostgreSQL
 //!   in a CTE that also reports the holder's remaining time, SQLite with
 //!   `RETURNING`) or `INSERT … ON DUPLICATE KEY UPDATE` with every column
-//!   guarded by the same test and the granted token returned as the
-//!   statement's `LAST_INSERT_ID` (MySQL). A take that finds the lock busy
-//!   asks for the holder's expiry in a second statement on SQLite and MySQL.
+//!   guarded by the same test and the answer (the granted token, or the
+//!   holder's remaining time) returned as the statement's `LAST_INSERT_ID`
+//!   (MySQL). A take that finds the lock busy asks for the holder's expiry
+//!   in a second statement on SQLite only.
 //!   The same statement is the idempotent retry after a lost reply (rule 4):
 //!   the attempt's own live grant keeps its token and is extended.
 //! * **Release / renewal** are owner-checked (`WHERE name AND owner AND
@@ -36,17 +37,47 @@
 //!   and was retried on another connection, whose grant has been used and
 //!   released since) finds the lock busy instead of taking it again for no
 //!   one (S5).
-//! * **Wake-ups**: PostgreSQL releases `pg_notify` in the same statement and
-//!   waiters `LISTEN` on one connection per backend; MySQL and SQLite waiters
-//!   poll with a bounded backoff (5 ms doubling to 100 ms) and wake at the
+//! * **The wait queue** (PostgreSQL, MySQL; `dlock_queue`): waiters line up
+//!   in the database's own lock manager, one lock per lock name
+//!   (`pg_advisory_lock`, `GET_LOCK`), which grants in arrival order and wakes
+//!   one waiter per release from inside the server. A take grants a free row
+//!   only if no one waits (PostgreSQL: `pg_try_advisory_xact_lock` in the
+//!   take; MySQL: `IS_FREE_LOCK`) or if it comes from the head; a busy claim
+//!   that waits joins the queue on a **lane**, a connection of its own whose
+//!   lock wait runs in a task; the head takes the row on its lane and keeps
+//!   the queue lock while it holds the row, and releases and unlocks in one
+//!   statement (two on MySQL), so the next waiter's turn starts the moment
+//!   the row is free. Safety stays with the row: the queue only decides who
+//!   asks, so a wrong queue state can only delay a grant. A row free or
+//!   expired for a grace period (a quarter of the TTL, at most 250 ms) can
+//!   be taken by anyone, so a stuck head (a paused process, a holder cut off
+//!   while the server still thinks its lane alive) costs at most that beyond
+//!   the TTL; a waiter that gives up has its wait cancelled on the server
+//!   (`pg_cancel_backend`, `KILL QUERY`). **Cost**: one connection per
+//!   waiting claim and per lock held after a wait (not per uncontended
+//!   hold), at most `dlock_queue` per backend (default 16) on top of
+//!   `dlock_pool`; more waiters than lanes wait in the process, in arrival
+//!   order, for a lane (size `max_connections` for processes × (`dlock_pool`
+//!   + `dlock_queue`) + 1 `LISTEN` connection on PostgreSQL). Locks held
+//!   after a wait keep their lane: a session holding `dlock_queue` such
+//!   locks leaves its other waiters to the grace period. Two names whose
+//!   64-bit keys collide share a queue (fairness, not safety).
+//!   `dlock_queue=0` turns it off: whoever asks first after a release wins.
+//! * **Wake-ups**: the queue wakes the next waiter itself. The head, and
+//!   every waiter without a queue, waits for a release by notification:
+//!   PostgreSQL releases `pg_notify` in the same statement and waiters
+//!   `LISTEN` on one connection per backend; MySQL and SQLite waiters poll
+//!   with a bounded backoff (5 ms doubling to 100 ms) and wake at the
 //!   holder's `expires_at`. A release (local, or a notification) wakes the
-//!   longest-waiting waiter of this process only (L6); if it loses the race,
-//!   the winner's release wakes the next, and a woken waiter that goes away
-//!   passes the wake-up on (L2). The first `LISTEN` is in place before
+//!   longest-waiting such waiter of this process only (L6); if it loses the
+//!   race, the winner's release wakes the next, and a woken waiter that goes
+//!   away passes the wake-up on (L2). The first `LISTEN` is in place before
 //!   [`SqlBackend::connect`] returns; each time its connection is
 //!   re-established every local waiter is woken, since notifications sent
 //!   while it was down are lost.
-//! * Not fair (no queue): whoever asks first after a release wins.
+//! * Fair on PostgreSQL and MySQL with the queue (L4); not on SQLite, a
+//!   single file with no lock manager to queue in (whoever asks first after
+//!   a release wins).
 //! * **Connections**: at most `dlock_pool` connections, kept open between
 //!   operations (closed after 10 min idle or 30 min of age, and after a
 //!   statement that failed). The statements of
@@ -90,8 +121,9 @@
 //! [`Backend::capabilities`] says what each promises
 //! ([`SqlOptions::capabilities`]). dlock's own options ride in the query
 //! string and are removed before the driver sees it: `dlock_table=NAME`
-//! (default `dlock_locks`, `[A-Za-z_][A-Za-z0-9_]{0,47}`) and `dlock_pool=N`
-//! (default 4 connections, 1–256); any other `dlock_…` option is an
+//! (default `dlock_locks`, `[A-Za-z_][A-Za-z0-9_]{0,47}`), `dlock_pool=N`
+//! (default 4 connections, 1–256) and `dlock_queue=N` (the wait queue's
+//! lanes, default 16, 0–1024, 0 for no queue; PostgreSQL and MySQL); any other `dlock_…` option is an
 //! [`Error::InvalidUrl`]. The drivers' own options pass through to sqlx,
 //! which checks them, TLS among them (rustls with ring, the webpki roots):
 //! `postgres://…?sslmode=verify-full&sslrootcert=/path/ca.pem` (`disable`,

@@ -182,7 +182,11 @@ impl Conn {
     }
 
     fn open(&mut self) -> &mut crate::conns::Open {
-        &mut self.slot.as_mut().expect("connection present until drop").open
+        &mut self
+            .slot
+            .as_mut()
+            .expect("connection present until drop")
+            .open
     }
 
     /// From now on the connection may hold a queue lock.

@@ -493,3 +493,111 @@ async fn dead_connections_give_their_slots_back(store: &str) {
 }
 
 on_stores!(dead_connections_give_their_slots_back: postgres, mysql);
+
+/// The queue lock of `name` in the test table, as `dlock_sql`'s queue names
+/// it (FNV-1a, 64 bits, of the table, a zero byte and the name).
+fn queue_key(name: &LockName) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in TABLE.bytes().chain([0]).chain(name.as_str().bytes()) {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+/// How many connections hold or wait for `name`'s queue lock, by the
+/// server's own account: `pg_locks` on PostgreSQL; on MySQL the holder
+/// (`IS_USED_LOCK`) plus the `GET_LOCK` waits in the process list.
+async fn in_queue(store: &str, url: &str, name: &LockName) -> i64 {
+    use sqlx::{Connection, Row};
+    let key = queue_key(name);
+    let url = url.split('?').next().unwrap();
+    if store == "postgres" {
+        let mut c = sqlx::PgConnection::connect(url).await.unwrap();
+        sqlx::query(
+            "SELECT COUNT(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1 \
+             AND ((classid::bigint << 32) | objid::bigint) = $1",
+        )
+        .bind(key as i64)
+        .fetch_one(&mut c)
+        .await
+        .unwrap()
+        .get(0)
+    } else {
+        let mut c = sqlx::MySqlConnection::connect(url).await.unwrap();
+        let lock = format!("dlock/{key:016x}");
+        let held: Option<i64> = sqlx::query("SELECT IS_USED_LOCK(?)")
+            .bind(&lock)
+            .fetch_one(&mut c)
+            .await
+            .unwrap()
+            .get(0);
+        let waiting: i64 = sqlx::query(
+            "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE INFO LIKE 'SELECT GET_LOCK%'",
+        )
+        .fetch_one(&mut c)
+        .await
+        .unwrap()
+        .get(0);
+        i64::from(held.is_some()) + waiting
+    }
+}
+
+/// Issue 15 (S5, L4): waiters line up in the database's own lock queue, one
+/// connection each, and waiters that give up leave it at once, although
+/// the waiter ahead of them stays: their waits are cancelled on the
+/// server, not left in line until their turn.
+async fn abandoned_waiters_leave_the_queue(store: &str) {
+    let Some(url) = url(store, "abandoned_waiters_leave_the_queue") else {
+        return;
+    };
+    let backend = connect(&url).await;
+    let lock = name("queue");
+    let holder = backend.session(SessionOptions::new()).await.unwrap();
+    let held = holder.lock(&lock).unwrap().acquire().await.unwrap();
+    let queued = |n: i64, what: &'static str| {
+        let (url, lock) = (url.clone(), lock.clone());
+        async move {
+            let until = Instant::now() + Duration::from_secs(5);
+            loop {
+                let now = in_queue(store, &url, &lock).await;
+                if now == n {
+                    return;
+                }
+                assert!(
+                    Instant::now() < until,
+                    "{now} in the queue, not {n}: {what}"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    let mut waiters = Vec::new();
+    for n in 1..=3 {
+        let session = backend.session(SessionOptions::new()).await.unwrap();
+        let waiter = session.lock(&lock).unwrap();
+        waiters.push(tokio::spawn(async move {
+            let guard = waiter.acquire_timeout(Duration::from_secs(60)).await?;
+            guard.release().await?;
+            drop(session);
+            Ok::<_, Error>(())
+        }));
+        queued(n, "a waiter did not queue").await;
+    }
+    // The first waiter is the head (it holds the queue lock while the
+    // holder holds the row); the two behind it give up.
+    let first = waiters.remove(0);
+    for waiter in &waiters {
+        waiter.abort();
+    }
+    queued(1, "abandoned waiters stayed in line").await;
+    held.release().await.unwrap();
+    timeout(Duration::from_secs(5), first)
+        .await
+        .expect("the first waiter got the lock")
+        .unwrap()
+        .unwrap();
+    queued(0, "a lane kept the queue lock").await;
+}
+
+on_stores!(abandoned_waiters_leave_the_queue: postgres, mysql);

@@ -72,6 +72,7 @@ macro_rules! __with_cases {
             acquire_reply_lost: shared, "S1, S5", "wire: take's reply lost, then dark";
             release_reply_lost: shared, "S3", "wire: release's reply lost";
             holder_partitioned_past_ttl: shared, "S4, L1, fencing", "wire: holder blackholed";
+            queued_holder_partitioned_past_ttl: shared, "S4, L1, L4", "wire: holder granted through the queue blackholed";
             waiters_cut_while_waiting: shared, "L1, L2", "wire: waiters reset";
             connection_blip: shared, "L3 (`survives_reconnect`)", "wire: holder reset";
             split_views_at_connect: shared, "S1 (quorum of configured nodes)", "wire: different minorities cut";

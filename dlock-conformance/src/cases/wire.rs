@@ -342,6 +342,48 @@ pub async fn holder_partitioned_past_ttl(h: &dyn Harness) -> Outcome {
     healed(&*link, ga, gb, t, "A's partition").await
 }
 
+/// S4, L1, L4: like [`holder_partitioned_past_ttl`], but A was granted the
+/// lock as a waiter, through the store's queue (on SQL, its lane keeps the
+/// database's queue lock while it holds), and B queues behind it: a
+/// blackholed holder's place in a queue (whose connection the server still
+/// thinks alive) keeps B waiting no longer than the TTL plus the recovery
+/// bound, and B's grant comes after A's local deadline.
+pub async fn queued_holder_partitioned_past_ttl(h: &dyn Harness) -> Outcome {
+    let ctx = Ctx::new(h, "queued_holder_partitioned_past_ttl");
+    let (a, link) = match linked(&ctx, None).await? {
+        Ok(pair) => pair,
+        Err(verdict) => return verdict,
+    };
+    let t = ctx.caps.ttl;
+    let (b, c) = (ctx.client().await?, ctx.client().await?);
+    let admin = ctx.admin().await?;
+    let name = ctx.name("x");
+    let gc = c.lock(&name)?.acquire().await?;
+    let lock = a.lock(&name)?;
+    let waiting = tokio::spawn(async move { lock.acquire_timeout(t * 20).await });
+    super::queued(&*admin, &name, 1, t / 3).await?;
+    gc.release().await?;
+    let ga = joined(t * 20, "A's queued acquire", waiting).await??;
+    let register = FencedRegister::new();
+    ensure!(register.write(0, ga.token()), "A's first write refused");
+    let cut_at = Instant::now();
+    link.set_all(Fault::BLACKHOLE);
+    let bound = t * 4 + ctx.caps.recovery_bound;
+    let (gb, b_got) = takes_over(&b, &ga, bound, "partitioned queued holder").await?;
+    let took = b_got - cut_at;
+    ensure!(
+        took <= t + ctx.caps.recovery_bound,
+        "B got the lock {took:?} after A's partition (bound {:?})",
+        t + ctx.caps.recovery_bound
+    );
+    ensure!(register.write(1, gb.token()), "B's write refused");
+    ensure!(
+        !register.write(0, ga.token()),
+        "the register accepted the partitioned holder's write"
+    );
+    healed(&*link, ga, gb, t, "A's partition").await
+}
+
 /// L1, L2: waiters whose connections are reset while they wait (shorter
 /// than the TTL) still get the lock, one after another, with no error.
 pub async fn waiters_cut_while_waiting(h: &dyn Harness) -> Outcome {

@@ -57,8 +57,9 @@
 //!   waiting claim and per lock held after a wait (not per uncontended
 //!   hold), at most `dlock_queue` per backend (default 16) on top of
 //!   `dlock_pool`; more waiters than lanes wait in the process, in arrival
-//!   order, for a lane (size `max_connections` for processes × (`dlock_pool`
-//!   + `dlock_queue`) + 1 `LISTEN` connection on PostgreSQL). Locks held
+//!   order, for a lane. Size the server's `max_connections` for `dlock_pool`
+//!   plus `dlock_queue` per backend, plus one `LISTEN` connection per
+//!   backend on PostgreSQL. Locks held
 //!   after a wait keep their lane: a session holding `dlock_queue` such
 //!   locks leaves its other waiters to the grace period. Two names whose
 //!   64-bit keys collide share a queue (fairness, not safety).

@@ -304,7 +304,19 @@ impl Statements {
             state: sql("SELECT expires_at - {now} FROM {t} WHERE name = ?1"),
             release: sql(&format!(
                 "UPDATE {{t}} SET {free} WHERE name = ?1 AND owner = ?2 AND token = ?3 \
-                 AND holder = ?4 AND expires_at > {{now}}{notify}"
+                 AND holder = ?4 AND expires_at > {{now}}{}",
+                match dialect {
+                    // With the wait queue on (?6 = 1), only a waiter at its
+                    // head waits for a notification (the others wait in the
+                    // lock manager): it is sent only if one holds the queue
+                    // lock (a NOTIFY costs every listening connection a
+                    // wake-up, and the commit a global lock).
+                    Dialect::Postgres => format!(
+                        " RETURNING (SELECT COUNT(*) FROM (SELECT pg_notify('dlock_{table}', ?1) \
+                         WHERE CAST(?6 AS BIGINT) = 0 OR NOT pg_try_advisory_xact_lock(?5)) AS heard)"
+                    ),
+                    _ => String::new(),
+                }
             )),
             abandon: sql(&format!(
                 "UPDATE {{t}} SET {free} WHERE name = ?1 AND owner = ?2 AND expires_at > {{now}}{notify}"
@@ -314,7 +326,7 @@ impl Statements {
             close: sql(&format!(
                 "UPDATE {{t}} SET {free} WHERE holder = ?1 AND expires_at > {{now}}{notify}"
             )),
-            queue: QueueSql::new(dialect, table, free, &notify),
+            queue: QueueSql::new(dialect, table, free),
             inspect: sql(
                 "SELECT holder, token, why, acquired_at, expires_at, {now} FROM {t} \
                  WHERE name = ?1 AND expires_at > {now}",
@@ -392,17 +404,22 @@ pub(crate) struct QueueSql {
 }
 
 impl QueueSql {
-    fn new(dialect: Dialect, table: &str, free: &str, notify: &str) -> Option<Self> {
+    fn new(dialect: Dialect, table: &str, free: &str) -> Option<Self> {
         let sql = |template: &str| Sql::new(dialect, table, template);
         match dialect {
             Dialect::Postgres => Some(Self {
                 lock: sql("SELECT COUNT(*) FROM (SELECT pg_advisory_lock(?1)) AS queued"),
                 unlock: sql("SELECT pg_advisory_unlock(?1)"),
                 pid: sql("SELECT CAST(pg_backend_pid() AS BIGINT)"),
+                // The unlock hands the queue lock to the next waiter at once
+                // (its take then waits for this commit); only if none took it
+                // does a notification go to waiters outside the queue.
                 release: Some(sql(&format!(
                     "WITH freed AS (UPDATE {{t}} SET {free} WHERE name = ?1 AND owner = ?2 \
-                     AND token = ?3 AND holder = ?4 AND expires_at > {{now}}{notify}) \
-                     SELECT (SELECT COUNT(*) FROM freed), pg_advisory_unlock(?5)"
+                     AND token = ?3 AND holder = ?4 AND expires_at > {{now}} RETURNING name) \
+                     SELECT (SELECT COUNT(*) FROM freed), pg_advisory_unlock(?5), \
+                     (SELECT COUNT(*) FROM (SELECT pg_notify('dlock_{table}', ?1) \
+                     WHERE pg_try_advisory_xact_lock(?5)) AS outside)"
                 ))),
             }),
             // A year: GET_LOCK has no "forever" in every MariaDB version.
@@ -465,7 +482,8 @@ mod tests {
         let s = Statements::new(Dialect::Postgres, "locks");
         assert!(s.take.text().contains("INSERT INTO locks"));
         assert!(s.take.text().contains("EXTRACT(EPOCH FROM now())"));
-        assert!(s.release.text().contains("pg_notify('dlock_locks', name)"));
+        assert!(s.release.text().contains("pg_notify('dlock_locks', $1)"));
+        assert!(s.abandon.text().contains("pg_notify('dlock_locks', name)"));
         let m = Statements::new(Dialect::MySql, "locks");
         assert!(m.take.text().contains("ON DUPLICATE KEY UPDATE"));
         assert!(!m.release.text().contains("pg_notify"));

@@ -519,15 +519,21 @@ impl RawSession for SqlSession {
         let freed = match self.lanes.take(&hold.name, &hold.key) {
             Some(lane) => self.release_on_lane(lane, hold).await,
             None => {
-                let mut conn = Conn::get(&self.inner).await?;
-                conn.execute(self.inner.sql.release.bind(&[
+                let sql = &self.inner.sql;
+                let key = QueueKey::new(&self.inner.options.table, hold.name.as_str());
+                let args = [
                     Arg::Text(hold.name.as_str()),
                     Arg::Text(&hold.key),
                     Arg::Int(hold.token.get() as i64),
                     Arg::Text(self.id.as_str()),
-                ]))
-                .await
-                .map(|done| done.rows_affected())
+                    key.arg(sql.dialect),
+                    Arg::Int(i64::from(self.inner.lanes.is_some())),
+                ];
+                let listed = if sql.dialect == Dialect::Postgres { 6 } else { 4 };
+                let mut conn = Conn::get(&self.inner).await?;
+                conn.execute(sql.release.bind(&args[..listed]))
+                    .await
+                    .map(|done| done.rows_affected())
             }
         }
         .map_err(|e| map_err(self.scheme(), e))?;

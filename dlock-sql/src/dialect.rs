@@ -169,7 +169,9 @@ pub(crate) struct Statements {
 }
 
 impl Statements {
-    pub(crate) fn new(dialect: Dialect, table: &str) -> Self {
+    /// `queue`: whether takes consult the wait queue (`dlock_queue` > 0, and
+    /// on MySQL a binary log that is not statement-based).
+    pub(crate) fn new(dialect: Dialect, table: &str, queue: bool) -> Self {
         let sql = |template: &str| Sql::new(dialect, table, template);
         // Postgres wakes waiters in the same statement that frees a lock.
         let notify = match dialect {
@@ -215,7 +217,11 @@ impl Statements {
         // this very attempt released or abandoned it (a late copy of its
         // take), or when this attempt holds it already (same token, expiry
         // extended: rule 4).
-        let fresh = "{t}.expires_at <= {now} AND ({t}.holder IS NOT NULL OR {t}.owner IS NULL \
+        // A row is held while it has a holder and has not expired; a freed
+        // row (no holder) is free whatever its `expires_at` says (a database
+        // clock stepped back must not hold a released lock).
+        let fresh = "({t}.holder IS NULL OR {t}.expires_at <= {now}) \
+             AND ({t}.holder IS NOT NULL OR {t}.owner IS NULL \
              OR {t}.owner <> excluded.owner)";
         // PostgreSQL and MySQL: a fresh grant also needs the wait queue's
         // consent (see `queue`): no one waits in it, or this take comes from
@@ -231,7 +237,8 @@ impl Statements {
                  holder = excluded.holder, owner = excluded.owner, why = excluded.why, \
                  expires_at = excluded.expires_at \
                  WHERE (({fresh}){queue}) \
-                 OR ({{t}}.expires_at > {{now}} AND {{t}}.owner = excluded.owner) \
+                 OR ({{t}}.holder IS NOT NULL AND {{t}}.expires_at > {{now}} \
+                 AND {{t}}.owner = excluded.owner) \
                  RETURNING token"
             )
         };
@@ -242,10 +249,15 @@ impl Statements {
             // lock) at the head of the queue; the head's own session lock
             // lets its take through.
             Dialect::Postgres => sql(&format!(
-                "WITH prior AS (SELECT expires_at - {{now}} AS remaining FROM {{t}} WHERE name = ?1), \
+                "WITH prior AS (SELECT CASE WHEN holder IS NULL THEN LEAST(expires_at - {{now}}, 0) \
+                 ELSE expires_at - {{now}} END AS remaining FROM {{t}} WHERE name = ?1), \
                  taken AS ({columns} {values} {}) \
                  SELECT (SELECT token FROM taken), (SELECT remaining FROM prior)",
-                upsert(" AND (pg_try_advisory_xact_lock(?6) OR {t}.expires_at <= {now} - ?7)")
+                upsert(if queue {
+                    " AND (pg_try_advisory_xact_lock(?6) OR {t}.expires_at <= {now} - ?7)"
+                } else {
+                    ""
+                })
             )),
             Dialect::Sqlite => sql(&format!("{columns} {values} {}", upsert(""))),
             // MySQL has no RETURNING: the answer comes back as the
@@ -258,18 +270,24 @@ impl Statements {
             // the others ask LAST_INSERT_ID() what it decided. `fresh`
             // reads expires_at, holder and owner, assigned after it.
             Dialect::MySql => {
-                let fresh = "expires_at <= {now} AND (holder IS NOT NULL OR owner IS NULL \
+                let fresh = "(holder IS NULL OR expires_at <= {now}) \
+                             AND (holder IS NOT NULL OR owner IS NULL \
                              OR owner <> VALUES(owner))";
-                let mine = "expires_at > {now} AND owner = VALUES(owner)";
-                let queue = "(IS_FREE_LOCK(?6) = 1 OR IS_USED_LOCK(?6) = CONNECTION_ID() \
-                             OR expires_at <= {now} - ?7)";
+                let mine = "holder IS NOT NULL AND expires_at > {now} AND owner = VALUES(owner)";
+                let queue = if queue {
+                    "(IS_FREE_LOCK(?6) = 1 OR IS_USED_LOCK(?6) = CONNECTION_ID() \
+                     OR expires_at <= {now} - ?7)"
+                } else {
+                    "(?6 IS NOT NULL OR ?7 IS NOT NULL)"
+                };
                 let granted = format!("LAST_INSERT_ID() < {MYSQL_BUSY}");
                 sql(&format!(
                     "{columns} VALUES (?1, ?2, ?3, LAST_INSERT_ID(1), ?4, {{now}}, {{now}} + ?5) \
                      ON DUPLICATE KEY UPDATE \
                      token = IF(({fresh}) AND {queue}, LAST_INSERT_ID(token + 1), \
                      IF({mine}, LAST_INSERT_ID(token), \
-                     LEAST(token, LAST_INSERT_ID({MYSQL_BUSY} + {MYSQL_OFFSET} + expires_at - {{now}})))), \
+                     LEAST(token, LAST_INSERT_ID({MYSQL_BUSY} + {MYSQL_OFFSET} + \
+                     IF(holder IS NULL, LEAST(expires_at - {{now}}, 0), expires_at - {{now}}))))), \
                      acquired_at = IF(({fresh}) AND {granted}, VALUES(acquired_at), acquired_at), \
                      why = IF({granted}, VALUES(why), why), \
                      holder = IF({granted}, VALUES(holder), holder), \
@@ -319,30 +337,35 @@ impl Statements {
                 }
             )),
             abandon: sql(&format!(
-                "UPDATE {{t}} SET {free} WHERE name = ?1 AND owner = ?2 AND expires_at > {{now}}{notify}"
+                "UPDATE {{t}} SET {free} WHERE name = ?1 AND owner = ?2 AND holder IS NOT NULL \
+                 AND expires_at > {{now}}{notify}"
             )),
             renew,
             held,
             close: sql(&format!(
                 "UPDATE {{t}} SET {free} WHERE holder = ?1 AND expires_at > {{now}}{notify}"
             )),
-            queue: QueueSql::new(dialect, table, free),
+            queue: queue.then(|| QueueSql::new(dialect, table, free)).flatten(),
             inspect: sql(
                 "SELECT holder, token, why, acquired_at, expires_at, {now} FROM {t} \
-                 WHERE name = ?1 AND expires_at > {now}",
+                 WHERE name = ?1 AND holder IS NOT NULL AND expires_at > {now}",
             ),
             list: sql(
                 "SELECT name, holder, token, why, acquired_at, expires_at, {now} FROM {t} \
-                 WHERE name >= ?1 AND name < ?2 AND expires_at > {now} ORDER BY name",
+                 WHERE name >= ?1 AND name < ?2 AND holder IS NOT NULL AND expires_at > {now} \
+                 ORDER BY name",
             ),
             validate: sql(
-                "SELECT COUNT(*) FROM {t} WHERE name = ?1 AND token = ?2 AND expires_at > {now}",
+                "SELECT COUNT(*) FROM {t} WHERE name = ?1 AND token = ?2 AND holder IS NOT NULL \
+                 AND expires_at > {now}",
             ),
             force: sql(&format!(
-                "UPDATE {{t}} SET {free} WHERE name = ?1 AND expires_at > {{now}}{notify}"
+                "UPDATE {{t}} SET {free} WHERE name = ?1 AND holder IS NOT NULL \
+                 AND expires_at > {{now}}{notify}"
             )),
             count_held: sql(
-                "SELECT COUNT(*) FROM {t} WHERE name >= ?1 AND name < ?2 AND expires_at > {now}",
+                "SELECT COUNT(*) FROM {t} WHERE name >= ?1 AND name < ?2 AND holder IS NOT NULL \
+                 AND expires_at > {now}",
             ),
         }
     }
@@ -395,8 +418,11 @@ pub(crate) struct QueueSql {
     pub(crate) lock: Sql,
     /// Lets the lock go.
     pub(crate) unlock: Sql,
-    /// This connection's id on the server (to cancel its wait).
+    /// This connection's id on the server (to cancel its wait), and on
+    /// PostgreSQL its TCP keepalives.
     pub(crate) pid: Sql,
+    /// MySQL: run once on a new lane before `pid`.
+    pub(crate) setup: Option<Sql>,
     /// PostgreSQL: the release (arguments as `release`) and the unlock of
     /// `?5` in one statement, answering how many rows it freed. MySQL
     /// releases, then unlocks.
@@ -410,10 +436,18 @@ impl QueueSql {
             Dialect::Postgres => Some(Self {
                 lock: sql("SELECT COUNT(*) FROM (SELECT pg_advisory_lock(?1)) AS queued"),
                 unlock: sql("SELECT pg_advisory_unlock(?1)"),
-                pid: sql("SELECT CAST(pg_backend_pid() AS BIGINT)"),
+                // A lane may keep the queue lock while idle (a held lock):
+                // if its client vanishes without a word (a partition), the
+                // server notices within ~25 s instead of the system's
+                // two hours, and the lock goes to the next waiter.
+                pid: sql("SELECT CAST(pg_backend_pid() AS BIGINT), \
+                     set_config('tcp_keepalives_idle', '10', false), \
+                     set_config('tcp_keepalives_interval', '5', false), \
+                     set_config('tcp_keepalives_count', '3', false)"),
                 // The unlock hands the queue lock to the next waiter at once
                 // (its take then waits for this commit); only if none took it
                 // does a notification go to waiters outside the queue.
+                setup: None,
                 release: Some(sql(&format!(
                     "WITH freed AS (UPDATE {{t}} SET {free} WHERE name = ?1 AND owner = ?2 \
                      AND token = ?3 AND holder = ?4 AND expires_at > {{now}} RETURNING name) \
@@ -426,7 +460,11 @@ impl QueueSql {
             Dialect::MySql => Some(Self {
                 lock: sql("SELECT GET_LOCK(?1, 31536000)"),
                 unlock: sql("SELECT RELEASE_LOCK(?1)"),
+                // An idle lane (a held lock's) whose client vanished is
+                // closed by the server after a minute (MySQL has no
+                // per-session keepalive); one waiting in GET_LOCK is not idle.
                 pid: sql("SELECT CAST(CONNECTION_ID() AS SIGNED)"),
+                setup: Some(sql("SET SESSION wait_timeout = 60")),
                 release: None,
             }),
             Dialect::Sqlite => None,
@@ -479,12 +517,12 @@ mod tests {
 
     #[test]
     fn table_and_clock_are_substituted() {
-        let s = Statements::new(Dialect::Postgres, "locks");
+        let s = Statements::new(Dialect::Postgres, "locks", true);
         assert!(s.take.text().contains("INSERT INTO locks"));
         assert!(s.take.text().contains("EXTRACT(EPOCH FROM now())"));
         assert!(s.release.text().contains("pg_notify('dlock_locks', $1)"));
         assert!(s.abandon.text().contains("pg_notify('dlock_locks', name)"));
-        let m = Statements::new(Dialect::MySql, "locks");
+        let m = Statements::new(Dialect::MySql, "locks", true);
         assert!(m.take.text().contains("ON DUPLICATE KEY UPDATE"));
         assert!(!m.release.text().contains("pg_notify"));
         assert!(!m.take.text().contains('{'), "{}", m.take.text());
@@ -492,7 +530,7 @@ mod tests {
 
     #[test]
     fn mysql_take_assigns_expires_at_last() {
-        let m = Statements::new(Dialect::MySql, "l");
+        let m = Statements::new(Dialect::MySql, "l", true);
         let text = m.take.text();
         let update = &text[text.find("UPDATE").unwrap()..];
         assert!(update.trim_end().starts_with("UPDATE token"));

@@ -89,7 +89,7 @@ impl SqlFloor {
     /// Cancel safe: nothing is left behind but an idempotently created table.
     pub async fn connect(url: &StoreUrl) -> Result<Self, Error> {
         let options = SqlOptions::from_url(url)?;
-        let statements = Statements::new(options.dialect, &options.table);
+        let statements = Statements::new(options.dialect, &options.table, false);
         let (conn, _) = ready_connection(&options, &statements).await?;
         Ok(Self {
             conn: Arc::new(Mutex::new(conn)),

@@ -208,6 +208,12 @@ pub(crate) struct Inner {
     pub(crate) conns: Arc<Conns>,
     /// The wait queue's lanes (`None`: no queue).
     pub(crate) lanes: Option<Arc<Conns>>,
+    /// What a queue key is unique within besides the lock name: the table,
+    /// and on MySQL the database too (`GET_LOCK` names are server-wide;
+    /// PostgreSQL's advisory locks are per database already).
+    pub(crate) queue_scope: String,
+    /// Lanes kept by held locks, across sessions (see `store::HeldLanes`).
+    pub(crate) held_lanes: std::sync::atomic::AtomicUsize,
     pub(crate) sql: Statements,
     pub(crate) hub: Arc<WakeHub>,
     pub(crate) options: SqlOptions,
@@ -247,9 +253,38 @@ impl SqlBackend {
     pub async fn with_options(options: SqlOptions) -> Result<Self, Error> {
         let dialect = options.dialect;
         let scheme = dialect.scheme();
-        let sql = Statements::new(dialect, &options.table);
-        let (first, connect_options) = ready_connection(&options, &sql).await?;
+        let created = Statements::new(dialect, &options.table, false);
+        let (mut first, connect_options) = ready_connection(&options, &created).await?;
+        let (queue_scope, statement_binlog) = match dialect {
+            Dialect::MySql => {
+                let row = sqlx::query("SELECT DATABASE(), CAST(@@binlog_format AS CHAR)")
+                    .fetch_one(&mut first)
+                    .await
+                    .map_err(|e| store::map_err(scheme, e))?;
+                let db: Option<String> = row.try_get(0).map_err(|e| store::map_err(scheme, e))?;
+                let binlog: Option<String> =
+                    row.try_get(1).map_err(|e| store::map_err(scheme, e))?;
+                let scope = format!("{}\0{}", db.unwrap_or_default(), options.table);
+                (
+                    scope,
+                    binlog.is_some_and(|f| f.eq_ignore_ascii_case("STATEMENT")),
+                )
+            }
+            _ => (options.table.clone(), false),
+        };
         let _ = first.close().await;
+        // The queue's functions (IS_FREE_LOCK, CONNECTION_ID) in the take
+        // are unsafe for statement-based replication: a replica would
+        // replay a take the primary refused. Without them the take is the
+        // deterministic row statement it was.
+        if statement_binlog && options.queue > 0 {
+            tracing::warn!(
+                backend = scheme,
+                "binlog_format is STATEMENT: the wait queue is off (not fair)"
+            );
+        }
+        let queue = options.queue > 0 && !statement_binlog && dialect != Dialect::Sqlite;
+        let sql = Statements::new(dialect, &options.table, queue);
         // The pool only opens connections (see `conns`): none kept in it,
         // none tested on the way out (the cache pings the long-idle ones).
         let mut pool = AnyPoolOptions::new()
@@ -270,7 +305,9 @@ impl SqlBackend {
             .connect_with(connect_options)
             .await
             .map_err(|e| store::map_err(scheme, e))?;
-        let lanes = (sql.queue.is_some() && options.queue > 0)
+        let lanes = sql
+            .queue
+            .is_some()
             .then(|| Conns::new(pool.clone(), options.queue));
         let conns = Conns::new(pool, options.pool);
         // One connection now, prepared while the network is known to work.
@@ -283,6 +320,8 @@ impl SqlBackend {
             inner: Arc::new(Inner {
                 conns,
                 lanes,
+                queue_scope,
+                held_lanes: Default::default(),
                 sql,
                 hub,
                 options,
@@ -518,7 +557,12 @@ impl Backend for SqlBackend {
 
     /// See [`SqlOptions::capabilities`]: notifications on PostgreSQL only.
     fn capabilities(&self) -> Capabilities {
-        self.inner.options.capabilities()
+        let mut caps = self.inner.options.capabilities();
+        // The queue may have been turned off at connect (MySQL with
+        // statement-based replication).
+        let queued = self.inner.lanes.is_some();
+        (caps.fair, caps.no_herd) = (queued, queued);
+        caps
     }
 
     async fn open(

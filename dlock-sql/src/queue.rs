@@ -39,12 +39,12 @@ pub(crate) struct QueueKey {
 }
 
 impl QueueKey {
-    /// FNV-1a (64 bits) of the table and the name: the same in every process
-    /// and version. Two names that collide share a queue, which costs
+    /// FNV-1a (64 bits) of the scope (the table; on MySQL the database and
+    /// the table) and the name: the same in every process and version. Two names that collide share a queue, which costs
     /// fairness, not safety (and their grace period bounds the wait).
-    pub(crate) fn new(table: &str, name: &str) -> Self {
+    pub(crate) fn new(scope: &str, name: &str) -> Self {
         let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-        for b in table.bytes().chain([0]).chain(name.bytes()) {
+        for b in scope.bytes().chain([0]).chain(name.bytes()) {
             h ^= u64::from(b);
             h = h.wrapping_mul(0x0100_0000_01b3);
         }
@@ -150,7 +150,7 @@ async fn wait_in_line(
     let scheme = inner.sql.dialect.scheme();
     let ready = async {
         let mut lane = Conn::lane(&inner).await.expect("queue on")?;
-        let pid = lane.pid(&queue.pid).await?;
+        let pid = lane.pid(&queue.pid, queue.setup.as_ref()).await?;
         Ok::<_, sqlx::Error>((lane, pid))
     };
     let (mut lane, pid) = tokio::select! {
@@ -229,7 +229,7 @@ mod tests {
     }
 
     #[test]
-    fn grace_is_the_ttl_up_to_a_second() {
+    fn grace_is_a_quarter_of_the_ttl_up_to_250_ms() {
         assert_eq!(grace_ms(100), 25);
         assert_eq!(grace_ms(30_000), 250);
     }

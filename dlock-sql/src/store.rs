@@ -4,6 +4,7 @@
 use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::future::Future;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -171,10 +172,18 @@ impl Conn {
         }))
     }
 
-    /// The connection's id on the server (asked once per connection).
-    pub(crate) async fn pid(&mut self, query: &Sql) -> Result<i64, sqlx::Error> {
+    /// The connection's id on the server, asked once per connection (after
+    /// `setup`, if any).
+    pub(crate) async fn pid(
+        &mut self,
+        query: &Sql,
+        setup: Option<&Sql>,
+    ) -> Result<i64, sqlx::Error> {
         if let Some(pid) = self.open().pid {
             return Ok(pid);
+        }
+        if let Some(setup) = setup {
+            self.execute(setup.bind(&[])).await?;
         }
         let pid: i64 = self.fetch_one(query.bind(&[])).await?.try_get(0)?;
         self.open().pid = Some(pid);
@@ -332,37 +341,83 @@ pub(crate) struct SqlSession {
 /// The lanes of holds granted through the wait queue, by lock name and
 /// owner: each keeps its queue lock until its hold is released (so the next
 /// waiter is woken by the lock manager), or dropped (closed, which frees
-/// the lock) when its hold is found gone.
-#[derive(Default)]
-pub(crate) struct HeldLanes(Mutex<HashMap<(String, String), Conn>>);
+/// the lock) when its hold is found gone. At most half a backend's lanes
+/// are kept so (`Inner::held_lanes` counts them): the others stay for
+/// waiters, or a backend holding many contended locks could never queue
+/// for another.
+pub(crate) struct HeldLanes {
+    inner: Arc<Inner>,
+    lanes: Mutex<HashMap<(String, String), Conn>>,
+}
 
 impl HeldLanes {
-    fn put(&self, hold: &Hold, lane: Conn) {
-        let key = (hold.name.to_string(), hold.key.clone());
-        self.lock().insert(key, lane);
+    pub(crate) fn new(inner: Arc<Inner>) -> Self {
+        Self {
+            inner,
+            lanes: Mutex::default(),
+        }
+    }
+
+    /// Keeps `lane` with `hold`, or, over the budget, lets its queue lock
+    /// go at once (in the background: the grant does not wait for it).
+    fn put(&self, hold: &Hold, mut lane: Conn) {
+        let budget = (self.inner.options.queue as usize / 2).max(1);
+        let held = &self.inner.held_lanes;
+        if held.fetch_add(1, Ordering::SeqCst) < budget {
+            let key = (hold.name.to_string(), hold.key.clone());
+            self.lock().insert(key, lane);
+            return;
+        }
+        held.fetch_sub(1, Ordering::SeqCst);
+        let inner = self.inner.clone();
+        let name = hold.name.clone();
+        tokio::spawn(async move {
+            let queue = inner.sql.queue.as_ref().expect("a lane implies a queue");
+            let key = QueueKey::new(&inner.queue_scope, name.as_str());
+            if lane
+                .fetch_one(queue.unlock.bind(&[key.arg(inner.sql.dialect)]))
+                .await
+                .is_ok()
+            {
+                lane.mark_unlocked(); // back to the lanes' cache
+            }
+        });
     }
 
     fn take(&self, name: &LockName, owner: &str) -> Option<Conn> {
-        self.lock().remove(&(name.to_string(), owner.to_owned()))
+        let lane = self.lock().remove(&(name.to_string(), owner.to_owned()));
+        if lane.is_some() {
+            self.inner.held_lanes.fetch_sub(1, Ordering::SeqCst);
+        }
+        lane
     }
 
     fn clear(&self) {
         let lanes: Vec<Conn> = self.lock().drain().map(|(_, lane)| lane).collect();
+        self.inner
+            .held_lanes
+            .fetch_sub(lanes.len(), Ordering::SeqCst);
         drop(lanes);
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), Conn>> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner())
+        self.lanes.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl Drop for HeldLanes {
+    fn drop(&mut self) {
+        self.clear();
     }
 }
 
 impl SqlSession {
     pub(crate) fn new(inner: Arc<Inner>, id: SessionId, ttl: Duration) -> Self {
         Self {
+            lanes: Arc::new(HeldLanes::new(inner.clone())),
             inner,
             id,
             ttl,
-            lanes: Arc::default(),
         }
     }
 
@@ -381,7 +436,7 @@ impl SqlSession {
     async fn release_on_lane(&self, mut lane: Conn, hold: &Hold) -> Result<u64, sqlx::Error> {
         let sql = &self.inner.sql;
         let queue = sql.queue.as_ref().expect("a lane implies a queue");
-        let key = QueueKey::new(&self.inner.options.table, hold.name.as_str());
+        let key = QueueKey::new(&self.inner.queue_scope, hold.name.as_str());
         let args = [
             Arg::Text(hold.name.as_str()),
             Arg::Text(&hold.key),
@@ -474,7 +529,7 @@ impl RawSession for SqlSession {
         };
         Ok(Box::new(SqlClaim {
             waiter,
-            key: QueueKey::new(&self.inner.options.table, name.as_str()),
+            key: QueueKey::new(&self.inner.queue_scope, name.as_str()),
             place: Place::Out,
             lanes: self.lanes.clone(),
             inner: self.inner.clone(),
@@ -520,7 +575,7 @@ impl RawSession for SqlSession {
             Some(lane) => self.release_on_lane(lane, hold).await,
             None => {
                 let sql = &self.inner.sql;
-                let key = QueueKey::new(&self.inner.options.table, hold.name.as_str());
+                let key = QueueKey::new(&self.inner.queue_scope, hold.name.as_str());
                 let args = [
                     Arg::Text(hold.name.as_str()),
                     Arg::Text(&hold.key),
@@ -529,7 +584,11 @@ impl RawSession for SqlSession {
                     key.arg(sql.dialect),
                     Arg::Int(i64::from(self.inner.lanes.is_some())),
                 ];
-                let listed = if sql.dialect == Dialect::Postgres { 6 } else { 4 };
+                let listed = if sql.dialect == Dialect::Postgres {
+                    6
+                } else {
+                    4
+                };
                 let mut conn = Conn::get(&self.inner).await?;
                 conn.execute(sql.release.bind(&args[..listed]))
                     .await
@@ -671,7 +730,9 @@ impl SqlClaim {
             // a serialization failure can be, is this take's error, not the
             // next statement's on this connection).
             Dialect::Postgres => {
-                let rows = conn.fetch_all(sql.take.bind(&args)).await?;
+                // Without the queue, the take has no queue parameters.
+                let listed = if sql.queue.is_some() { 7 } else { 5 };
+                let rows = conn.fetch_all(sql.take.bind(&args[..listed])).await?;
                 let row = rows.first().ok_or(sqlx::Error::RowNotFound)?;
                 let token: Option<i64> = row.try_get(0)?;
                 let remaining: Option<i64> = row.try_get(1)?;
@@ -781,6 +842,9 @@ impl Claim for SqlClaim {
         if matches!(self.place, Place::Out)
             && let Some(queued) = Queued::join(&self.inner, &self.key)
         {
+            // Not listening while queued: a notification woken for it would
+            // be one the head (in this process) misses.
+            self.waiter = None;
             self.place = Place::Queued(queued);
         }
         if let Place::Queued(queued) = &mut self.place {

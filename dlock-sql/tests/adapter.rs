@@ -495,10 +495,15 @@ async fn dead_connections_give_their_slots_back(store: &str) {
 on_stores!(dead_connections_give_their_slots_back: postgres, mysql);
 
 /// The queue lock of `name` in the test table, as `dlock_sql`'s queue names
-/// it (FNV-1a, 64 bits, of the table, a zero byte and the name).
-fn queue_key(name: &LockName) -> u64 {
+/// it (FNV-1a, 64 bits, of its scope, a zero byte and the name; the scope
+/// is the table, on MySQL the database `dlock`, a zero byte and the table).
+fn queue_key(store: &str, name: &LockName) -> u64 {
+    let scope = match store {
+        "mysql" => format!("dlock\0{TABLE}"),
+        _ => TABLE.to_owned(),
+    };
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in TABLE.bytes().chain([0]).chain(name.as_str().bytes()) {
+    for b in scope.bytes().chain([0]).chain(name.as_str().bytes()) {
         h ^= u64::from(b);
         h = h.wrapping_mul(0x0100_0000_01b3);
     }
@@ -510,7 +515,7 @@ fn queue_key(name: &LockName) -> u64 {
 /// (`IS_USED_LOCK`) plus the `GET_LOCK` waits in the process list.
 async fn in_queue(store: &str, url: &str, name: &LockName) -> i64 {
     use sqlx::{Connection, Row};
-    let key = queue_key(name);
+    let key = queue_key(store, name);
     let url = url.split('?').next().unwrap();
     if store == "postgres" {
         let mut c = sqlx::PgConnection::connect(url).await.unwrap();
@@ -533,7 +538,8 @@ async fn in_queue(store: &str, url: &str, name: &LockName) -> i64 {
             .unwrap()
             .get(0);
         let waiting: i64 = sqlx::query(
-            "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE INFO LIKE 'SELECT GET_LOCK%'",
+            "SELECT COUNT(*) FROM information_schema.PROCESSLIST \
+             WHERE INFO LIKE 'SELECT GET_LOCK(?, 31536000)%'",
         )
         .fetch_one(&mut c)
         .await
@@ -601,3 +607,81 @@ async fn abandoned_waiters_leave_the_queue(store: &str) {
 }
 
 on_stores!(abandoned_waiters_leave_the_queue: postgres, mysql);
+
+/// Issue 15: with `dlock_queue=0` there is no wait queue (no lanes, takes
+/// without the queue's test): the backend declares itself unfair, and a
+/// waiter still gets a released lock promptly (PostgreSQL by `NOTIFY`,
+/// MySQL by polling).
+async fn queue_off_still_hands_over(store: &str) {
+    let Some(url) = url(store, "queue_off_still_hands_over") else {
+        return;
+    };
+    let backend = connect(&format!("{url}&dlock_queue=0")).await;
+    assert!(!backend.capabilities().fair && !backend.capabilities().no_herd);
+    let lock = name("unqueued");
+    let a = backend.session(SessionOptions::new()).await.unwrap();
+    let b = backend.session(SessionOptions::new()).await.unwrap();
+    let held = a.lock(&lock).unwrap().acquire().await.unwrap();
+    let waiter = b.lock(&lock).unwrap();
+    let waiting =
+        tokio::spawn(async move { waiter.acquire_timeout(Duration::from_secs(10)).await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let first = held.token();
+    let released = Instant::now();
+    held.release().await.unwrap();
+    let got = waiting.await.unwrap().unwrap();
+    assert!(
+        released.elapsed() < Duration::from_millis(500),
+        "{:?} from release to grant",
+        released.elapsed()
+    );
+    assert!(got.token() > first);
+    got.release().await.unwrap();
+}
+
+on_stores!(queue_off_still_hands_over: postgres, mysql);
+
+/// Issue 15 review: a freed row records when it was freed in `expires_at`
+/// (the queue's grace period counts from then), so a database clock that
+/// steps back could make it look held. Free means no holder, whatever
+/// `expires_at` says: the released lock can be taken at once, and neither
+/// `inspect` nor `validate` reports the old hold.
+async fn freed_rows_are_free_whatever_their_expiry(store: &str) {
+    use sqlx::Connection;
+    let Some(url) = url(store, "freed_rows_are_free_whatever_their_expiry") else {
+        return;
+    };
+    let backend = connect(&url).await;
+    let lock = name("stepped");
+    let a = backend.session(SessionOptions::new()).await.unwrap();
+    let held = a.lock(&lock).unwrap().acquire().await.unwrap();
+    let token = held.token();
+    held.release().await.unwrap();
+    // The clock stepped back an hour: the release time is in the future.
+    let plain = url.split('?').next().unwrap();
+    let step = format!("UPDATE {TABLE} SET expires_at = expires_at + 3600000 WHERE name = ");
+    if store == "postgres" {
+        let mut c = sqlx::PgConnection::connect(plain).await.unwrap();
+        sqlx::query(&format!("{step}$1"))
+            .bind(lock.as_str())
+            .execute(&mut c)
+            .await
+            .unwrap();
+    } else {
+        let mut c = sqlx::MySqlConnection::connect(plain).await.unwrap();
+        sqlx::query(&format!("{step}?"))
+            .bind(lock.as_str())
+            .execute(&mut c)
+            .await
+            .unwrap();
+    }
+    assert!(backend.inspect(&lock).await.unwrap().is_none());
+    assert!(!backend.validate(&lock, token).await.unwrap());
+    let b = backend.session(SessionOptions::new()).await.unwrap();
+    let again = b.lock(&lock).unwrap().try_acquire().await.unwrap();
+    let again = again.expect("a released lock is free although its row's expiry is ahead");
+    assert!(again.token() > token);
+    again.release().await.unwrap();
+}
+
+on_stores!(freed_rows_are_free_whatever_their_expiry: postgres, mysql);

@@ -48,22 +48,37 @@
 //!   the queue lock while it holds the row, and releases and unlocks in one
 //!   statement (two on MySQL), so the next waiter's turn starts the moment
 //!   the row is free. Safety stays with the row: the queue only decides who
-//!   asks, so a wrong queue state can only delay a grant. A row free or
-//!   expired for a grace period (a quarter of the TTL, at most 250 ms) can
-//!   be taken by anyone, so a stuck head (a paused process, a holder cut off
-//!   while the server still thinks its lane alive) costs at most that beyond
-//!   the TTL; a waiter that gives up has its wait cancelled on the server
-//!   (`pg_cancel_backend`, `KILL QUERY`). **Cost**: one connection per
-//!   waiting claim and per lock held after a wait (not per uncontended
-//!   hold), at most `dlock_queue` per backend (default 16) on top of
-//!   `dlock_pool`; more waiters than lanes wait in the process, in arrival
-//!   order, for a lane. Size the server's `max_connections` for `dlock_pool`
-//!   plus `dlock_queue` per backend, plus one `LISTEN` connection per
-//!   backend on PostgreSQL. Locks held
-//!   after a wait keep their lane: a session holding `dlock_queue` such
-//!   locks leaves its other waiters to the grace period. Two names whose
-//!   64-bit keys collide share a queue (fairness, not safety).
-//!   `dlock_queue=0` turns it off: whoever asks first after a release wins.
+//!   asks, so a wrong queue state can only delay a grant.
+//!   - *Stuck heads.* A row free or expired for a grace period (a quarter of
+//!     the TTL, at most 250 ms) can be taken by anyone, so a head or holder
+//!     that stalls (a paused process) costs at most that beyond the TTL. A
+//!     holder whose client vanished without closing its lane (a partition)
+//!     leaves the queue lock with a connection the server still thinks
+//!     alive: until the server drops it (TCP keepalives of 10 s + 3 × 5 s
+//!     on PostgreSQL lanes, a 60 s idle timeout on MySQL lanes), each
+//!     handoff of that lock goes through the grace period and the waiters'
+//!     timers (the holder's expiry, the fallback timer). A waiter that gives
+//!     up has its wait cancelled on the server (`pg_cancel_backend`, `KILL
+//!     QUERY`); one whose wait the server cancels (`statement_timeout`,
+//!     `lock_timeout`) joins again at the back.
+//!   - *Cost.* One connection per waiting claim and per lock held after a
+//!     wait (not per uncontended hold), at most `dlock_queue` per backend
+//!     (default 16) on top of `dlock_pool`; more waiters than lanes wait in
+//!     the process, in arrival order, for a lane. Held locks keep at most
+//!     half the lanes; beyond that a grant lets its queue lock go at once
+//!     and the next head waits for the release by notification or poll.
+//!     Size the server's `max_connections` for `dlock_pool` plus
+//!     `dlock_queue` per backend, plus one `LISTEN` connection per backend
+//!     on PostgreSQL.
+//!   - *Limits.* Lanes need session state: not through a pooler in
+//!     transaction mode (PgBouncer), where session locks and
+//!     `pg_cancel_backend` would reach other clients. On MySQL with
+//!     `binlog_format=STATEMENT` the queue is off (its functions are unsafe
+//!     for statement replication), with a warning. Two names whose 64-bit
+//!     keys collide share a queue (fairness, not safety). All processes on
+//!     one table should agree on `dlock_queue`: a process with the queue off
+//!     (`dlock_queue=0`) does not test it, so it may take a lock ahead of
+//!     queued waiters, and its waiters wait outside the queue.
 //! * **Wake-ups**: the queue wakes the next waiter itself. The head, and
 //!   every waiter without a queue, waits for a release by notification:
 //!   PostgreSQL releases `pg_notify` in the same statement and waiters

@@ -68,7 +68,9 @@ session (TTL --ttl). Phases, run phase by phase across the backends:
   4. independent locks: each client on its own lock for --duration:
      acquisitions/s;
   5. safety: the register's refusals and the history check (overlapping
-     holds, grant order) over phase 3.
+     holds, grant order) over phase 3;
+  6. many holds: one session holds --holds locks; one renewal round of
+     all of them against a round of one, and memory per held lock.
 Lock names are under a fresh bench/<random>/ prefix. The table goes to
 stdout (the JSON with --json); DIR/bench.md, DIR/bench.json and
 DIR/bench.svg are written. Exits 70 if the safety check fails.";
@@ -210,6 +212,12 @@ pub(crate) struct BenchArgs {
     /// The TTL of the clients' sessions (Redlock: at most its max_ttl).
     #[arg(long, value_name = "D", default_value = "10s", value_parser = parse_duration)]
     pub(crate) ttl: Duration,
+
+    /// Locks one session holds in the last phase (renewal cost and memory
+    /// per held lock); 0 skips it.
+    #[arg(long, value_name = "N", default_value_t = 10_000,
+          value_parser = clap::value_parser!(u64).range(0..=1_000_000))]
+    pub(crate) holds: u64,
 
     /// Where bench.md, bench.json and bench.svg are written (created if missing).
     #[arg(long, value_name = "DIR", default_value = "target/bench")]

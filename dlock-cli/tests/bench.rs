@@ -13,7 +13,16 @@ use tempfile::TempDir;
 const BIN: &str = env!("CARGO_BIN_EXE_dlock");
 
 /// The tiny workload every run here uses.
-const TINY: &[&str] = &["--cycles", "50", "--duration", "300ms", "--clients", "3"];
+const TINY: &[&str] = &[
+    "--cycles",
+    "50",
+    "--duration",
+    "300ms",
+    "--clients",
+    "3",
+    "--holds",
+    "40",
+];
 
 /// A finished `dlock bench`.
 #[derive(Debug)]
@@ -130,6 +139,16 @@ fn check_backend(b: &Value) {
 
     assert!(num(&b["independent"]["acquisitions"]) > 0.0, "{b:#}");
     assert_eq!(b["independent"]["errors"], 0, "{b:#}");
+
+    let many = &b["many_holds"];
+    assert_eq!(many["holds"], 40, "{b:#}");
+    assert!(many["error"].is_null(), "{b:#}");
+    assert_eq!(many["renew_one"]["samples"], 7, "{b:#}");
+    assert_eq!(many["renew_all"]["samples"], 7, "{b:#}");
+    let ratio = num(&many["renew_all_x_one"]);
+    let expected = num(&many["renew_all"]["p50_us"]) / num(&many["renew_one"]["p50_us"]);
+    assert!((ratio - expected).abs() < 1e-6 && ratio > 0.0, "{b:#}");
+    assert!(num(&many["rss_bytes_per_hold"]) >= 0.0, "{b:#}");
 
     let safety = &b["safety"];
     assert_eq!(safety["verdict"], "ok", "{b:#}");
@@ -295,9 +314,15 @@ fn table_on_stdout_by_default() {
     let ran = bench(&args);
     assert_eq!(ran.code, Some(0), "{ran:#?}");
     let lines: Vec<_> = ran.stdout.lines().collect();
-    assert_eq!(lines.len(), 4, "header, rule, two rows: {ran:#?}");
+    assert_eq!(
+        lines.len(),
+        9,
+        "header, rule, two rows; a blank line, the many-holds table: {ran:#?}"
+    );
     assert!(lines[2].starts_with("| memory |"), "{ran:#?}");
     assert!(lines[3].starts_with("| memory#2 |"), "{ran:#?}");
+    assert!(lines[5].contains("locks held by one session"), "{ran:#?}");
+    assert!(lines[7].starts_with("| memory | 40 |"), "{ran:#?}");
     // stderr is not a terminal here: no progress bars, only where the files went.
     assert_eq!(ran.stderr.lines().count(), 1, "{ran:#?}");
     assert!(ran.stderr.contains("bench.{md,json,svg}"), "{ran:#?}");

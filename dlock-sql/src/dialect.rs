@@ -126,15 +126,11 @@ pub(crate) const MYSQL_BUSY: i64 = 1 << 62;
 pub(crate) const MYSQL_OFFSET: i64 = 1 << 50;
 
 /// How many holds one renewal statement carries at most: a session renews
-/// up to this many holds in one statement per period, more in chunks.
-pub(crate) const RENEW_CHUNK: usize = 256;
-
-/// Renewal statements exist for 1, 2, 4, ... [`RENEW_CHUNK`] holds (a batch
-/// is padded to the next size by repeating its last hold), so a connection
-/// prepares at most nine of them.
-fn renew_sizes() -> impl Iterator<Item = usize> {
-    (0..).map(|i| 1usize << i).take_while(|n| *n <= RENEW_CHUNK)
-}
+/// up to this many holds in one statement per period (one round trip),
+/// more in chunks. The holds travel as one JSON array of `[name, owner,
+/// token]` (about 80 bytes each: well within MySQL's default 16 MiB
+/// `max_allowed_packet`).
+pub(crate) const RENEW_CHUNK: usize = 16_384;
 
 /// Every statement the adapter runs, prepared for one dialect and table.
 #[derive(Debug)]
@@ -151,13 +147,13 @@ pub(crate) struct Statements {
     pub(crate) state: Sql,
     pub(crate) release: Sql,
     pub(crate) abandon: Sql,
-    /// Extends the listed live holds `(name, owner, token)` of a session, one
-    /// statement per batch size (see [`renew_sizes`]); returns (name, token)
-    /// where the dialect has `RETURNING`.
-    renew: Vec<Sql>,
+    /// Extends the listed live holds of a session (`?3`, see
+    /// [`RENEW_CHUNK`]); returns (name, token) where the dialect has
+    /// `RETURNING`.
+    pub(crate) renew: Sql,
     /// (name, token) of the listed holds that are live (MySQL, when its
     /// renewal matched fewer rows than it listed).
-    held: Vec<Sql>,
+    pub(crate) held: Option<Sql>,
     pub(crate) close: Sql,
     /// The wait queue's statements (PostgreSQL, MySQL).
     pub(crate) queue: Option<QueueSql>,
@@ -296,25 +292,47 @@ impl Statements {
                 ))
             }
         };
-        let returning_held = match dialect {
-            Dialect::MySql => "",
-            _ => " RETURNING name, token",
-        };
-        let (renew, held) = renew_sizes()
-            .map(|n| {
-                let listed = listed_holds(n);
+        // The listed holds `?3` (a JSON array of [name, owner, token]) joined
+        // to their rows by primary key.
+        let (renew, held) = match dialect {
+            Dialect::Postgres => (
+                sql("UPDATE {t} SET expires_at = {now} + ?2 \
+                     FROM json_array_elements(CAST(CAST(?3 AS TEXT) AS JSON)) AS h \
+                     WHERE {t}.name = h->>0 AND {t}.owner = h->>1 \
+                     AND {t}.token = CAST(h->>2 AS BIGINT) \
+                     AND {t}.holder = ?1 AND {t}.expires_at > {now} \
+                     RETURNING {t}.name, {t}.token"),
+                None,
+            ),
+            Dialect::Sqlite => (
+                sql("UPDATE {t} SET expires_at = {now} + ?2 WHERE holder = ?1 \
+                     AND expires_at > {now} AND (name, owner, token) IN \
+                     (SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]'), \
+                     json_extract(value, '$[2]') FROM json_each(?3)) \
+                     RETURNING name, token"),
+                None,
+            ),
+            // No RETURNING: the rows matched (sqlx asks for found rows) are
+            // compared with the holds listed, and only if some are missing
+            // does a second statement say which are live.
+            Dialect::MySql => {
+                let listed = "JSON_TABLE(?3, '$[*]' COLUMNS (\
+                     name VARCHAR(255) CHARACTER SET ascii COLLATE ascii_bin PATH '$[0]', \
+                     owner VARCHAR(255) CHARACTER SET ascii COLLATE ascii_bin PATH '$[1]', \
+                     token BIGINT PATH '$[2]')) AS h STRAIGHT_JOIN {t} \
+                     ON {t}.name = h.name AND {t}.owner = h.owner AND {t}.token = h.token";
                 (
                     sql(&format!(
-                        "UPDATE {{t}} SET expires_at = {{now}} + ?2 WHERE holder = ?1 \
-                         AND expires_at > {{now}} AND ({listed}){returning_held}"
+                        "UPDATE {listed} SET {{t}}.expires_at = {{now}} + ?2 \
+                         WHERE {{t}}.holder = ?1 AND {{t}}.expires_at > {{now}}"
                     )),
-                    sql(&format!(
-                        "SELECT name, token FROM {{t}} WHERE holder = ?1 AND expires_at > {{now}} \
-                         AND ({listed})"
-                    )),
+                    Some(sql(&format!(
+                        "SELECT {{t}}.name, {{t}}.token FROM {listed} \
+                         WHERE {{t}}.holder = ?1 AND {{t}}.expires_at > {{now}}"
+                    ))),
                 )
-            })
-            .unzip();
+            }
+        };
         Self {
             dialect,
             create,
@@ -378,32 +396,13 @@ impl Statements {
     /// prepare's reply).
     pub(crate) fn hot(&self) -> Vec<String> {
         let mut hot = vec![&self.take, &self.state, &self.release, &self.abandon];
-        hot.extend(self.renew.iter().take(2));
-        if !self.has_returning() {
-            hot.extend(self.held.iter().take(2));
-        }
+        hot.push(&self.renew);
+        hot.extend(&self.held);
         if let Some(q) = &self.queue {
             hot.extend([&q.lock, &q.unlock]);
             hot.extend(&q.release);
         }
         hot.into_iter().map(|s| s.text.clone()).collect()
-    }
-
-    pub(crate) fn has_returning(&self) -> bool {
-        self.dialect != Dialect::MySql
-    }
-
-    /// The renewal statement for a batch of `n` holds (1 ..= [`RENEW_CHUNK`])
-    /// and how many holds it lists (`n` rounded up to a power of two).
-    pub(crate) fn renew(&self, n: usize) -> (&Sql, usize) {
-        let i = n.max(1).next_power_of_two().trailing_zeros() as usize;
-        (&self.renew[i], 1 << i)
-    }
-
-    /// The live-holds query that goes with [`Statements::renew`]`(n)`.
-    pub(crate) fn held(&self, n: usize) -> &Sql {
-        let i = n.max(1).next_power_of_two().trailing_zeros() as usize;
-        &self.held[i]
     }
 }
 
@@ -470,23 +469,6 @@ impl QueueSql {
             Dialect::Sqlite => None,
         }
     }
-}
-
-/// `(name = ?3 AND owner = ?4 AND token = ?5) OR ...` for `n` holds, after
-/// the two leading parameters (holder, TTL). An `OR` of primary-key tests
-/// rather than a row-value `IN`, which SQLite only takes with a subquery.
-fn listed_holds(n: usize) -> String {
-    (0..n)
-        .map(|i| {
-            let p = 3 + 3 * i;
-            format!(
-                "(name = ?{p} AND owner = ?{} AND token = ?{})",
-                p + 1,
-                p + 2
-            )
-        })
-        .collect::<Vec<_>>()
-        .join(" OR ")
 }
 
 /// The exclusive upper bound of names starting with `prefix`: names use only

@@ -469,36 +469,44 @@ impl SqlSession {
         live: &mut HashSet<(String, i64)>,
     ) -> Result<(), sqlx::Error> {
         let sql = &self.inner.sql;
-        let (statement, listed) = sql.renew(batch.len());
-        let mut args = vec![Arg::Text(self.id.as_str()), Arg::Int(self.ttl_ms())];
-        for i in 0..listed {
-            // Padding repeats the last hold: the same row, listed twice.
-            let j = i.min(batch.len() - 1);
-            args.push(Arg::Text(batch[j].name.as_str()));
-            args.push(Arg::Text(&batch[j].key));
-            args.push(Arg::Int(batch[j].token.get() as i64));
-        }
-        let rows = if sql.has_returning() {
-            conn.fetch_all(statement.bind(&args)).await?
-        } else {
-            let done = conn.execute(statement.bind(&args)).await?;
-            // sqlx asks MySQL for found (matched) rows, so every listed live
-            // hold counts, changed or not.
-            if done.rows_affected() == batch.len() as u64 {
-                live.extend(
-                    batch
-                        .iter()
-                        .map(|h| (h.name.to_string(), h.token.get() as i64)),
-                );
-                return Ok(());
+        let listed = holds_json(batch);
+        let args = [
+            Arg::Text(self.id.as_str()),
+            Arg::Int(self.ttl_ms()),
+            Arg::Text(&listed),
+        ];
+        let rows = match &sql.held {
+            None => conn.fetch_all(sql.renew.bind(&args)).await?,
+            Some(held) => {
+                let done = conn.execute(sql.renew.bind(&args)).await?;
+                // sqlx asks MySQL for found (matched) rows, so every listed
+                // live hold counts, changed or not.
+                if done.rows_affected() == batch.len() as u64 {
+                    live.extend(
+                        batch
+                            .iter()
+                            .map(|h| (h.name.to_string(), h.token.get() as i64)),
+                    );
+                    return Ok(());
+                }
+                conn.fetch_all(held.bind(&args)).await?
             }
-            conn.fetch_all(sql.held(batch.len()).bind(&args)).await?
         };
         for row in rows {
             live.insert((row.try_get(0)?, row.try_get(1)?));
         }
         Ok(())
     }
+}
+
+/// `holds` as the JSON array of `[name, owner, token]` the renewal
+/// statements read.
+fn holds_json(holds: &[Hold]) -> String {
+    let listed: Vec<(&str, &str, u64)> = holds
+        .iter()
+        .map(|h| (h.name.as_str(), h.key.as_str(), h.token.get()))
+        .collect();
+    serde_json::to_string(&listed).expect("strings and numbers encode")
 }
 
 impl fmt::Debug for SqlSession {

@@ -10,6 +10,7 @@
 //! `<out>/bench.{md,json,svg}` and print the table (or the JSON).
 
 mod chart;
+mod holds;
 mod phases;
 mod report;
 mod stats;
@@ -88,6 +89,17 @@ async fn measure(urls: &[String], args: BenchArgs) -> Result<u8, Failure> {
         independent.push(phases::independent(t, args.duration, &bar).await?);
         bar.finish();
     }
+    let mut many = Vec::with_capacity(targets.len());
+    for t in &targets {
+        if args.holds == 0 {
+            many.push(None);
+            continue;
+        }
+        let holds = usize::try_from(args.holds).unwrap_or(usize::MAX);
+        let bar = progress.bar(args.holds, "holds", &format!("{} ({holds} locks)", t.label));
+        many.push(Some(holds::many_holds(t, holds, args.ttl, &bar).await?));
+        bar.finish();
+    }
     for t in &targets {
         t.close().await;
     }
@@ -95,9 +107,9 @@ async fn measure(urls: &[String], args: BenchArgs) -> Result<u8, Failure> {
     let backends = targets
         .iter()
         .zip(latency)
-        .zip(hot.into_iter().zip(independent))
+        .zip(hot.into_iter().zip(independent).zip(many))
         .map(
-            |((t, latency), (((hot_lock, safety), native_lock), independent))| {
+            |((t, latency), ((((hot_lock, safety), native_lock), independent), many_holds))| {
                 let ratio = |a: Option<f64>, b: Option<f64>| match (a, b) {
                     (Some(a), Some(b)) if b > 0.0 => Some(a / b),
                     _ => None,
@@ -126,6 +138,7 @@ async fn measure(urls: &[String], args: BenchArgs) -> Result<u8, Failure> {
                     hot_lock,
                     native_lock,
                     independent,
+                    many_holds,
                     safety,
                 }
             },
@@ -140,6 +153,7 @@ async fn measure(urls: &[String], args: BenchArgs) -> Result<u8, Failure> {
             warmup_cycles: warmup,
             duration_ms: phase_ms,
             ttl_ms: phases::millis(args.ttl),
+            holds: args.holds,
         },
         backends,
     };

@@ -106,6 +106,16 @@ impl Target {
         Ok(LockName::new(format!("{}/{suffix}", self.prefix))?)
     }
 
+    /// [`Target::name`], for the other phase modules.
+    pub(crate) fn lock_name(&self, suffix: &str) -> Result<LockName, Failure> {
+        self.name(suffix)
+    }
+
+    /// The first client's backend (its connection to the store).
+    pub(crate) fn backend(&self) -> &Arc<dyn Backend> {
+        &self.clients[0].backend
+    }
+
     /// Take attempts and waits over all clients' sessions so far.
     fn counters(&self) -> (u64, u64) {
         self.clients.iter().fold((0, 0), |(takes, waits), c| {

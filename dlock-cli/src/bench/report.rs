@@ -5,6 +5,7 @@ use std::fmt::Write as _;
 
 use serde::Serialize;
 
+use super::holds::ManyHolds;
 use super::stats::Latency;
 
 /// Everything one `dlock bench` run measured.
@@ -33,6 +34,8 @@ pub(crate) struct Settings {
     pub(crate) duration_ms: u64,
     /// Session TTL, in milliseconds.
     pub(crate) ttl_ms: u64,
+    /// Locks one session held in phase 6 (0: skipped).
+    pub(crate) holds: u64,
 }
 
 /// The results for one backend.
@@ -58,6 +61,8 @@ pub(crate) struct BackendReport {
     pub(crate) native_lock: Option<NativeReport>,
     /// Phase 4.
     pub(crate) independent: Independent,
+    /// Phase 6: many locks held by one session (`None`: skipped).
+    pub(crate) many_holds: Option<ManyHolds>,
     /// Phase 5: the checker's verdict over phase 3.
     pub(crate) safety: Safety,
 }
@@ -226,6 +231,32 @@ pub(crate) fn table(report: &Report) -> String {
             }
         }
     }
+    if report.backends.iter().any(|b| b.many_holds.is_some()) {
+        out.push_str(
+            "\n| backend | locks held by one session | acquired in | renewal round of one p50 \
+             | of all p50 (÷ one) | client memory per held lock |\n|---|--:|--:|--:|--:|--:|\n",
+        );
+        for b in &report.backends {
+            let Some(m) = &b.many_holds else { continue };
+            let all = match (&m.renew_all, m.renew_all_x_one) {
+                (Some(l), Some(x)) => format!("{} ({x:.1}×)", us(l.p50_us)),
+                (Some(l), None) => us(l.p50_us),
+                _ => "-".to_owned(),
+            };
+            let _ = writeln!(
+                out,
+                "| {} | {} | {:.2} s | {} | {all} | {} |",
+                b.backend,
+                m.holds,
+                m.acquire_s,
+                m.renew_one
+                    .as_ref()
+                    .map_or_else(|| "-".to_owned(), |l| us(l.p50_us)),
+                m.rss_bytes_per_hold
+                    .map_or_else(|| "-".to_owned(), |b| format!("{:.2} KiB", b / 1024.0)),
+            );
+        }
+    }
     out
 }
 
@@ -266,6 +297,11 @@ pub(crate) fn notes(report: &Report) -> String {
                 "independent locks",
                 b.independent.errors,
                 &b.independent.first_error,
+            ),
+            (
+                "many holds",
+                u64::from(b.many_holds.as_ref().is_some_and(|m| m.error.is_some())),
+                &b.many_holds.as_ref().and_then(|m| m.error.clone()),
             ),
         ] {
             if errors > 0 {
@@ -317,7 +353,10 @@ pub(crate) fn markdown(report: &Report) -> String {
          native: the store's own lock (pg_advisory_lock, GET_LOCK, etcd's lock service, \
          the ZooKeeper recipe) under the same contention, after dlock's hot lock. \
          independent: each client on its own lock. safety: fenced-register refusals \
-         and the history check (overlapping holds, grant order) over the hot-lock phase.\n",
+         and the history check (overlapping holds, grant order) over the hot-lock phase. \
+         locks held by one session: one renewal round (what the renewal task sends each \
+         period) of one hold and of all of them, and the process's resident memory growth \
+         per held lock.\n",
     );
     out
 }

@@ -15,6 +15,9 @@ use tokio::time::{Instant, sleep_until};
 
 use crate::{Inner, Repeat};
 
+/// The most operations etcd takes in one txn by default (`--max-txn-ops`).
+const MAX_TXN_OPS: usize = 128;
+
 pub(crate) struct EtcdSession {
     inner: Arc<Inner>,
     id: SessionId,
@@ -116,33 +119,41 @@ impl EtcdSession {
         if holds.is_empty() {
             return Ok(Vec::new());
         }
-        let reads: Vec<TxnOp> = holds
-            .iter()
-            .map(|h| TxnOp::get(h.key.as_str(), None))
-            .collect();
-        let txn = Txn::new().and_then(reads);
-        let resp = self.inner.txn(Repeat::Idempotent, txn).await?;
-        let answers = resp.op_responses();
-        if answers.len() != holds.len() {
-            return Err(Error::protocol(
-                "etcd",
-                "renewal read answered for a different number of keys",
-            ));
-        }
-        Ok(holds
-            .iter()
-            .zip(answers)
-            .map(|(hold, answer)| match answer {
-                TxnOpResponse::Get(get) => {
-                    self.owns(hold)
-                        && get.kvs().first().is_some_and(|kv| {
-                            kv.create_revision() as u64 == hold.token.get()
-                                && kv.lease() == self.lease
-                        })
-                }
-                _ => false,
-            })
-            .collect())
+        // etcd refuses a txn of more than `--max-txn-ops` operations (128 by
+        // default): the reads go in chunks, all sent at once.
+        let chunks = holds.chunks(MAX_TXN_OPS).map(|chunk| async move {
+            let reads: Vec<TxnOp> = chunk
+                .iter()
+                .map(|h| TxnOp::get(h.key.as_str(), None))
+                .collect();
+            let resp = self
+                .inner
+                .txn(Repeat::Idempotent, Txn::new().and_then(reads))
+                .await?;
+            let answers = resp.op_responses();
+            if answers.len() != chunk.len() {
+                return Err(Error::protocol(
+                    "etcd",
+                    "renewal read answered for a different number of keys",
+                ));
+            }
+            Ok(chunk
+                .iter()
+                .zip(answers)
+                .map(|(hold, answer)| match answer {
+                    TxnOpResponse::Get(get) => {
+                        self.owns(hold)
+                            && get.kvs().first().is_some_and(|kv| {
+                                kv.create_revision() as u64 == hold.token.get()
+                                    && kv.lease() == self.lease
+                            })
+                    }
+                    _ => false,
+                })
+                .collect::<Vec<bool>>())
+        });
+        let answers = futures::future::try_join_all(chunks).await?;
+        Ok(answers.into_iter().flatten().collect())
     }
 
     /// One keep-alive of the lease, answered by etcd's leader (followers

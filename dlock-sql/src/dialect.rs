@@ -459,11 +459,8 @@ impl QueueSql {
             Dialect::MySql => Some(Self {
                 lock: sql("SELECT GET_LOCK(?1, 31536000)"),
                 unlock: sql("SELECT RELEASE_LOCK(?1)"),
-                // An idle lane (a held lock's) whose client vanished is
-                // closed by the server after a minute (MySQL has no
-                // per-session keepalive); one waiting in GET_LOCK is not idle.
                 pid: sql("SELECT CAST(CONNECTION_ID() AS SIGNED)"),
-                setup: Some(sql("SET SESSION wait_timeout = 60")),
+                setup: None,
                 release: None,
             }),
             Dialect::Sqlite => None,

@@ -55,7 +55,7 @@
 //!     holder whose client vanished without closing its lane (a partition)
 //!     leaves the queue lock with a connection the server still thinks
 //!     alive: until the server drops it (TCP keepalives of 10 s + 3 × 5 s
-//!     on PostgreSQL lanes, a 60 s idle timeout on MySQL lanes), each
+//!     on PostgreSQL lanes; the server's own keepalive on MySQL), each
 //!     handoff of that lock goes through the grace period and the waiters'
 //!     timers (the holder's expiry, the fallback timer). A waiter that gives
 //!     up has its wait cancelled on the server (`pg_cancel_backend`, `KILL
@@ -64,9 +64,12 @@
 //!   - *Cost.* One connection per waiting claim and per lock held after a
 //!     wait (not per uncontended hold), at most `dlock_queue` per backend
 //!     (default 16) on top of `dlock_pool`; more waiters than lanes wait in
-//!     the process, in arrival order, for a lane. Held locks keep at most
-//!     half the lanes; beyond that a grant lets its queue lock go at once
-//!     and the next head waits for the release by notification or poll.
+//!     the process, in arrival order, for a lane, and until they have one
+//!     no release wakes them: they look at the lock on their timers (the
+//!     holder's expiry, the fallback timer of at most 2 s). Held locks keep
+//!     at most half the lanes (none with `dlock_queue=1`); beyond that a
+//!     grant lets its queue lock go at once and the next head waits for the
+//!     release by notification or poll.
 //!     Size the server's `max_connections` for `dlock_pool` plus
 //!     `dlock_queue` per backend, plus one `LISTEN` connection per backend
 //!     on PostgreSQL.
@@ -78,7 +81,9 @@
 //!     keys collide share a queue (fairness, not safety). All processes on
 //!     one table should agree on `dlock_queue`: a process with the queue off
 //!     (`dlock_queue=0`) does not test it, so it may take a lock ahead of
-//!     queued waiters, and its waiters wait outside the queue.
+//!     queued waiters, and its waiters, outside the queue, are not woken by
+//!     a queued holder's release (they look again on their timers: the
+//!     holder's expiry, the fallback timer of at most 2 s).
 //! * **Wake-ups**: the queue wakes the next waiter itself. The head, and
 //!   every waiter without a queue, waits for a release by notification:
 //!   PostgreSQL releases `pg_notify` in the same statement and waiters
@@ -223,9 +228,9 @@ pub(crate) struct Inner {
     pub(crate) conns: Arc<Conns>,
     /// The wait queue's lanes (`None`: no queue).
     pub(crate) lanes: Option<Arc<Conns>>,
-    /// What a queue key is unique within besides the lock name: the table,
-    /// and on MySQL the database too (`GET_LOCK` names are server-wide;
-    /// PostgreSQL's advisory locks are per database already).
+    /// What a queue key is unique within besides the lock name: the table
+    /// and its schema (PostgreSQL, whose advisory locks are per database
+    /// already) or database (MySQL, whose `GET_LOCK` names are server-wide).
     pub(crate) queue_scope: String,
     /// Lanes kept by held locks, across sessions (see `store::HeldLanes`).
     pub(crate) held_lanes: std::sync::atomic::AtomicUsize,
@@ -270,7 +275,19 @@ impl SqlBackend {
         let scheme = dialect.scheme();
         let created = Statements::new(dialect, &options.table, false);
         let (mut first, connect_options) = ready_connection(&options, &created).await?;
+        // PostgreSQL's advisory locks are per database already; the schema
+        // tells two tables of one name apart.
         let (queue_scope, statement_binlog) = match dialect {
+            Dialect::Postgres => {
+                let row = sqlx::query("SELECT CAST(current_schema() AS TEXT)")
+                    .fetch_one(&mut first)
+                    .await
+                    .map_err(|e| store::map_err(scheme, e))?;
+                let schema: Option<String> =
+                    row.try_get(0).map_err(|e| store::map_err(scheme, e))?;
+                let scope = format!("{}\0{}", schema.unwrap_or_default(), options.table);
+                (scope, false)
+            }
             Dialect::MySql => {
                 let row = sqlx::query("SELECT DATABASE(), CAST(@@binlog_format AS CHAR)")
                     .fetch_one(&mut first)

@@ -39,8 +39,8 @@ pub(crate) struct QueueKey {
 }
 
 impl QueueKey {
-    /// FNV-1a (64 bits) of the scope (the table; on MySQL the database and
-    /// the table) and the name: the same in every process and version. Two names that collide share a queue, which costs
+    /// FNV-1a (64 bits) of the scope (the schema or database, and the table)
+    /// and the name: the same in every process and version. Two names that collide share a queue, which costs
     /// fairness, not safety (and their grace period bounds the wait).
     pub(crate) fn new(scope: &str, name: &str) -> Self {
         let mut h: u64 = 0xcbf2_9ce4_8422_2325;

@@ -361,7 +361,7 @@ impl HeldLanes {
     /// Keeps `lane` with `hold`, or, over the budget, lets its queue lock
     /// go at once (in the background: the grant does not wait for it).
     fn put(&self, hold: &Hold, mut lane: Conn) {
-        let budget = (self.inner.options.queue as usize / 2).max(1);
+        let budget = self.inner.options.queue as usize / 2;
         let held = &self.inner.held_lanes;
         if held.fetch_add(1, Ordering::SeqCst) < budget {
             let key = (hold.name.to_string(), hold.key.clone());
@@ -374,11 +374,8 @@ impl HeldLanes {
         tokio::spawn(async move {
             let queue = inner.sql.queue.as_ref().expect("a lane implies a queue");
             let key = QueueKey::new(&inner.queue_scope, name.as_str());
-            if lane
-                .fetch_one(queue.unlock.bind(&[key.arg(inner.sql.dialect)]))
-                .await
-                .is_ok()
-            {
+            let unlock = lane.fetch_one(queue.unlock.bind(&[key.arg(inner.sql.dialect)]));
+            if matches!(timeout(DRAIN_TIMEOUT, unlock).await, Ok(Ok(_))) {
                 lane.mark_unlocked(); // back to the lanes' cache
             }
         });
@@ -791,7 +788,10 @@ impl SqlClaim {
         match &taken {
             Ok(Take::Granted(hold)) => self.lanes.put(hold, lane),
             Ok(Take::Busy(_)) => self.place = Place::Head(lane),
-            Err(_) => drop(lane),
+            Err(_) => {
+                drop(lane);
+                self.waiter = None; // no longer the head
+            }
         }
         taken.map_err(|e| map_err(self.scheme(), e))
     }
@@ -856,6 +856,11 @@ impl Claim for SqlClaim {
             self.place = Place::Queued(queued);
         }
         if let Place::Queued(queued) = &mut self.place {
+            // Waiting in the process for a lane (every lane in use), no
+            // release wakes it: it looks again at `until` (the holder's
+            // expiry, the fallback timer). Polling sooner would make a herd
+            // of the waiters beyond `dlock_queue`, whose lanes usually free
+            // up as the line moves.
             tokio::select! {
                 first = queued.first() => match first {
                     Ok(lane) => self.head(lane),
@@ -892,6 +897,8 @@ impl Claim for SqlClaim {
     /// whatever such a take could have granted has expired.
     async fn abandon(&mut self) -> Result<(), Error> {
         self.place = Place::Out;
+        // No longer waiting: a notification must go to whoever waits now.
+        self.waiter = None;
         // A grant on the lane the core never learned of: its lane goes (the
         // row is freed below).
         drop(self.lanes.take(&self.name, &self.owner));

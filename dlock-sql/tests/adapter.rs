@@ -496,11 +496,12 @@ on_stores!(dead_connections_give_their_slots_back: postgres, mysql);
 
 /// The queue lock of `name` in the test table, as `dlock_sql`'s queue names
 /// it (FNV-1a, 64 bits, of its scope, a zero byte and the name; the scope
-/// is the table, on MySQL the database `dlock`, a zero byte and the table).
+/// is the schema (PostgreSQL) or the database (MySQL), a zero byte and the
+/// table).
 fn queue_key(store: &str, name: &LockName) -> u64 {
     let scope = match store {
         "mysql" => format!("dlock\0{TABLE}"),
-        _ => TABLE.to_owned(),
+        _ => format!("public\0{TABLE}"),
     };
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for b in scope.bytes().chain([0]).chain(name.as_str().bytes()) {

@@ -14,6 +14,10 @@ use zookeeper_client as zk;
 
 use crate::{Inner, map_err};
 
+/// Reads per renewal multi-read: a lock node's data and stat are well under
+/// 200 bytes, so a chunk's answer stays far below `jute.maxbuffer`.
+const MULTI_READ_CHUNK: usize = 1000;
+
 /// Sorts queue nodes `<guid>-lock-<sequence>` by sequence (the guids differ,
 /// so plain string order would be wrong).
 pub(crate) fn sorted(mut children: Vec<String>) -> Vec<String> {
@@ -167,21 +171,24 @@ impl RawSession for ZkSession {
         // sync, which the leader answers only while it holds the session
         // open (see the crate docs).
         let synced = self.client.sync(&self.inner.config.root);
-        let read = if holds.is_empty() {
-            None
-        } else {
+        // One multi-read per chunk, all sent now (pipelined on the session's
+        // connection): one multi of thousands of reads would answer more
+        // than the server's `jute.maxbuffer` (1 MiB) and cost the
+        // connection.
+        let mut reads = Vec::new();
+        for chunk in holds.chunks(MULTI_READ_CHUNK) {
             let mut reader = self.client.new_multi_reader();
-            for hold in holds {
+            for hold in chunk {
                 let path = parse_key(&hold.key).map_or(hold.key.as_str(), |(p, _)| p);
                 reader.add_get_data(path).map_err(map_err)?;
             }
-            Some(reader.commit())
-        };
+            reads.push(reader.commit());
+        }
         synced.await.map_err(map_err)?;
-        let Some(read) = read else {
-            return Ok(Vec::new());
-        };
-        let results = read.await.map_err(map_err)?;
+        let mut results = Vec::with_capacity(holds.len());
+        for read in reads {
+            results.extend(read.await.map_err(map_err)?);
+        }
         if results.len() != holds.len() {
             return Err(Error::protocol(
                 "zk",

@@ -62,7 +62,7 @@ macro_rules! __with_cases {
             cancellation_sweep: shared, "S5", "dropped futures";
             acquire_retried_after_lost_reply: shared, "S5, idempotent take", "in-process lost reply";
             idempotent_take_extends_expiry: shared, "S4", "in-process slow lost reply";
-            ten_thousand_names: shared, "S5 (no leaked state, before and after close)", "–";
+            ten_thousand_names: shared, "S5 (no leaked state, before and after close), L3 (10,000 holds renewed)", "–";
             bad_input: shared, "typed errors", "–";
             session_close: shared, "S5, L3", "–";
             renewal_replies_lost: shared, "S4, L3", "wire: replies lost";

@@ -67,6 +67,17 @@ use dlocks::{Backend, Error};
 use tracing_subscriber::EnvFilter;
 
 use crate::cli::{Cli, Command};
+
+/// The system allocator, counting: `dlock bench` reads the live heap bytes
+/// (client memory per held lock). A relaxed atomic add per allocation.
+#[global_allocator]
+static ALLOCATOR: &stats_alloc::StatsAlloc<std::alloc::System> = &stats_alloc::INSTRUMENTED_SYSTEM;
+
+/// Live heap bytes of this process now.
+pub(crate) fn heap_bytes() -> i64 {
+    let s = ALLOCATOR.stats();
+    s.bytes_allocated as i64 - s.bytes_deallocated as i64 + s.bytes_reallocated as i64
+}
 use crate::exit::{Failure, UNAVAILABLE};
 
 /// The longest connecting to the backend may take.

@@ -148,7 +148,8 @@ fn check_backend(b: &Value) {
     let ratio = num(&many["renew_all_x_one"]);
     let expected = num(&many["renew_all"]["p50_us"]) / num(&many["renew_one"]["p50_us"]);
     assert!((ratio - expected).abs() < 1e-6 && ratio > 0.0, "{b:#}");
-    assert!(num(&many["rss_bytes_per_hold"]) >= 0.0, "{b:#}");
+    // Each held lock costs the client some memory (guard, tenure, adapter).
+    assert!(num(&many["heap_bytes_per_hold"]) > 0.0, "{b:#}");
 
     let safety = &b["safety"];
     assert_eq!(safety["verdict"], "ok", "{b:#}");

@@ -41,9 +41,9 @@ pub(crate) struct ManyHolds {
     pub(crate) renew_all: Option<Latency>,
     /// `renew_all` ÷ `renew_one` at p50.
     pub(crate) renew_all_x_one: Option<f64>,
-    /// The process's resident memory growth while the locks were held,
-    /// per lock (Linux: `/proc/self/statm`).
-    pub(crate) rss_bytes_per_hold: Option<f64>,
+    /// The process's live heap growth while the locks were held, per lock
+    /// (the client side: guards, the session's tenure, the adapter's).
+    pub(crate) heap_bytes_per_hold: Option<f64>,
     /// What went wrong, if the phase could not finish.
     pub(crate) error: Option<String>,
 }
@@ -64,18 +64,17 @@ pub(crate) async fn many_holds(
         renew_one: None,
         renew_all: None,
         renew_all_x_one: None,
-        rss_bytes_per_hold: None,
+        heap_bytes_per_hold: None,
         error: None,
     };
-    let before = rss_bytes();
+    let before = crate::heap_bytes();
     let start = Instant::now();
     let (guards, error) = acquire_all(t, &session, n, bar).await?;
     out.acquire_s = start.elapsed().as_secs_f64();
     out.holds = guards.len();
-    if let (Some(before), Some(after)) = (before, rss_bytes())
-        && !guards.is_empty()
-    {
-        out.rss_bytes_per_hold = Some(after.saturating_sub(before) as f64 / guards.len() as f64);
+    if !guards.is_empty() {
+        let grown = (crate::heap_bytes() - before).max(0);
+        out.heap_bytes_per_hold = Some(grown as f64 / guards.len() as f64);
     }
     out.error = error;
     if out.error.is_none() && !guards.is_empty() {
@@ -155,11 +154,4 @@ async fn release_all(guards: Vec<LockGuard>) {
         });
     }
     while tasks.join_next().await.is_some() {}
-}
-
-/// The process's resident set size (Linux; 4 KiB pages).
-fn rss_bytes() -> Option<u64> {
-    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
-    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
-    Some(pages * 4096)
 }

@@ -252,7 +252,7 @@ pub(crate) fn table(report: &Report) -> String {
                 m.renew_one
                     .as_ref()
                     .map_or_else(|| "-".to_owned(), |l| us(l.p50_us)),
-                m.rss_bytes_per_hold
+                m.heap_bytes_per_hold
                     .map_or_else(|| "-".to_owned(), |b| format!("{:.2} KiB", b / 1024.0)),
             );
         }
@@ -355,8 +355,8 @@ pub(crate) fn markdown(report: &Report) -> String {
          independent: each client on its own lock. safety: fenced-register refusals \
          and the history check (overlapping holds, grant order) over the hot-lock phase. \
          locks held by one session: one renewal round (what the renewal task sends each \
-         period) of one hold and of all of them, and the process's resident memory growth \
-         per held lock.\n",
+         period) of one hold and of all of them, and the client's live heap growth per held \
+         lock.\n",
     );
     out
 }

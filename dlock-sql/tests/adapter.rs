@@ -518,8 +518,9 @@ async fn in_queue(store: &str, url: &str, name: &LockName) -> i64 {
     use sqlx::{Connection, Row};
     let key = queue_key(store, name);
     let url = url.split('?').next().unwrap();
+    sqlx::any::install_default_drivers();
+    let mut c = sqlx::AnyConnection::connect(url).await.unwrap();
     if store == "postgres" {
-        let mut c = sqlx::PgConnection::connect(url).await.unwrap();
         sqlx::query(
             "SELECT COUNT(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1 \
              AND ((classid::bigint << 32) | objid::bigint) = $1",
@@ -530,7 +531,6 @@ async fn in_queue(store: &str, url: &str, name: &LockName) -> i64 {
         .unwrap()
         .get(0)
     } else {
-        let mut c = sqlx::MySqlConnection::connect(url).await.unwrap();
         let lock = format!("dlock/{key:016x}");
         let held: Option<i64> = sqlx::query("SELECT IS_USED_LOCK(?)")
             .bind(&lock)
@@ -661,21 +661,14 @@ async fn freed_rows_are_free_whatever_their_expiry(store: &str) {
     // The clock stepped back an hour: the release time is in the future.
     let plain = url.split('?').next().unwrap();
     let step = format!("UPDATE {TABLE} SET expires_at = expires_at + 3600000 WHERE name = ");
-    if store == "postgres" {
-        let mut c = sqlx::PgConnection::connect(plain).await.unwrap();
-        sqlx::query(&format!("{step}$1"))
-            .bind(lock.as_str())
-            .execute(&mut c)
-            .await
-            .unwrap();
-    } else {
-        let mut c = sqlx::MySqlConnection::connect(plain).await.unwrap();
-        sqlx::query(&format!("{step}?"))
-            .bind(lock.as_str())
-            .execute(&mut c)
-            .await
-            .unwrap();
-    }
+    sqlx::any::install_default_drivers();
+    let mut c = sqlx::AnyConnection::connect(plain).await.unwrap();
+    let placeholder = if store == "postgres" { "$1" } else { "?" };
+    sqlx::query(&format!("{step}{placeholder}"))
+        .bind(lock.as_str())
+        .execute(&mut c)
+        .await
+        .unwrap();
     assert!(backend.inspect(&lock).await.unwrap().is_none());
     assert!(!backend.validate(&lock, token).await.unwrap());
     let b = backend.session(SessionOptions::new()).await.unwrap();

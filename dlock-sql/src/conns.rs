@@ -76,13 +76,7 @@ impl Conns {
     /// middlebox's idle timer) killed them.
     pub(crate) async fn get(&self) -> Result<Slot, sqlx::Error> {
         timeout(CONNECT_TIMEOUT, async {
-            let permit = self
-                .slots
-                .clone()
-                .acquire_owned()
-                .await
-                .map_err(|_| sqlx::Error::PoolClosed)?;
-            self.fill(permit).await
+            self.fill(self.slot().await?).await
         })
         .await
         .map_err(|_| sqlx::Error::PoolTimedOut)?
@@ -92,15 +86,19 @@ impl Conns {
     /// arrival order: the semaphore is fair); only opening or checking the
     /// connection is bounded by [`CONNECT_TIMEOUT`].
     pub(crate) async fn get_in_turn(&self) -> Result<Slot, sqlx::Error> {
-        let permit = self
-            .slots
-            .clone()
-            .acquire_owned()
-            .await
-            .map_err(|_| sqlx::Error::PoolClosed)?;
+        let permit = self.slot().await?;
         timeout(CONNECT_TIMEOUT, self.fill(permit))
             .await
             .map_err(|_| sqlx::Error::PoolTimedOut)?
+    }
+
+    /// A free slot, in arrival order.
+    async fn slot(&self) -> Result<OwnedSemaphorePermit, sqlx::Error> {
+        self.slots
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|_| sqlx::Error::PoolClosed)
     }
 
     /// A connection for the slot `permit` holds.

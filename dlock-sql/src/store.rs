@@ -426,6 +426,20 @@ impl SqlSession {
         self.ttl.as_millis() as i64
     }
 
+    /// A release's arguments: name, owner, token, session, the queue key
+    /// and whether this backend queues (PostgreSQL's release notifies
+    /// only for a queue's head then). Each statement binds what it uses.
+    fn release_args<'a>(&'a self, hold: &'a Hold, key: &'a QueueKey) -> [Arg<'a>; 6] {
+        [
+            Arg::Text(hold.name.as_str()),
+            Arg::Text(&hold.key),
+            Arg::Int(hold.token.get() as i64),
+            Arg::Text(self.id.as_str()),
+            key.arg(self.inner.sql.dialect),
+            Arg::Int(i64::from(self.inner.lanes.is_some())),
+        ]
+    }
+
     /// Releases `hold` on its lane and lets the queue lock go: in one
     /// statement on PostgreSQL (the next waiter's take then waits for this
     /// one's commit), in two on MySQL. Returns the rows freed. The lane goes
@@ -434,21 +448,15 @@ impl SqlSession {
         let sql = &self.inner.sql;
         let queue = sql.queue.as_ref().expect("a lane implies a queue");
         let key = QueueKey::new(&self.inner.queue_scope, hold.name.as_str());
-        let args = [
-            Arg::Text(hold.name.as_str()),
-            Arg::Text(&hold.key),
-            Arg::Int(hold.token.get() as i64),
-            Arg::Text(self.id.as_str()),
-            key.arg(sql.dialect),
-        ];
+        let args = self.release_args(hold, &key);
         let freed = match &queue.release {
             Some(both) => {
-                let row = lane.fetch_one(both.bind(&args)).await?;
+                let row = lane.fetch_one(both.bind(&args[..5])).await?;
                 row.try_get::<i64, _>(0)? as u64
             }
             None => {
                 let done = lane.execute(sql.release.bind(&args[..4])).await?;
-                lane.fetch_one(queue.unlock.bind(&args[4..])).await?;
+                lane.fetch_one(queue.unlock.bind(&args[4..5])).await?;
                 done.rows_affected()
             }
         };
@@ -581,14 +589,7 @@ impl RawSession for SqlSession {
             None => {
                 let sql = &self.inner.sql;
                 let key = QueueKey::new(&self.inner.queue_scope, hold.name.as_str());
-                let args = [
-                    Arg::Text(hold.name.as_str()),
-                    Arg::Text(&hold.key),
-                    Arg::Int(hold.token.get() as i64),
-                    Arg::Text(self.id.as_str()),
-                    key.arg(sql.dialect),
-                    Arg::Int(i64::from(self.inner.lanes.is_some())),
-                ];
+                let args = self.release_args(hold, &key);
                 let listed = if sql.dialect == Dialect::Postgres {
                     6
                 } else {

@@ -62,6 +62,37 @@ async fn held<'h>(
     Ok(Ok((ctx, a, link, b, ga)))
 }
 
+/// A (holding `ga`, writing first to a fenced register) is blackholed: B
+/// takes over within the TTL plus the recovery bound, after A's local
+/// deadline (S4), and the register then refuses A's write. B's guard and
+/// when it was granted.
+async fn partitioned(
+    ctx: &Ctx<'_>,
+    link: &dyn Link,
+    b: &Session,
+    ga: &LockGuard,
+    what: &str,
+) -> Result<(LockGuard, Instant), Failure> {
+    let (t, recovery) = (ctx.caps.ttl, ctx.caps.recovery_bound);
+    let register = FencedRegister::new();
+    ensure!(register.write(0, ga.token()), "A's first write refused");
+    let cut_at = Instant::now();
+    link.set_all(Fault::BLACKHOLE);
+    let (gb, b_got) = takes_over(b, ga, t * 4 + recovery, what).await?;
+    let took = b_got - cut_at;
+    ensure!(
+        took <= t + recovery,
+        "B got the lock {took:?} after A's partition (bound {:?})",
+        t + recovery
+    );
+    ensure!(register.write(1, gb.token()), "B's write refused");
+    ensure!(
+        !register.write(0, ga.token()),
+        "the register accepted the partitioned holder's write"
+    );
+    Ok((gb, b_got))
+}
+
 /// Once `what` (A's faulty link) heals: A's lost hold stays lost and B keeps
 /// the lock.
 async fn healed(link: &dyn Link, ga: LockGuard, gb: LockGuard, t: Duration, what: &str) -> Outcome {
@@ -315,24 +346,8 @@ pub async fn release_reply_lost(h: &dyn Harness) -> Outcome {
 pub async fn holder_partitioned_past_ttl(h: &dyn Harness) -> Outcome {
     let (ctx, _, link, b, ga) = or_skip!(held(h, "holder_partitioned_past_ttl", None).await?);
     let t = ctx.caps.ttl;
-    let register = FencedRegister::new();
-    ensure!(register.write(0, ga.token()), "A's first write refused");
     let watcher = watch_lost(&ga);
-    let cut_at = Instant::now();
-    link.set_all(Fault::BLACKHOLE);
-    let bound = t * 4 + ctx.caps.recovery_bound;
-    let (gb, b_got) = takes_over(&b, &ga, bound, "partitioned holder").await?;
-    let took = b_got - cut_at;
-    ensure!(
-        took <= t + ctx.caps.recovery_bound,
-        "B got the lock {took:?} after A's partition (bound {:?})",
-        t + ctx.caps.recovery_bound
-    );
-    ensure!(register.write(1, gb.token()), "B's write refused");
-    ensure!(
-        !register.write(0, ga.token()),
-        "the register accepted the partitioned holder's write"
-    );
+    let (gb, b_got) = partitioned(&ctx, &*link, &b, &ga, "partitioned holder").await?;
     let (_, lost_at) = joined(t, "A's lost()", watcher).await?;
     ensure!(
         lost_at <= b_got + t / 4,
@@ -364,23 +379,7 @@ pub async fn queued_holder_partitioned_past_ttl(h: &dyn Harness) -> Outcome {
     super::queued(&*admin, &name, 1, t / 3).await?;
     gc.release().await?;
     let ga = joined(t * 20, "A's queued acquire", waiting).await??;
-    let register = FencedRegister::new();
-    ensure!(register.write(0, ga.token()), "A's first write refused");
-    let cut_at = Instant::now();
-    link.set_all(Fault::BLACKHOLE);
-    let bound = t * 4 + ctx.caps.recovery_bound;
-    let (gb, b_got) = takes_over(&b, &ga, bound, "partitioned queued holder").await?;
-    let took = b_got - cut_at;
-    ensure!(
-        took <= t + ctx.caps.recovery_bound,
-        "B got the lock {took:?} after A's partition (bound {:?})",
-        t + ctx.caps.recovery_bound
-    );
-    ensure!(register.write(1, gb.token()), "B's write refused");
-    ensure!(
-        !register.write(0, ga.token()),
-        "the register accepted the partitioned holder's write"
-    );
+    let (gb, _) = partitioned(&ctx, &*link, &b, &ga, "partitioned queued holder").await?;
     healed(&*link, ga, gb, t, "A's partition").await
 }
 

@@ -195,7 +195,7 @@ impl ServicesCommand {
     async fn run(&self, args: Vec<String>) -> Result<(i32, String), Failure> {
         let command = self.command.clone();
         let shown = format!("{} {}", command.display(), args.join(" "));
-        let out = tokio::task::spawn_blocking(move || Command::new(&command).args(&args).output())
+        let out = tokio::task::spawn_blocking(move || run_retrying_busy(&command, &args))
             .await
             .map_err(|e| Failure(format!("{shown}: {e}")))?
             .map_err(|e| Failure(format!("cannot run {shown}: {e}")))?;
@@ -367,5 +367,25 @@ impl Servers for MemoryServers {
     async fn step_clock(&self, _node: usize, by: Duration) -> Option<Result<(), Failure>> {
         self.0.clock().step_forward(by);
         Some(Ok(()))
+    }
+}
+
+/// Runs `command args`, retrying for up to a second while the executable is
+/// busy (ETXTBSY): a script written just before (the tests' fake
+/// supervisors) stays open for writing in any child another thread forked
+/// meanwhile, until that child's `exec` closes it.
+fn run_retrying_busy(
+    command: &std::path::Path,
+    args: &[String],
+) -> std::io::Result<std::process::Output> {
+    let mut tries = 0;
+    loop {
+        match Command::new(command).args(args).output() {
+            Err(e) if e.kind() == std::io::ErrorKind::ExecutableFileBusy && tries < 100 => {
+                tries += 1;
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            done => return done,
+        }
     }
 }

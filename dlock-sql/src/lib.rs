@@ -96,6 +96,14 @@
 //!   [`SqlBackend::connect`] returns; each time its connection is
 //!   re-established every local waiter is woken, since notifications sent
 //!   while it was down are lost.
+//! * **Handoff cost.** Through the queue a handoff takes about two round
+//!   trips (the release with its unlock, then the next head's take), but
+//!   each is a committed write: the take's new token must be durable before
+//!   the grant is reported (S2), and the release frees the row. The
+//!   database's own `pg_advisory_lock` / `GET_LOCK` writes nothing, so a
+//!   fenced lock hands over at about a quarter of its rate on the same
+//!   server (BENCHMARKS.md: ~3,100 against ~11,500–14,400 handoffs/s). That
+//!   is the price of tokens that survive a restart, not of the queue.
 //! * Fair on PostgreSQL and MySQL with the queue (L4); not on SQLite, a
 //!   single file with no lock manager to queue in (whoever asks first after
 //!   a release wins).

@@ -92,11 +92,14 @@ impl Sql {
         }
     }
 
-    /// The statement with `args` bound in the dialect's order.
+    /// The statement with `args` bound in the dialect's order. A statement
+    /// binds the arguments its placeholders name and ignores the rest, so
+    /// one argument list serves every dialect's variant of a statement
+    /// (PostgreSQL's take has queue parameters, SQLite's has none).
     pub(crate) fn bind<'q>(&'q self, args: &[Arg<'q>]) -> Query<'q, Any, AnyArguments<'q>> {
         let mut bound = AnyArguments::default();
         let order: Vec<usize> = if self.numbered {
-            (0..args.len()).collect()
+            (0..self.order.iter().max().map_or(0, |n| n + 1)).collect()
         } else {
             self.order.clone()
         };
@@ -274,7 +277,7 @@ impl Statements {
                     "(IS_FREE_LOCK(?6) = 1 OR IS_USED_LOCK(?6) = CONNECTION_ID() \
                      OR expires_at <= {now} - ?7)"
                 } else {
-                    "(?6 IS NOT NULL OR ?7 IS NOT NULL)"
+                    "TRUE"
                 };
                 let granted = format!("LAST_INSERT_ID() < {MYSQL_BUSY}");
                 sql(&format!(
@@ -420,8 +423,6 @@ pub(crate) struct QueueSql {
     /// This connection's id on the server (to cancel its wait), and on
     /// PostgreSQL its TCP keepalives.
     pub(crate) pid: Sql,
-    /// MySQL: run once on a new lane before `pid`.
-    pub(crate) setup: Option<Sql>,
     /// PostgreSQL: the release (arguments as `release`) and the unlock of
     /// `?5` in one statement, answering how many rows it freed. MySQL
     /// releases, then unlocks.
@@ -446,7 +447,6 @@ impl QueueSql {
                 // The unlock hands the queue lock to the next waiter at once
                 // (its take then waits for this commit); only if none took it
                 // does a notification go to waiters outside the queue.
-                setup: None,
                 release: Some(sql(&format!(
                     "WITH freed AS (UPDATE {{t}} SET {free} WHERE name = ?1 AND owner = ?2 \
                      AND token = ?3 AND holder = ?4 AND expires_at > {{now}} RETURNING name) \
@@ -460,7 +460,6 @@ impl QueueSql {
                 lock: sql("SELECT GET_LOCK(?1, 31536000)"),
                 unlock: sql("SELECT RELEASE_LOCK(?1)"),
                 pid: sql("SELECT CAST(CONNECTION_ID() AS SIGNED)"),
-                setup: None,
                 release: None,
             }),
             Dialect::Sqlite => None,

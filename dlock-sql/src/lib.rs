@@ -434,6 +434,13 @@ impl SqlBackend {
     }
 }
 
+impl Inner {
+    /// The wait queue's lock of `name` in this backend's table.
+    pub(crate) fn queue_key(&self, name: &LockName) -> queue::QueueKey {
+        queue::QueueKey::new(&self.queue_scope, name.as_str())
+    }
+}
+
 pub(crate) fn token_of(value: i64) -> Result<FencingToken, Error> {
     u64::try_from(value)
         .ok()

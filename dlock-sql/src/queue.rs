@@ -40,8 +40,9 @@ pub(crate) struct QueueKey {
 
 impl QueueKey {
     /// FNV-1a (64 bits) of the scope (the schema or database, and the table)
-    /// and the name: the same in every process and version. Two names that collide share a queue, which costs
-    /// fairness, not safety (and their grace period bounds the wait).
+    /// and the name: the same in every process and version. Two names that
+    /// collide share a queue, which costs fairness, not safety (and their
+    /// grace period bounds the wait).
     pub(crate) fn new(scope: &str, name: &str) -> Self {
         let mut h: u64 = 0xcbf2_9ce4_8422_2325;
         for b in scope.bytes().chain([0]).chain(name.bytes()) {
@@ -150,7 +151,7 @@ async fn wait_in_line(
     let scheme = inner.sql.dialect.scheme();
     let ready = async {
         let mut lane = Conn::lane(&inner).await.expect("queue on")?;
-        let pid = lane.pid(&queue.pid, queue.setup.as_ref()).await?;
+        let pid = lane.pid(&queue.pid).await?;
         Ok::<_, sqlx::Error>((lane, pid))
     };
     let (mut lane, pid) = tokio::select! {

@@ -146,14 +146,18 @@ impl Conn {
             sqlx::Error::Protocol(_) => Error::unavailable(scheme, e),
             e => map_err(scheme, e),
         })?;
-        Ok(Self {
+        Ok(Self::new(slot, inner.conns.clone()))
+    }
+
+    fn new(slot: Slot, conns: Arc<Conns>) -> Self {
+        Self {
             slot: Some(slot),
-            conns: inner.conns.clone(),
+            conns,
             busy: false,
             failed: false,
             drained: None,
             locked: false,
-        })
+        }
     }
 
     /// A queue lane: a connection from `inner`'s lanes (`dlock_queue` of
@@ -162,28 +166,18 @@ impl Conn {
     /// be free. `None` if the queue is off.
     pub(crate) async fn lane(inner: &Inner) -> Option<Result<Self, sqlx::Error>> {
         let lanes = inner.lanes.as_ref()?;
-        Some(lanes.get_in_turn().await.map(|slot| Self {
-            slot: Some(slot),
-            conns: lanes.clone(),
-            busy: false,
-            failed: false,
-            drained: None,
-            locked: false,
-        }))
+        Some(
+            lanes
+                .get_in_turn()
+                .await
+                .map(|slot| Self::new(slot, lanes.clone())),
+        )
     }
 
-    /// The connection's id on the server, asked once per connection (after
-    /// `setup`, if any).
-    pub(crate) async fn pid(
-        &mut self,
-        query: &Sql,
-        setup: Option<&Sql>,
-    ) -> Result<i64, sqlx::Error> {
+    /// The connection's id on the server, asked once per connection.
+    pub(crate) async fn pid(&mut self, query: &Sql) -> Result<i64, sqlx::Error> {
         if let Some(pid) = self.open().pid {
             return Ok(pid);
-        }
-        if let Some(setup) = setup {
-            self.execute(setup.bind(&[])).await?;
         }
         let pid: i64 = self.fetch_one(query.bind(&[])).await?.try_get(0)?;
         self.open().pid = Some(pid);
@@ -373,7 +367,7 @@ impl HeldLanes {
         let name = hold.name.clone();
         tokio::spawn(async move {
             let queue = inner.sql.queue.as_ref().expect("a lane implies a queue");
-            let key = QueueKey::new(&inner.queue_scope, name.as_str());
+            let key = inner.queue_key(&name);
             let unlock = lane.fetch_one(queue.unlock.bind(&[key.arg(inner.sql.dialect)]));
             if matches!(timeout(DRAIN_TIMEOUT, unlock).await, Ok(Ok(_))) {
                 lane.mark_unlocked(); // back to the lanes' cache
@@ -447,15 +441,15 @@ impl SqlSession {
     async fn release_on_lane(&self, mut lane: Conn, hold: &Hold) -> Result<u64, sqlx::Error> {
         let sql = &self.inner.sql;
         let queue = sql.queue.as_ref().expect("a lane implies a queue");
-        let key = QueueKey::new(&self.inner.queue_scope, hold.name.as_str());
+        let key = self.inner.queue_key(&hold.name);
         let args = self.release_args(hold, &key);
         let freed = match &queue.release {
             Some(both) => {
-                let row = lane.fetch_one(both.bind(&args[..5])).await?;
+                let row = lane.fetch_one(both.bind(&args)).await?;
                 row.try_get::<i64, _>(0)? as u64
             }
             None => {
-                let done = lane.execute(sql.release.bind(&args[..4])).await?;
+                let done = lane.execute(sql.release.bind(&args)).await?;
                 lane.fetch_one(queue.unlock.bind(&args[4..5])).await?;
                 done.rows_affected()
             }
@@ -542,7 +536,7 @@ impl RawSession for SqlSession {
         };
         Ok(Box::new(SqlClaim {
             waiter,
-            key: QueueKey::new(&self.inner.queue_scope, name.as_str()),
+            key: self.inner.queue_key(name),
             place: Place::Out,
             lanes: self.lanes.clone(),
             inner: self.inner.clone(),
@@ -587,16 +581,10 @@ impl RawSession for SqlSession {
         let freed = match self.lanes.take(&hold.name, &hold.key) {
             Some(lane) => self.release_on_lane(lane, hold).await,
             None => {
-                let sql = &self.inner.sql;
-                let key = QueueKey::new(&self.inner.queue_scope, hold.name.as_str());
+                let key = self.inner.queue_key(&hold.name);
                 let args = self.release_args(hold, &key);
-                let listed = if sql.dialect == Dialect::Postgres {
-                    6
-                } else {
-                    4
-                };
                 let mut conn = Conn::get(&self.inner).await?;
-                conn.execute(sql.release.bind(&args[..listed]))
+                conn.execute(self.inner.sql.release.bind(&args))
                     .await
                     .map(|done| done.rows_affected())
             }
@@ -736,9 +724,7 @@ impl SqlClaim {
             // a serialization failure can be, is this take's error, not the
             // next statement's on this connection).
             Dialect::Postgres => {
-                // Without the queue, the take has no queue parameters.
-                let listed = if sql.queue.is_some() { 7 } else { 5 };
-                let rows = conn.fetch_all(sql.take.bind(&args[..listed])).await?;
+                let rows = conn.fetch_all(sql.take.bind(&args)).await?;
                 let row = rows.first().ok_or(sqlx::Error::RowNotFound)?;
                 let token: Option<i64> = row.try_get(0)?;
                 let remaining: Option<i64> = row.try_get(1)?;
@@ -752,10 +738,10 @@ impl SqlClaim {
             // failed commit's error; a take reported granted must be
             // committed (adversarial review: a grant rolled back at commit
             // was reported, and its token issued again).
-            Dialect::Sqlite => match conn.fetch_all(sql.take.bind(&args[..5])).await?.first() {
+            Dialect::Sqlite => match conn.fetch_all(sql.take.bind(&args)).await?.first() {
                 Some(row) => self.granted(row.try_get(0)?).map_err(protocol),
                 None => {
-                    let row = conn.fetch_optional(sql.state.bind(&args[..1])).await?;
+                    let row = conn.fetch_optional(sql.state.bind(&args)).await?;
                     Ok(self.busy(row.map(|r| r.try_get(0)).transpose()?))
                 }
             },

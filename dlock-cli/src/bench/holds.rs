@@ -28,7 +28,7 @@ const ROUNDS: usize = 7;
 const PHASE_LIMIT: Duration = Duration::from_secs(300);
 
 /// Phase 6's figures for one backend.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Default, Serialize)]
 pub(crate) struct ManyHolds {
     /// Locks the session held.
     pub(crate) holds: usize,
@@ -58,15 +58,7 @@ pub(crate) async fn many_holds(
 ) -> Result<ManyHolds, Failure> {
     let options = SessionOptions::new().ttl(ttl).label("dlock-bench-holds");
     let session = t.backend().session(options).await?;
-    let mut out = ManyHolds {
-        holds: 0,
-        acquire_s: 0.0,
-        renew_one: None,
-        renew_all: None,
-        renew_all_x_one: None,
-        heap_bytes_per_hold: None,
-        error: None,
-    };
+    let mut out = ManyHolds::default();
     let before = crate::heap_bytes();
     let start = Instant::now();
     let (guards, error) = acquire_all(t, &session, n, bar).await?;

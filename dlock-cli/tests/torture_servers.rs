@@ -104,6 +104,9 @@ fn check(name: &str, report: &Value, failures: &mut Vec<String>) {
             "{name}/{profile}: {} acquisitions, {} faults, {} overlaps, verdict {}",
             row["acquisitions"], row["faults"], row["overlaps"], row["verdict"]
         );
+        if let Some(e) = row["first_server_error"].as_str() {
+            eprintln!("{name}/{profile}: a server command failed: {e}");
+        }
         if !bad.is_empty() {
             failures.push(format!("{name}/{profile}: {}: {row}", bad.join(", ")));
         }

@@ -193,6 +193,8 @@ pub(crate) struct Shared {
     /// The client holding the lock now, as far as the clients know.
     pub(crate) holder: AtomicU64,
     pub(crate) first_error: std::sync::Mutex<Option<String>>,
+    /// The first server command (pause, resume, kill, start) that failed.
+    pub(crate) first_server_error: std::sync::Mutex<Option<String>>,
 }
 
 /// One simulated client process and its link.
@@ -222,6 +224,7 @@ async fn run_profile(
         stop: AtomicBool::new(false),
         holder: AtomicU64::new(u64::MAX),
         first_error: std::sync::Mutex::new(None),
+        first_server_error: std::sync::Mutex::new(None),
     });
     let mut clients = Vec::new();
     let mut tasks = Vec::new();
@@ -248,6 +251,7 @@ async fn run_profile(
     let started = Instant::now();
     let nemesis = nemesis::Nemesis::new(profile, deployment, &clients, shared.clone(), args.ttl);
     let faults = nemesis.run(args.max_time, args.min_faults).await;
+    let servers_left_down = nemesis.restore().await.err();
     shared.stop.store(true, Ordering::SeqCst);
     for client in &clients {
         client.link.heal();
@@ -277,6 +281,8 @@ async fn run_profile(
         max_unavailable: unavailable.iter().copied().max().unwrap_or_default(),
         p50_unavailable: median(unavailable),
         first_error: shared.first_error.lock().unwrap().clone(),
+        first_server_error: shared.first_server_error.lock().unwrap().clone(),
+        servers_left_down,
     })
 }
 

@@ -251,20 +251,22 @@ impl<'a> Nemesis<'a> {
             Profile::ServerPauses => {
                 if let Some(servers) = self.deployment.servers() {
                     let node = rand::rng().random_range(0..servers.nodes());
-                    if servers.pause(node).await.is_ok() {
-                        sleep(between(t / 2, t * 3 / 2)).await;
-                        let _ = servers.resume(node).await;
-                    }
+                    self.note(servers.pause(node).await);
+                    sleep(between(t / 2, t * 3 / 2)).await;
+                    // Resumed whatever the pause answered: one that failed part
+                    // of the way may still have stopped some of the node's
+                    // processes, and a stopped server outlives this run.
+                    self.note(servers.resume(node).await);
                 }
             }
             Profile::ServerRestarts => {
                 if let Some(servers) = self.deployment.servers() {
                     let node = rand::rng().random_range(0..servers.nodes());
-                    let _ = servers.kill(node).await;
+                    self.note(servers.kill(node).await);
                     if servers.nodes() > 1 {
-                        let _ = servers.start(node).await;
+                        self.note(servers.start(node).await);
                     } else {
-                        let _ = servers.start_all().await;
+                        self.note(servers.start_all().await);
                     }
                 }
             }
@@ -274,6 +276,45 @@ impl<'a> Nemesis<'a> {
                 }
             }
         }
+    }
+
+    /// Keeps the first failure of a server command for the report.
+    fn note(&self, result: Result<(), dlock_conformance::Failure>) {
+        if let Err(e) = result {
+            let mut first = self.shared.first_server_error.lock().unwrap();
+            first.get_or_insert(e.to_string());
+        }
+    }
+
+    /// Brings every server back after the profile: resumed, and started
+    /// (tried three times, a second apart), so that a failed restart does not
+    /// leave a server down for whatever runs next on this machine; the
+    /// error if it stays down.
+    pub(crate) async fn restore(&self) -> Result<(), String> {
+        let Some(servers) = self.deployment.servers() else {
+            return Ok(());
+        };
+        if !matches!(
+            self.profile,
+            Profile::ServerPauses | Profile::ServerRestarts
+        ) {
+            return Ok(());
+        }
+        for node in 0..servers.nodes() {
+            // (fails for a node that is not running; the start below says why)
+            let _ = servers.resume(node).await;
+        }
+        let mut last = String::new();
+        for attempt in 0..3 {
+            if attempt > 0 {
+                sleep(Duration::from_secs(1)).await;
+            }
+            match servers.start_all().await {
+                Ok(()) => return Ok(()),
+                Err(e) => last = e.to_string(),
+            }
+        }
+        Err(last)
     }
 
     async fn link_fault(&self, fault: Fault, from: Duration, to: Duration) {

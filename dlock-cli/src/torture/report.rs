@@ -28,6 +28,10 @@ pub(crate) struct Row {
     pub(crate) max_unavailable: Duration,
     pub(crate) p50_unavailable: Duration,
     pub(crate) first_error: Option<String>,
+    /// The first failed server command of the nemesis, if any.
+    pub(crate) first_server_error: Option<String>,
+    /// Why the servers could not be brought back after the profile.
+    pub(crate) servers_left_down: Option<String>,
 }
 
 impl Row {
@@ -48,6 +52,8 @@ impl Row {
             max_unavailable: Duration::ZERO,
             p50_unavailable: Duration::ZERO,
             first_error: None,
+            first_server_error: None,
+            servers_left_down: None,
         }
     }
 
@@ -61,6 +67,9 @@ impl Row {
     pub(crate) fn verdict(&self, target: u64) -> Result<&'static str, String> {
         if let Some(why) = self.skipped {
             return Ok(why);
+        }
+        if let Some(why) = &self.servers_left_down {
+            return Err(format!("the servers could not be brought back: {why}"));
         }
         if self.register_violations() > 0 {
             return Err(format!(
@@ -200,6 +209,8 @@ impl Table {
                     "lost_signals": r.lost_signals,
                     "errors": r.errors,
                     "first_error": r.first_error,
+                    "first_server_error": r.first_server_error,
+                    "servers_left_down": r.servers_left_down,
                     "sessions_replaced": r.sessions_replaced,
                     "max_unavailable_ms": r.max_unavailable.as_secs_f64() * 1e3,
                     "p50_unavailable_ms": r.p50_unavailable.as_secs_f64() * 1e3,

@@ -1,6 +1,7 @@
 //! A session is a ZooKeeper session; an attempt is one protected
 //! ephemeral-sequential node in the name's queue.
 
+use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -8,6 +9,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use dlock_core::backend::{Busy, Claim, ExpiryModel, Hold, RawSession, Take};
 use dlock_core::{Error, FencingToken, LockName, SessionId};
+use futures::StreamExt;
 use tokio::task::JoinSet;
 use tokio::time::{Instant, sleep_until};
 use zookeeper_client as zk;
@@ -17,6 +19,18 @@ use crate::{Inner, map_err};
 /// Reads per renewal multi-read: a lock node's data and stat are well under
 /// 200 bytes, so a chunk's answer stays far below `jute.maxbuffer`.
 const MULTI_READ_CHUNK: usize = 1000;
+
+/// How long an emptied lock parent stays after this session's last release
+/// of the name before the session removes it. A name locked again within it
+/// (a hot lock, a job every second) finds its parent and is taken with the
+/// recipe's two requests (create, list) instead of three (a create that
+/// fails, the multi that creates parent and node, list). Parents are
+/// containers, so the server would remove them anyway, but only about a
+/// minute later and at most 10,000 a minute (`znode.container.*`).
+const TIDY_DELAY: Duration = Duration::from_secs(2);
+
+/// Removals of emptied parents in flight at once when a session closes.
+const TIDY_IN_FLIGHT: usize = 256;
 
 /// Sorts queue nodes `<guid>-lock-<sequence>` by sequence (the guids differ,
 /// so plain string order would be wrong).
@@ -53,7 +67,11 @@ pub(crate) struct ZkSession {
     /// The ZooKeeper session id in hex: every node of this session starts
     /// with it (ownership check, protected mode).
     zk_id: String,
-    /// Removals of emptied lock parents, off the release path; aborted with
+    /// Lock parents this session emptied, by when it last released their
+    /// name: each is removed [`TIDY_DELAY`] after that, or when the session
+    /// closes.
+    emptied: Arc<Mutex<HashMap<String, Instant>>>,
+    /// One task per entry of `emptied`, off the release path; aborted with
     /// the session.
     tidying: Mutex<JoinSet<()>>,
     /// In an ensemble, the task that sends a request every `touch_gap`
@@ -121,6 +139,7 @@ impl ZkSession {
             inner,
             client,
             id,
+            emptied: Arc::default(),
             tidying: Mutex::new(JoinSet::new()),
         })
     }
@@ -132,13 +151,50 @@ impl ZkSession {
             .is_some_and(|node| node.starts_with(&format!("{}-", self.zk_id)))
     }
 
-    /// Deletes the lock's parent if it is empty, in a task of the session.
+    /// Deletes the lock's parent if it is empty, [`TIDY_DELAY`] after the
+    /// session's last release of the name, in a task of the session. Safe at
+    /// any time: a parent with nodes is not deleted, and a create that finds
+    /// no parent makes one in the same multi as its node.
     fn tidy(&self, name: &LockName) {
-        let client = self.client.clone();
         let parent = self.inner.parent(name);
+        let first = lock(&self.emptied)
+            .insert(parent.clone(), Instant::now())
+            .is_none();
+        if !first {
+            return; // its task sees the later release and waits on
+        }
+        let (client, emptied) = (self.client.clone(), self.emptied.clone());
         let mut tasks = self.tidying.lock().unwrap_or_else(|e| e.into_inner());
         while tasks.try_join_next().is_some() {}
-        tasks.spawn(async move { remove_if_empty(&client, &parent).await });
+        tasks.spawn(async move {
+            loop {
+                let due = match lock(&emptied).get(&parent) {
+                    Some(released) => *released + TIDY_DELAY,
+                    None => return, // removed by close
+                };
+                if Instant::now() >= due {
+                    break;
+                }
+                sleep_until(due).await;
+            }
+            lock(&emptied).remove(&parent);
+            remove_if_empty(&client, &parent).await;
+        });
+    }
+
+    /// Removes every parent still waiting for its delay, now.
+    async fn tidy_now(&self) {
+        let mut tasks =
+            std::mem::take(&mut *self.tidying.lock().unwrap_or_else(|e| e.into_inner()));
+        tasks.abort_all();
+        while tasks.join_next().await.is_some() {}
+        let parents: Vec<String> = lock(&self.emptied).drain().map(|(p, _)| p).collect();
+        futures::stream::iter(parents)
+            .for_each_concurrent(TIDY_IN_FLIGHT, |parent| {
+                let client = self.client.clone();
+                async move { remove_if_empty(&client, &parent).await }
+            })
+            .await;
     }
 }
 
@@ -251,11 +307,13 @@ impl RawSession for ZkSession {
                 Err(e) => return Err(map_err(e)),
             }
         }
-        let mut tasks =
-            std::mem::take(&mut *self.tidying.lock().unwrap_or_else(|e| e.into_inner()));
-        while tasks.join_next().await.is_some() {}
+        self.tidy_now().await;
         Ok(())
     }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// Deletes a lock's parent node if it has no children left (it is a
@@ -329,6 +387,45 @@ impl ZkClaim {
         {
             Some(stat) => Ok(Some((node, stat.czxid))),
             None => Ok(None),
+        }
+    }
+
+    /// The queue, sorted (empty if the parent is gone).
+    async fn list(&self) -> Result<Vec<String>, Error> {
+        match self.client.list_children(&self.parent).await {
+            Ok(c) => Ok(sorted(c)),
+            Err(zk::Error::NoNode) => Ok(Vec::new()),
+            Err(e) => Err(map_err(e)),
+        }
+    }
+
+    /// [`create`](Self::create), then the queue, in one round trip where the
+    /// parent exists: the list is sent right behind the create, and the
+    /// server answers a session's requests in order, so the list sees the
+    /// new node. Where the parent is gone, both fail with NoNode and the
+    /// slow path runs (the create's multi, then a list).
+    async fn create_and_list(&mut self) -> Result<((String, i64), Vec<String>), Error> {
+        let path = format!("{}/{}-lock-", self.parent, self.guid);
+        let options = zk::CreateMode::EphemeralSequential.with_acls(self.inner.config.acls());
+        self.sent = true;
+        let created = self.client.create(&path, &self.data, &options);
+        let listed = self.client.list_children(&self.parent);
+        match created.await {
+            Ok((stat, sequence)) => {
+                let node = format!("{}-lock-{sequence}", self.guid);
+                let children = match listed.await {
+                    Ok(c) => sorted(c),
+                    Err(zk::Error::NoNode) => Vec::new(),
+                    Err(e) => return Err(map_err(e)),
+                };
+                Ok(((node, stat.czxid), children))
+            }
+            Err(zk::Error::NoNode) => {
+                drop(listed);
+                let n = self.create().await?;
+                Ok((n, self.list().await?))
+            }
+            Err(e) => Err(map_err(e)),
         }
     }
 
@@ -426,18 +523,13 @@ impl Claim for ZkClaim {
             if self.node.is_none() && self.sent {
                 self.node = self.find_own().await?;
             }
-            let (node, czxid) = match self.node.clone() {
-                Some(n) => n,
+            let ((node, czxid), children) = match self.node.clone() {
+                Some(n) => (n, self.list().await?),
                 None => {
-                    let n = self.create().await?;
+                    let (n, children) = self.create_and_list().await?;
                     self.node = Some(n.clone());
-                    n
+                    (n, children)
                 }
-            };
-            let children = match self.client.list_children(&self.parent).await {
-                Ok(c) => sorted(c),
-                Err(zk::Error::NoNode) => Vec::new(),
-                Err(e) => return Err(map_err(e)),
             };
             let Some(position) = children.iter().position(|c| *c == node) else {
                 // Our node is gone (deleted, or its session expired): join

@@ -132,8 +132,8 @@ async fn a_wrong_digest_password_is_an_auth_error_at_once() {
 }
 
 /// A lock whose parent node does not exist is taken through the multi that
-/// creates parent and node together; a release removes the emptied parent
-/// (in a task of the session, which `close` waits for).
+/// creates parent and node together; the emptied parent is removed a moment
+/// after the release (or by `close`, which removes what is still pending).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn parents_come_and_go_with_their_queues() {
     if skipped("zk", "parents_come_and_go_with_their_queues") {
@@ -159,4 +159,54 @@ async fn parents_come_and_go_with_their_queues() {
         0,
         "nodes left behind"
     );
+}
+
+/// An emptied parent stays for a moment after the release, so that the
+/// name's next acquire is the recipe's create and list (no failed create, no
+/// multi), and goes once the name has been left alone for that moment, while
+/// the session lives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn emptied_parents_stay_a_moment_then_go() {
+    if skipped("zk", "emptied_parents_stay_a_moment_then_go") {
+        return;
+    }
+    let url = format!("{}/dlock-test", standalone_url());
+    let backend = connect(&url).await;
+    let session = backend
+        .session(SessionOptions::new().ttl(Duration::from_secs(5)))
+        .await
+        .unwrap();
+    let prefix = format!("adapter/tidy-{:08x}", rand::random::<u32>());
+    let name = format!("{prefix}/x");
+    for _ in 0..3 {
+        dlock_conformance::unit::acquired(&session, &name)
+            .await
+            .release()
+            .await
+            .unwrap();
+        assert_eq!(
+            backend.nodes_under(&prefix).await.unwrap(),
+            1,
+            "the emptied parent right after a release"
+        );
+    }
+    let released = std::time::Instant::now();
+    loop {
+        let left = backend.nodes_under(&prefix).await.unwrap();
+        if left == 0 {
+            break;
+        }
+        assert!(
+            released.elapsed() < Duration::from_secs(10),
+            "{left} nodes still there {:?} after the last release",
+            released.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        released.elapsed() >= Duration::from_secs(1),
+        "removed after {:?}: too soon for the next acquire to reuse it",
+        released.elapsed()
+    );
+    session.close().await.unwrap();
 }

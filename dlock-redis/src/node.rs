@@ -409,6 +409,9 @@ impl Commands {
     }
 }
 
+/// Holds renewed by one script (see [`Node::renew`]).
+const RENEW_CHUNK: usize = 1000;
+
 /// One Redis server.
 pub(crate) struct Node {
     commands: Arc<Commands>,
@@ -658,29 +661,42 @@ impl Node {
         if holds.is_empty() {
             return Ok(Vec::new());
         }
-        let mut invocation = script::RENEW.prepare_invoke();
-        invocation
-            .arg(ttl.as_millis() as u64)
-            .arg(min_uptime.as_millis() as u64);
-        for (keys, owner, token) in holds {
+        // One script per RENEW_CHUNK holds, all sent at once on the one
+        // connection (pipelined): still one round trip, but no single script
+        // keeps the server from everyone else for long (a script is atomic:
+        // 10,000 holds in one took ~35 ms).
+        let chunks = holds.chunks(RENEW_CHUNK).map(|chunk| {
+            let mut invocation = script::RENEW.prepare_invoke();
             invocation
-                .key(&keys.lock)
-                .arg(*owner)
-                .arg(token.get().to_string());
+                .arg(ttl.as_millis() as u64)
+                .arg(min_uptime.as_millis() as u64);
+            for (keys, owner, token) in chunk {
+                invocation
+                    .key(&keys.lock)
+                    .arg(*owner)
+                    .arg(token.get().to_string());
+            }
+            invocation.key(boot_key(&self.prefix));
+            async move {
+                let out: Vec<i64> = self
+                    .request(limit, |mut c| async move {
+                        invocation.invoke_async(&mut c).await
+                    })
+                    .await?;
+                if out.len() != chunk.len() {
+                    return Err(Error::protocol(
+                        BACKEND,
+                        "renew answered for a different number of locks",
+                    ));
+                }
+                Ok(out)
+            }
+        });
+        let mut renewed = Vec::with_capacity(holds.len());
+        for out in futures::future::join_all(chunks).await {
+            renewed.extend(out?.into_iter().map(|v| v == 1));
         }
-        invocation.key(boot_key(&self.prefix));
-        let out: Vec<i64> = self
-            .request(limit, |mut c| async move {
-                invocation.invoke_async(&mut c).await
-            })
-            .await?;
-        if out.len() != holds.len() {
-            return Err(Error::protocol(
-                BACKEND,
-                "renew answered for a different number of locks",
-            ));
-        }
-        Ok(out.into_iter().map(|v| v == 1).collect())
+        Ok(renewed)
     }
 
     /// How long before this node may grant (the restart guard).

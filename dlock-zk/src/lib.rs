@@ -26,7 +26,10 @@
 //!   after a connection loss during the create, the attempt finds its own
 //!   node by the guid instead of creating a second one; it `sync`s first, so
 //!   the server it reconnected to has applied every create the leader
-//!   accepted before). The lowest sequence holds; a waiter sets an
+//!   accepted before). The create and the list of the queue are sent
+//!   together (ZooKeeper answers one session's requests in order, so the
+//!   list sees the new node): an uncontended take of a name whose parent
+//!   exists is one round trip. The lowest sequence holds; a waiter sets an
 //!   exists-watch on its predecessor only (no herd) and then re-checks.
 //!   Fair: FIFO by sequence. A cancelled or timed-out waiter deletes its
 //!   node.
@@ -37,11 +40,15 @@
 //!   lost has still happened); the node's path is unique to its grant (the
 //!   guid is never reused), and the token is checked against the hold's key,
 //!   which carries it.
-//! * The lock's parent node is a *container* node, deleted by ZooKeeper once
-//!   empty; a release also deletes it at once when it is empty (off the
-//!   release path, in a task of the session), so 10,000 names leave nothing
-//!   behind. A waiter that finds the parent gone creates it and its own node
-//!   in one multi, so a parent deleted in between cannot make it fail.
+//! * The lock's parent node is a *container* node, which ZooKeeper deletes
+//!   about a minute after it is left empty, and at most 10,000 a minute
+//!   (`znode.container.*`). So the session also deletes a parent it emptied,
+//!   2 s after its last release of the name (off the release path, in a
+//!   task of the session) or when the session closes: a name locked again
+//!   meanwhile finds its parent (no failed create), and 10,000 names leave
+//!   nothing behind. The delete fails harmlessly if the parent has nodes. A
+//!   waiter that finds the parent gone creates it and its own node in one
+//!   multi, so a parent deleted in between cannot make it fail.
 //! * `user:password@` authenticates with the `digest` scheme, and the nodes
 //!   dlock creates then carry the `CREATOR_ALL` ACL (only that user may touch
 //!   them); without credentials they are open to anyone (`ANYONE_ALL`).

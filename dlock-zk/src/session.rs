@@ -3,13 +3,13 @@
 
 use std::collections::HashMap;
 use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use dlock_core::backend::{Busy, Claim, ExpiryModel, Hold, RawSession, Take};
 use dlock_core::{Error, FencingToken, LockName, SessionId};
-use futures::StreamExt;
 use tokio::task::JoinSet;
 use tokio::time::{Instant, sleep_until};
 use zookeeper_client as zk;
@@ -28,9 +28,6 @@ const MULTI_READ_CHUNK: usize = 1000;
 /// containers, so the server would remove them anyway, but only about a
 /// minute later and at most 10,000 a minute (`znode.container.*`).
 const TIDY_DELAY: Duration = Duration::from_secs(2);
-
-/// Removals of emptied parents in flight at once when a session closes.
-const TIDY_IN_FLIGHT: usize = 256;
 
 /// Sorts queue nodes `<guid>-lock-<sequence>` by sequence (the guids differ,
 /// so plain string order would be wrong).
@@ -71,6 +68,8 @@ pub(crate) struct ZkSession {
     /// name: each is removed [`TIDY_DELAY`] after that, or when the session
     /// closes.
     emptied: Arc<Mutex<HashMap<String, Instant>>>,
+    /// Set once `close` has removed the pending parents.
+    closing: AtomicBool,
     /// One task per entry of `emptied`, off the release path; aborted with
     /// the session.
     tidying: Mutex<JoinSet<()>>,
@@ -140,6 +139,7 @@ impl ZkSession {
             client,
             id,
             emptied: Arc::default(),
+            closing: AtomicBool::new(false),
             tidying: Mutex::new(JoinSet::new()),
         })
     }
@@ -155,8 +155,16 @@ impl ZkSession {
     /// session's last release of the name, in a task of the session. Safe at
     /// any time: a parent with nodes is not deleted, and a create that finds
     /// no parent makes one in the same multi as its node.
-    fn tidy(&self, name: &LockName) {
+    ///
+    /// Once the session is closing, the parent is removed at once (a
+    /// release the core finishes in the background may end after `close`
+    /// removed the pending ones).
+    async fn tidy(&self, name: &LockName) {
         let parent = self.inner.parent(name);
+        if self.closing.load(Ordering::Acquire) {
+            remove_if_empty(&self.client, &parent).await;
+            return;
+        }
         let first = lock(&self.emptied)
             .insert(parent.clone(), Instant::now())
             .is_none();
@@ -164,7 +172,7 @@ impl ZkSession {
             return; // its task sees the later release and waits on
         }
         let (client, emptied) = (self.client.clone(), self.emptied.clone());
-        let mut tasks = self.tidying.lock().unwrap_or_else(|e| e.into_inner());
+        let mut tasks = lock(&self.tidying);
         while tasks.try_join_next().is_some() {}
         tasks.spawn(async move {
             loop {
@@ -172,29 +180,43 @@ impl ZkSession {
                     Some(released) => *released + TIDY_DELAY,
                     None => return, // removed by close
                 };
-                if Instant::now() >= due {
-                    break;
+                if Instant::now() < due {
+                    sleep_until(due).await;
+                    continue;
                 }
-                sleep_until(due).await;
+                remove_if_empty(&client, &parent).await;
+                // The entry stays until the delete was answered (so that a
+                // close meanwhile deletes it again, and waits for that); a
+                // release meanwhile starts the wait over.
+                let mut emptied = lock(&emptied);
+                match emptied.get(&parent) {
+                    Some(released) if *released + TIDY_DELAY > Instant::now() => {}
+                    _ => {
+                        emptied.remove(&parent);
+                        return;
+                    }
+                }
             }
-            lock(&emptied).remove(&parent);
-            remove_if_empty(&client, &parent).await;
         });
     }
 
-    /// Removes every parent still waiting for its delay, now.
+    /// Removes every parent still waiting for its delay, now: every delete
+    /// is sent before any answer is awaited (zookeeper-client queues a
+    /// request when it is called), so a timeout around `close` cannot leave
+    /// some unsent.
     async fn tidy_now(&self) {
-        let mut tasks =
-            std::mem::take(&mut *self.tidying.lock().unwrap_or_else(|e| e.into_inner()));
+        self.closing.store(true, Ordering::Release);
+        let mut tasks = std::mem::take(&mut *lock(&self.tidying));
         tasks.abort_all();
         while tasks.join_next().await.is_some() {}
         let parents: Vec<String> = lock(&self.emptied).drain().map(|(p, _)| p).collect();
-        futures::stream::iter(parents)
-            .for_each_concurrent(TIDY_IN_FLIGHT, |parent| {
-                let client = self.client.clone();
-                async move { remove_if_empty(&client, &parent).await }
-            })
-            .await;
+        let deletes: Vec<_> = parents
+            .iter()
+            .map(|parent| self.client.delete(parent, None))
+            .collect();
+        for (parent, delete) in parents.iter().zip(deletes) {
+            removed_if_empty(delete.await, parent);
+        }
     }
 }
 
@@ -285,30 +307,36 @@ impl RawSession for ZkSession {
             Err(zk::Error::NoNode) => return Err(not_held()),
             Err(e) => return Err(map_err(e)),
         }
-        // Off the release path: the next holder should not wait for it.
-        self.tidy(&hold.name);
+        self.tidy(&hold.name).await;
         Ok(())
     }
 
     async fn close(&self, holds: &[Hold]) -> Result<(), Error> {
         // The session itself ends when its client is dropped (with the
         // session); free the holds now so others need not wait for that.
-        for hold in holds {
-            let Some((path, _)) = parse_key(&hold.key) else {
-                continue;
-            };
-            if !self.owns(path) {
-                continue;
-            }
-            match self.client.delete(path, None).await {
+        // Every delete is sent before any answer is awaited.
+        let deletes: Vec<_> = holds
+            .iter()
+            .filter_map(|hold| {
+                let (path, _) = parse_key(&hold.key)?;
+                self.owns(path)
+                    .then(|| (&hold.name, self.client.delete(path, None)))
+            })
+            .collect();
+        let mut first_error = None;
+        for (name, delete) in deletes {
+            match delete.await {
                 Ok(()) | Err(zk::Error::NoNode) => {
-                    remove_if_empty(&self.client, &self.inner.parent(&hold.name)).await
+                    lock(&self.emptied).insert(self.inner.parent(name), Instant::now());
                 }
-                Err(e) => return Err(map_err(e)),
+                Err(e) => {
+                    first_error.get_or_insert(map_err(e));
+                }
             }
         }
+        // Also after a failed delete: what can be tidied is.
         self.tidy_now().await;
-        Ok(())
+        first_error.map_or(Ok(()), Err)
     }
 }
 
@@ -322,7 +350,13 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// and a waiter that finds the parent gone creates both in one multi, so
 /// this never strands a waiter.
 async fn remove_if_empty(client: &zk::Client, parent: &str) {
-    match client.delete(parent, None).await {
+    removed_if_empty(client.delete(parent, None).await, parent);
+}
+
+/// Logs a parent's delete that failed for another reason than having nodes
+/// or being gone already.
+fn removed_if_empty(result: Result<(), zk::Error>, parent: &str) {
+    match result {
         Ok(()) | Err(zk::Error::NotEmpty | zk::Error::NoNode) => {}
         Err(e) => tracing::debug!(error = %e, parent, "could not remove an empty lock node"),
     }
@@ -422,7 +456,7 @@ impl ZkClaim {
             }
             Err(zk::Error::NoNode) => {
                 drop(listed);
-                let n = self.create().await?;
+                let n = self.create(true).await?;
                 Ok((n, self.list().await?))
             }
             Err(e) => Err(map_err(e)),
@@ -430,21 +464,24 @@ impl ZkClaim {
     }
 
     /// Creates the attempt's node (and the lock's container parent if
-    /// needed); returns its name and czxid.
-    async fn create(&mut self) -> Result<(String, i64), Error> {
+    /// needed; straight away if `parent_gone`, as a create just said);
+    /// returns its name and czxid.
+    async fn create(&mut self, mut parent_gone: bool) -> Result<(String, i64), Error> {
         let path = format!("{}/{}-lock-", self.parent, self.guid);
         let acls = self.inner.config.acls();
         let options = zk::CreateMode::EphemeralSequential.with_acls(acls);
         let container = zk::CreateMode::Container.with_acls(acls);
         for _ in 0..8 {
             self.sent = true;
-            match self.client.create(&path, &self.data, &options).await {
-                Ok((stat, sequence)) => {
-                    let node = format!("{}-lock-{sequence}", self.guid);
-                    return Ok((node, stat.czxid));
+            if !std::mem::take(&mut parent_gone) {
+                match self.client.create(&path, &self.data, &options).await {
+                    Ok((stat, sequence)) => {
+                        let node = format!("{}-lock-{sequence}", self.guid);
+                        return Ok((node, stat.czxid));
+                    }
+                    Err(zk::Error::NoNode) => {}
+                    Err(e) => return Err(map_err(e)),
                 }
-                Err(zk::Error::NoNode) => {}
-                Err(e) => return Err(map_err(e)),
             }
             // The parent is gone (never created, or removed when its last
             // node left): create it and the node in one multi, so that a
@@ -644,7 +681,7 @@ mod server_tests {
             ahead: None,
         };
         // The create reaches the server, but its reply is lost.
-        let (node, czxid) = attempt.create().await.unwrap();
+        let (node, czxid) = attempt.create(false).await.unwrap();
         attempt.node = None;
         assert!(attempt.sent);
         let Take::Granted(hold) = attempt.try_take().await.unwrap() else {

@@ -181,8 +181,7 @@ impl<'a> Nemesis<'a> {
             if Instant::now() >= until || (self.done() && faults >= min_faults) {
                 return faults;
             }
-            if self.profile != Profile::None {
-                self.one_fault().await;
+            if self.profile != Profile::None && self.one_fault().await {
                 faults += 1;
             }
         }
@@ -210,10 +209,13 @@ impl<'a> Nemesis<'a> {
         &self.clients[i]
     }
 
-    async fn one_fault(&self) {
+    /// Plays one fault; whether it was injected (a server command that
+    /// failed injected none, so a profile whose commands all fail reports
+    /// no faults instead of passing as if it had run).
+    async fn one_fault(&self) -> bool {
         let t = self.ttl;
         match self.profile {
-            Profile::None => {}
+            Profile::None => return false,
             Profile::Delays => {
                 let client = self.victim();
                 let fault = Fault::delay(
@@ -251,39 +253,44 @@ impl<'a> Nemesis<'a> {
             Profile::ServerPauses => {
                 if let Some(servers) = self.deployment.servers() {
                     let node = rand::rng().random_range(0..servers.nodes());
-                    self.note(servers.pause(node).await);
+                    let paused = self.note(servers.pause(node).await);
                     sleep(between(t / 2, t * 3 / 2)).await;
                     // Resumed whatever the pause answered: one that failed part
                     // of the way may still have stopped some of the node's
                     // processes, and a stopped server outlives this run.
                     self.note(servers.resume(node).await);
+                    return paused;
                 }
             }
             Profile::ServerRestarts => {
                 if let Some(servers) = self.deployment.servers() {
                     let node = rand::rng().random_range(0..servers.nodes());
-                    self.note(servers.kill(node).await);
+                    let killed = self.note(servers.kill(node).await);
                     if servers.nodes() > 1 {
                         self.note(servers.start(node).await);
                     } else {
                         self.note(servers.start_all().await);
                     }
+                    return killed;
                 }
             }
             Profile::ClockJumps => {
                 if let Some(servers) = self.deployment.servers() {
-                    let _ = servers.step_clock(0, t * 2).await;
+                    return matches!(servers.step_clock(0, t * 2).await, Some(Ok(())));
                 }
             }
         }
+        true
     }
 
-    /// Keeps the first failure of a server command for the report.
-    fn note(&self, result: Result<(), dlock_conformance::Failure>) {
-        if let Err(e) = result {
+    /// Keeps the first failure of a server command for the report; whether
+    /// the command succeeded.
+    fn note(&self, result: Result<(), dlock_conformance::Failure>) -> bool {
+        if let Err(e) = &result {
             let mut first = self.shared.first_server_error.lock().unwrap();
             first.get_or_insert(e.to_string());
         }
+        result.is_ok()
     }
 
     /// Brings every server back after the profile: resumed, and started

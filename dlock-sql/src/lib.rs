@@ -174,6 +174,7 @@
 
 mod conns;
 mod dialect;
+mod fence;
 mod floor;
 #[cfg(feature = "postgres")]
 mod notify;
@@ -197,6 +198,7 @@ use sqlx::{AnyConnection, Connection, Row};
 use conns::Conns;
 use dialect::{Arg, Dialect, Sql, Statements, prefix_end};
 use dlock_core::wake::WakeHub;
+pub use fence::{FenceError, FencedConnection, SqlFence};
 pub use floor::SqlFloor;
 pub use options::{DEFAULT_QUEUE, DEFAULT_TABLE, SqlOptions};
 

@@ -279,7 +279,7 @@ fn check_compiled(dialect: Dialect) -> Result<(), Error> {
     }
 }
 
-fn check_table(table: &str) -> Result<(), String> {
+pub(crate) fn check_table(table: &str) -> Result<(), String> {
     let mut chars = table.chars();
     let ok = chars
         .next()

@@ -1,0 +1,328 @@
+//! [`SqlFence`]: a lock's fencing token checked where the protected data lives.
+
+use async_trait::async_trait;
+use dlock_core::{Error, FencingToken, StaleToken};
+
+/// Fencing where the data lives: checks a lock's token inside
+/// the caller's own transaction, in the database that holds the protected
+/// data, so that a paused or partitioned former holder cannot write after a
+/// newer one did.
+///
+/// The check records the highest token accepted per resource in a fence
+/// table (`resource` primary key, `token` BIGINT). It is one conditional
+/// write, atomic on the server, never a read-compare-write from the client:
+///
+/// * PostgreSQL, SQLite: `INSERT … ON CONFLICT (resource) DO UPDATE SET token
+///   = excluded.token WHERE token <= excluded.token RETURNING token`: no row
+///   back means a newer token was accepted before.
+/// * MySQL/MariaDB: `INSERT … ON DUPLICATE KEY UPDATE token = IF(token <=
+///   VALUES(token), VALUES(token), LAST_INSERT_ID(token))`: a refusal keeps
+///   the row and reports the newer token through `LAST_INSERT_ID`.
+///
+/// The write also locks the fence row until the transaction ends, so checks
+/// of one resource are serialized by the database: a writer with a newer
+/// token that checks while an older one's transaction is open waits for it
+/// (and then writes after it), one with an older token that checks after a
+/// newer one committed gets [`FenceError::Stale`]. Roll the transaction back
+/// then; nothing it wrote may land. Equal tokens are accepted, so one holder
+/// may write many times.
+///
+/// Tokens are per lock name: guard one resource with one lock name, on one
+/// backend (tokens of different names or backends do not compare).
+///
+/// # Example
+///
+/// ```no_run
+/// # #[cfg(feature = "postgres")]
+/// # async fn demo(pool: sqlx::PgPool, guard: dlock_core::LockGuard) -> Result<(), Box<dyn std::error::Error>> {
+/// use dlock_sql::SqlFence;
+///
+/// let fence = SqlFence::new("dlock_fences")?;
+/// fence.create_table(&mut *pool.acquire().await?).await?; // once
+///
+/// let mut tx = pool.begin().await?;
+/// fence.check(&mut *tx, "accounts/42", guard.token()).await?; // Stale: roll back
+/// sqlx::query("UPDATE accounts SET balance = balance - 10 WHERE id = 42")
+///     .execute(&mut *tx)
+///     .await?;
+/// tx.commit().await?;
+/// # Ok(()) }
+/// ```
+///
+/// # One row, one statement
+///
+/// Where the protected data is one row, a fence column in that row does the
+/// same without a fence table, in the write itself:
+///
+/// ```sql
+/// UPDATE accounts SET balance = $1, fence = $2 WHERE id = $3 AND fence <= $2
+/// ```
+///
+/// No row updated means a newer token wrote first (or there is no such row).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SqlFence {
+    table: String,
+}
+
+/// Why a fence check refused a write.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum FenceError {
+    /// A newer token was accepted for the resource before: the caller is a
+    /// former holder and must not write (roll the transaction back).
+    #[error("fence on {resource:?}: {stale}")]
+    Stale {
+        /// The resource checked.
+        resource: String,
+        /// The refused token and the highest accepted.
+        stale: StaleToken,
+    },
+    /// The resource name is empty or longer than 255 bytes (the fence
+    /// table's key on MySQL).
+    #[error("fence resource {resource:?} must be 1 to 255 bytes")]
+    InvalidResource {
+        /// The resource checked.
+        resource: String,
+    },
+    /// The token does not fit the fence table's BIGINT (above 2^63 - 1).
+    #[error("fence on {resource:?}: token {token} is above the largest BIGINT")]
+    TokenTooLarge {
+        /// The resource checked.
+        resource: String,
+        /// The token.
+        token: FencingToken,
+    },
+    /// The database refused the statement (no fence table, a lost
+    /// connection, a deadlock): the write must not go on either.
+    #[error("fence on {resource:?}: {source}")]
+    Database {
+        /// The resource checked.
+        resource: String,
+        /// The driver's error.
+        #[source]
+        source: sqlx::Error,
+    },
+}
+
+impl SqlFence {
+    /// The fence kept in table `table` (`[A-Za-z_][A-Za-z0-9_]{0,47}`, in
+    /// the connection's default schema or database); [`Error::Config`] for
+    /// another name.
+    pub fn new(table: &str) -> Result<Self, Error> {
+        crate::options::check_table(table).map_err(Error::Config)?;
+        Ok(Self {
+            table: table.to_owned(),
+        })
+    }
+
+    /// The fence table's name.
+    pub fn table(&self) -> &str {
+        &self.table
+    }
+
+    /// Creates the fence table if it does not exist.
+    pub async fn create_table<C: FencedConnection + ?Sized>(
+        &self,
+        conn: &mut C,
+    ) -> Result<(), sqlx::Error> {
+        conn.create_fence_table(&self.table).await
+    }
+
+    /// Accepts `token` for `resource` if it is at least the highest token
+    /// accepted for it, and records it; [`FenceError::Stale`] otherwise. Call
+    /// it in the transaction that writes the protected data, before the
+    /// write: the fence row stays locked until that transaction ends.
+    pub async fn check<C: FencedConnection + ?Sized>(
+        &self,
+        conn: &mut C,
+        resource: &str,
+        token: FencingToken,
+    ) -> Result<(), FenceError> {
+        if resource.is_empty() || resource.len() > 255 {
+            return Err(FenceError::InvalidResource {
+                resource: resource.to_owned(),
+            });
+        }
+        let Ok(value) = i64::try_from(token.get()) else {
+            return Err(FenceError::TokenTooLarge {
+                resource: resource.to_owned(),
+                token,
+            });
+        };
+        match conn.fence_check(&self.table, resource, value).await {
+            Ok(None) => Ok(()),
+            Ok(Some(highest)) => Err(FenceError::Stale {
+                resource: resource.to_owned(),
+                stale: StaleToken {
+                    token,
+                    highest: FencingToken::new(highest.max(0) as u64),
+                },
+            }),
+            Err(source) => Err(FenceError::Database {
+                resource: resource.to_owned(),
+                source,
+            }),
+        }
+    }
+
+    /// The highest token accepted for `resource`, if any.
+    pub async fn highest<C: FencedConnection + ?Sized>(
+        &self,
+        conn: &mut C,
+        resource: &str,
+    ) -> Result<Option<FencingToken>, sqlx::Error> {
+        Ok(conn
+            .fence_highest(&self.table, resource)
+            .await?
+            .map(|t| FencingToken::new(t.max(0) as u64)))
+    }
+}
+
+mod sealed {
+    pub trait Sealed {}
+}
+
+/// A connection [`SqlFence`] can check on: `PgConnection`, `MySqlConnection`
+/// and `SqliteConnection` (pass `&mut *tx` for a transaction). Sealed.
+#[async_trait]
+pub trait FencedConnection: sealed::Sealed + Send {
+    #[doc(hidden)]
+    async fn create_fence_table(&mut self, table: &str) -> Result<(), sqlx::Error>;
+    /// `None` if accepted, else the highest token accepted before.
+    #[doc(hidden)]
+    async fn fence_check(
+        &mut self,
+        table: &str,
+        resource: &str,
+        token: i64,
+    ) -> Result<Option<i64>, sqlx::Error>;
+    #[doc(hidden)]
+    async fn fence_highest(
+        &mut self,
+        table: &str,
+        resource: &str,
+    ) -> Result<Option<i64>, sqlx::Error>;
+}
+
+/// PostgreSQL and SQLite share the upsert; `$n` placeholders work in both.
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+macro_rules! upsert_fence {
+    ($conn:ty, $db:ty, $text:literal) => {
+        impl sealed::Sealed for $conn {}
+
+        #[async_trait]
+        impl FencedConnection for $conn {
+            async fn create_fence_table(&mut self, table: &str) -> Result<(), sqlx::Error> {
+                let sql = format!(
+                    "CREATE TABLE IF NOT EXISTS {table} (resource {} PRIMARY KEY, token BIGINT NOT NULL)",
+                    $text
+                );
+                match sqlx::query(&sql).execute(self).await {
+                    // Two PostgreSQL sessions creating the table at once: the
+                    // loser fails on the catalog's unique index.
+                    Err(sqlx::Error::Database(e))
+                        if matches!(e.code().as_deref(), Some("23505" | "42P07")) =>
+                    {
+                        Ok(())
+                    }
+                    r => r.map(|_| ()),
+                }
+            }
+
+            async fn fence_check(
+                &mut self,
+                table: &str,
+                resource: &str,
+                token: i64,
+            ) -> Result<Option<i64>, sqlx::Error> {
+                let sql = format!(
+                    "INSERT INTO {table} (resource, token) VALUES ($1, $2) \
+                     ON CONFLICT (resource) DO UPDATE SET token = excluded.token \
+                     WHERE {table}.token <= excluded.token RETURNING token"
+                );
+                let accepted: Option<(i64,)> = sqlx::query_as::<$db, (i64,)>(&sql)
+                    .bind(resource)
+                    .bind(token)
+                    .fetch_optional(&mut *self)
+                    .await?;
+                if accepted.is_some() {
+                    return Ok(None);
+                }
+                // Refused (the row is locked by the upsert; read what won).
+                Ok(Some(self.fence_highest(table, resource).await?.unwrap_or(0)))
+            }
+
+            async fn fence_highest(
+                &mut self,
+                table: &str,
+                resource: &str,
+            ) -> Result<Option<i64>, sqlx::Error> {
+                let sql = format!("SELECT token FROM {table} WHERE resource = $1");
+                let row: Option<(i64,)> = sqlx::query_as::<$db, (i64,)>(&sql)
+                    .bind(resource)
+                    .fetch_optional(self)
+                    .await?;
+                Ok(row.map(|(t,)| t))
+            }
+        }
+    };
+}
+
+#[cfg(feature = "postgres")]
+upsert_fence!(sqlx::PgConnection, sqlx::Postgres, "TEXT");
+#[cfg(feature = "sqlite")]
+upsert_fence!(sqlx::SqliteConnection, sqlx::Sqlite, "TEXT");
+
+#[cfg(feature = "mysql")]
+impl sealed::Sealed for sqlx::MySqlConnection {}
+
+#[cfg(feature = "mysql")]
+#[async_trait]
+impl FencedConnection for sqlx::MySqlConnection {
+    async fn create_fence_table(&mut self, table: &str) -> Result<(), sqlx::Error> {
+        let sql = format!(
+            "CREATE TABLE IF NOT EXISTS {table} (resource VARCHAR(255) NOT NULL PRIMARY KEY, \
+             token BIGINT NOT NULL) ENGINE=InnoDB"
+        );
+        sqlx::query(&sql).execute(self).await.map(|_| ())
+    }
+
+    async fn fence_check(
+        &mut self,
+        table: &str,
+        resource: &str,
+        token: i64,
+    ) -> Result<Option<i64>, sqlx::Error> {
+        // One statement. A refusal leaves the token as it is and reports it
+        // through LAST_INSERT_ID(expr), which the OK packet carries (0 when
+        // accepted: the table has no AUTO_INCREMENT column). IF() evaluates
+        // only the branch it takes. Tokens are at least 1, so a refusal never
+        // reports 0.
+        let sql = format!(
+            "INSERT INTO {table} (resource, token) VALUES (?, ?) ON DUPLICATE KEY UPDATE \
+             token = IF(token <= VALUES(token), VALUES(token), LAST_INSERT_ID(token))"
+        );
+        let done = sqlx::query(&sql)
+            .bind(resource)
+            .bind(token)
+            .execute(&mut *self)
+            .await?;
+        Ok(match done.last_insert_id() {
+            0 => None,
+            highest => Some(i64::try_from(highest).unwrap_or(i64::MAX)),
+        })
+    }
+
+    async fn fence_highest(
+        &mut self,
+        table: &str,
+        resource: &str,
+    ) -> Result<Option<i64>, sqlx::Error> {
+        let sql = format!("SELECT token FROM {table} WHERE resource = ?");
+        let row: Option<(i64,)> = sqlx::query_as(&sql)
+            .bind(resource)
+            .fetch_optional(self)
+            .await?;
+        Ok(row.map(|(t,)| t))
+    }
+}

@@ -1,0 +1,375 @@
+//! Fencing where the data lives, on the real servers (issue 16, SQL part):
+//! a holder paused past its TTL cannot write to PostgreSQL, MySQL/MariaDB or
+//! SQLite behind [`SqlFence`] once a newer holder wrote, whichever backend
+//! holds the lock; and 16 concurrent writers with tokens out of order never
+//! let an older token overwrite a newer one.
+//!
+//! A store whose `DLOCK_TEST_<NAME>_URL` is unset prints a SKIPPED line
+//! (scripts/test lists them).
+#![cfg(all(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use dlock_conformance::process::Process;
+use dlocks::sql::{FenceError, SqlFence};
+use dlocks::{FencingToken, SessionOptions};
+use sqlx::{Connection, MySqlPool, PgPool, SqlitePool};
+
+/// The protected data: one row per test run in each store.
+const DATA: &str = "dlock_fence_test_data";
+const FENCES: &str = "dlock_fence_test";
+
+/// Where the protected data lives.
+enum Data {
+    Pg(PgPool),
+    My(MySqlPool),
+    Lite(SqlitePool),
+}
+
+impl Data {
+    fn name(&self) -> &'static str {
+        match self {
+            Data::Pg(_) => "postgres",
+            Data::My(_) => "mysql",
+            Data::Lite(_) => "sqlite",
+        }
+    }
+
+    /// Creates the fence and data tables and this run's row.
+    async fn prepare(&self, fence: &SqlFence, row: &str) {
+        let create = format!(
+            "CREATE TABLE IF NOT EXISTS {DATA} (id VARCHAR(64) PRIMARY KEY, token BIGINT NOT NULL, writer VARCHAR(64) NOT NULL)"
+        );
+        let insert = format!("INSERT INTO {DATA} (id, token, writer) VALUES ('{row}', 0, '')");
+        // (the tests run at once: one creates the tables at a time)
+        static CREATING: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+        let _creating = CREATING.lock().await;
+        match self {
+            Data::Pg(p) => {
+                let mut c = p.acquire().await.unwrap();
+                fence.create_table(&mut *c).await.unwrap();
+                sqlx::query(&create).execute(&mut *c).await.unwrap();
+                sqlx::query(&insert).execute(&mut *c).await.unwrap();
+            }
+            Data::My(p) => {
+                let mut c = p.acquire().await.unwrap();
+                fence.create_table(&mut *c).await.unwrap();
+                sqlx::query(&create).execute(&mut *c).await.unwrap();
+                sqlx::query(&insert).execute(&mut *c).await.unwrap();
+            }
+            Data::Lite(p) => {
+                let mut c = p.acquire().await.unwrap();
+                fence.create_table(&mut *c).await.unwrap();
+                sqlx::query(&create).execute(&mut *c).await.unwrap();
+                sqlx::query(&insert).execute(&mut *c).await.unwrap();
+            }
+        }
+    }
+
+    /// One fenced write of `row` by `writer` with `token`, in a transaction:
+    /// the fence check, then a read of the row (whose token must not be
+    /// newer: the fence row's lock orders the writers), then the write.
+    async fn write(
+        &self,
+        fence: &SqlFence,
+        row: &str,
+        writer: &str,
+        token: FencingToken,
+    ) -> Result<(), FenceError> {
+        let t = token.get() as i64;
+        let read = format!("SELECT token FROM {DATA} WHERE id = '{row}'");
+        let write =
+            format!("UPDATE {DATA} SET token = {t}, writer = '{writer}' WHERE id = '{row}'");
+        macro_rules! fenced_write {
+            ($pool:expr) => {{
+                let mut tx = $pool.begin().await.unwrap();
+                fence.check(&mut *tx, row, token).await?;
+                let (before,): (i64,) = sqlx::query_as(&read).fetch_one(&mut *tx).await.unwrap();
+                assert!(
+                    before <= t,
+                    "{}: the row holds token {before}, newer than the accepted {t}",
+                    self.name()
+                );
+                sqlx::query(&write).execute(&mut *tx).await.unwrap();
+                tx.commit().await.unwrap();
+                Ok(())
+            }};
+        }
+        match self {
+            Data::Pg(p) => fenced_write!(p),
+            Data::My(p) => fenced_write!(p),
+            Data::Lite(p) => fenced_write!(p),
+        }
+    }
+
+    /// The highest token the fence accepted for `row`.
+    async fn highest(&self, fence: &SqlFence, row: &str) -> FencingToken {
+        let highest = match self {
+            Data::Pg(p) => fence.highest(&mut *p.acquire().await.unwrap(), row).await,
+            Data::My(p) => fence.highest(&mut *p.acquire().await.unwrap(), row).await,
+            Data::Lite(p) => fence.highest(&mut *p.acquire().await.unwrap(), row).await,
+        };
+        highest.unwrap().expect("a token was accepted")
+    }
+
+    /// The row's token and writer.
+    async fn row(&self, row: &str) -> (i64, String) {
+        let read = format!("SELECT token, writer FROM {DATA} WHERE id = '{row}'");
+        match self {
+            Data::Pg(p) => sqlx::query_as(&read).fetch_one(p).await.unwrap(),
+            Data::My(p) => sqlx::query_as(&read).fetch_one(p).await.unwrap(),
+            Data::Lite(p) => sqlx::query_as(&read).fetch_one(p).await.unwrap(),
+        }
+    }
+}
+
+/// Every data store reachable here (SQLite always, in a temporary file).
+async fn data_stores() -> Vec<Data> {
+    let mut stores = Vec::new();
+    match std::env::var("DLOCK_TEST_POSTGRES_URL") {
+        Ok(url) => stores.push(Data::Pg(PgPool::connect(&url).await.unwrap())),
+        Err(_) => println!("SKIPPED fenced_sql postgres data: DLOCK_TEST_POSTGRES_URL is not set"),
+    }
+    match std::env::var("DLOCK_TEST_MYSQL_URL") {
+        Ok(url) => stores.push(Data::My(MySqlPool::connect(&url).await.unwrap())),
+        Err(_) => println!("SKIPPED fenced_sql mysql data: DLOCK_TEST_MYSQL_URL is not set"),
+    }
+    let file = std::env::temp_dir().join(format!("dlock-fence-{:016x}.db", rand::random::<u64>()));
+    let options = sqlx::sqlite::SqliteConnectOptions::new()
+        .filename(&file)
+        .create_if_missing(true)
+        .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
+        .busy_timeout(Duration::from_secs(30));
+    stores.push(Data::Lite(SqlitePool::connect_with(options).await.unwrap()));
+    stores
+}
+
+/// The lock backends under test: every `DLOCK_TEST_*_URL` that is set, and
+/// SQLite.
+fn lock_urls() -> Vec<(&'static str, String)> {
+    let mut urls = Vec::new();
+    for (name, var, extra) in [
+        ("postgres", "DLOCK_TEST_POSTGRES_URL", ""),
+        ("mysql", "DLOCK_TEST_MYSQL_URL", ""),
+        ("redis", "DLOCK_TEST_REDIS_URL", ""),
+        // A node dlock has not seen waits max_ttl before it grants.
+        ("redlock", "DLOCK_TEST_REDLOCK_URL", "max_ttl=3s"),
+        ("etcd", "DLOCK_TEST_ETCD_URL", ""),
+        ("zk", "DLOCK_TEST_ZK_URL", ""),
+        ("mongo", "DLOCK_TEST_MONGO_URL", ""),
+    ] {
+        match std::env::var(var) {
+            Ok(url) if extra.is_empty() => urls.push((name, url)),
+            Ok(url) => {
+                let sep = if url.contains('?') { '&' } else { '?' };
+                urls.push((name, format!("{url}{sep}{extra}")));
+            }
+            Err(_) => println!("SKIPPED fenced_sql lock on {name}: {var} is not set"),
+        }
+    }
+    let file = std::env::temp_dir().join(format!(
+        "dlock-fence-lock-{:016x}.db",
+        rand::random::<u64>()
+    ));
+    urls.push(("sqlite", format!("sqlite://{}", file.display())));
+    urls
+}
+
+/// Item 4: A holds and writes, is paused past its TTL, B takes the lock and
+/// writes, A resumes and writes: every data store refuses A's write, and
+/// keeps B's. For every lock backend.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_paused_holder_cannot_write_after_the_next_one() {
+    let stores = data_stores().await;
+    let fence = SqlFence::new(FENCES).unwrap();
+    let ttl = Duration::from_secs(2);
+    for (backend, url) in lock_urls() {
+        let row = format!("pause-{backend}-{:08x}", rand::random::<u32>());
+        for store in &stores {
+            store.prepare(&fence, &row).await;
+        }
+        let lock_name = format!("fenced/{row}");
+        // A, in a process of its own that can really be stopped.
+        let a = Process::start().unwrap();
+        let a_url = url.clone();
+        let a_name = lock_name.clone();
+        let (a_guard, a_session) = a.enter(async move {
+            let backend = dlocks::connect(&a_url).await.unwrap();
+            let session = backend
+                .session(SessionOptions::new().ttl(ttl))
+                .await
+                .unwrap();
+            let guard = session
+                .lock(&a_name)
+                .unwrap()
+                .acquire_timeout(Duration::from_secs(30))
+                .await
+                .unwrap();
+            (guard, session)
+        });
+        let a_token = a_guard.token();
+        for store in &stores {
+            store.write(&fence, &row, "A", a_token).await.unwrap();
+        }
+        a.pause();
+        // B gets the lock once A's hold expired in the store.
+        let b_backend = dlocks::connect(&url).await.unwrap();
+        let b_session = b_backend
+            .session(SessionOptions::new().ttl(ttl))
+            .await
+            .unwrap();
+        let b_guard = b_session
+            .lock(&lock_name)
+            .unwrap()
+            .acquire_timeout(Duration::from_secs(60))
+            .await
+            .unwrap_or_else(|e| panic!("{backend}: B's acquire: {e}"));
+        assert!(
+            b_guard.token() > a_token,
+            "{backend}: B's token {} is not newer than A's {a_token}",
+            b_guard.token()
+        );
+        for store in &stores {
+            store
+                .write(&fence, &row, "B", b_guard.token())
+                .await
+                .unwrap();
+        }
+        a.resume();
+        // A writes as if it still held the lock: every store refuses it.
+        for store in &stores {
+            match store.write(&fence, &row, "A", a_token).await {
+                Err(FenceError::Stale { stale, .. }) => {
+                    assert_eq!(stale.token, a_token);
+                    assert_eq!(stale.highest, b_guard.token(), "{backend}/{}", store.name());
+                }
+                other => panic!(
+                    "{backend}/{}: A's stale write was not refused: {other:?}",
+                    store.name()
+                ),
+            }
+            let (token, writer) = store.row(&row).await;
+            assert_eq!(
+                (token as u64, writer.as_str()),
+                (b_guard.token().get(), "B"),
+                "{backend}/{}: B's write was overwritten",
+                store.name()
+            );
+        }
+        b_guard.release().await.unwrap();
+        b_session.close().await.unwrap();
+        a.enter(async move {
+            drop(a_guard);
+            let _ = a_session.close().await;
+        });
+        eprintln!("{backend}: A's stale writes refused by every store");
+    }
+}
+
+/// Done-means: 16 writers under contention with tokens in any order; the
+/// fence lets through only tokens at least as new as every accepted one,
+/// and the row never goes back (checked inside each accepted transaction
+/// and at the end).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sixteen_writers_never_go_back() {
+    let stores = Arc::new(data_stores().await);
+    let fence = SqlFence::new(FENCES).unwrap();
+    for i in 0..stores.len() {
+        let row = format!("sixteen-{:08x}", rand::random::<u32>());
+        stores[i].prepare(&fence, &row).await;
+        let mut writers = tokio::task::JoinSet::new();
+        for w in 0..16u64 {
+            let (stores, fence, row) = (stores.clone(), fence.clone(), row.clone());
+            writers.spawn(async move {
+                let mut accepted = 0u32;
+                let mut refused = 0u32;
+                for k in 0..12u64 {
+                    // Tokens interleaved across writers, each writer's own
+                    // rising: plenty arrive after a newer one was accepted.
+                    let token = FencingToken::new(1 + k * 16 + (w * 7) % 16);
+                    match stores[i].write(&fence, &row, &format!("w{w}"), token).await {
+                        Ok(()) => accepted += 1,
+                        Err(FenceError::Stale { stale, .. }) => {
+                            assert!(stale.highest > stale.token);
+                            refused += 1;
+                        }
+                        Err(e) => panic!("{}: {e}", stores[i].name()),
+                    }
+                }
+                (accepted, refused)
+            });
+        }
+        let (mut accepted, mut refused) = (0, 0);
+        while let Some(done) = writers.join_next().await {
+            let (a, r) = done.unwrap();
+            accepted += a;
+            refused += r;
+        }
+        let highest = stores[i].highest(&fence, &row).await;
+        let (token, _) = stores[i].row(&row).await;
+        assert_eq!(
+            token as u64,
+            highest.get(),
+            "{}: the row is not the newest accepted write",
+            stores[i].name()
+        );
+        assert!(
+            accepted > 0 && refused > 0,
+            "{}: {accepted} accepted, {refused} refused",
+            stores[i].name()
+        );
+        eprintln!(
+            "{}: {accepted} writes accepted, {refused} stale ones refused",
+            stores[i].name()
+        );
+    }
+}
+
+/// Bad input is a typed error, not a panic or a silent pass.
+#[tokio::test]
+async fn bad_fence_input_is_typed() {
+    assert!(matches!(
+        SqlFence::new("no spaces"),
+        Err(dlocks::Error::Config(_))
+    ));
+    let fence = SqlFence::new(FENCES).unwrap();
+    let mut conn = sqlx::SqliteConnection::connect("sqlite::memory:")
+        .await
+        .unwrap();
+    fence.create_table(&mut conn).await.unwrap();
+    let long = "r".repeat(256);
+    for resource in ["", long.as_str()] {
+        assert!(matches!(
+            fence.check(&mut conn, resource, FencingToken::new(1)).await,
+            Err(FenceError::InvalidResource { .. })
+        ));
+    }
+    assert!(matches!(
+        fence
+            .check(&mut conn, "r", FencingToken::new(u64::MAX))
+            .await,
+        Err(FenceError::TokenTooLarge { .. })
+    ));
+    fence
+        .check(&mut conn, "r", FencingToken::new(7))
+        .await
+        .unwrap();
+    fence
+        .check(&mut conn, "r", FencingToken::new(7))
+        .await
+        .unwrap();
+    let err = fence
+        .check(&mut conn, "r", FencingToken::new(6))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "fence on \"r\": stale fencing token 6: the resource has already seen 7"
+    );
+    let other = SqlFence::new("missing_table").unwrap();
+    assert!(matches!(
+        other.check(&mut conn, "r", FencingToken::new(1)).await,
+        Err(FenceError::Database { .. })
+    ));
+}

@@ -87,4 +87,4 @@ pub use name::{IntoLockName, LockName, MAX_NAME_LEN};
 pub use options::{MAX_TTL, SessionOptions};
 pub use session::Session;
 pub use state::SessionStats;
-pub use token::{FenceGate, FencingToken, StaleToken};
+pub use token::{FenceError, FenceGate, FencingToken, StaleToken};

@@ -59,6 +59,59 @@ pub struct StaleToken {
     pub highest: FencingToken,
 }
 
+/// Why a fenced writer (a check of the token in the store that holds the
+/// protected data: dlock-sql's `SqlFence`, dlock-redis's `RedisFence`)
+/// refused a write or could not check it. In every case the write must not
+/// go on.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum FenceError {
+    /// A newer token was accepted for the resource before: the caller is a
+    /// former holder (roll back; do not retry with this token).
+    #[error("fence on {resource:?}: {stale}")]
+    Stale {
+        /// The resource checked.
+        resource: String,
+        /// The refused token and the highest accepted.
+        stale: StaleToken,
+    },
+    /// The resource name does not fit the store's fence (its length, for
+    /// one).
+    #[error("fence resource {resource:?}: {why}")]
+    InvalidResource {
+        /// The resource checked.
+        resource: String,
+        /// What is wrong with it.
+        why: &'static str,
+    },
+    /// A SQL fence was checked outside a transaction: its row lock would end
+    /// with the statement, and an older holder could write after it.
+    #[error("fence on {resource:?}: checked outside a transaction (begin one, check first)")]
+    NotInTransaction {
+        /// The resource checked.
+        resource: String,
+    },
+    /// The token does not fit the store's fence (a SQL BIGINT holds up to
+    /// 2^63 - 1).
+    #[error("fence on {resource:?}: token {token} is too large for the store")]
+    TokenTooLarge {
+        /// The resource checked.
+        resource: String,
+        /// The token.
+        token: FencingToken,
+    },
+    /// The store refused the check (no fence table, a lost connection, a
+    /// deadlock): whether the token is current is unknown.
+    #[error("fence on {resource:?}: {source}")]
+    Store {
+        /// The resource checked.
+        resource: String,
+        /// The driver's error (`sqlx::Error`, `redis::RedisError`, ...).
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+}
+
 /// The resource-side fencing check: accepts a token ≥ the highest seen, refuses
 /// older ones.
 ///

@@ -189,6 +189,7 @@
 //!
 //! [`Registry`]: dlock_core::Registry
 
+mod fence;
 mod floor;
 mod node;
 mod options;
@@ -207,6 +208,7 @@ use dlock_core::{
 };
 use futures::future::join_all;
 
+pub use fence::RedisFence;
 pub use floor::RedisFloor;
 use node::{CONNECT_TIMEOUT, Node, Record};
 use options::RedisOptions;

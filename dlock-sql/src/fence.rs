@@ -1,7 +1,7 @@
 //! [`SqlFence`]: a lock's fencing token checked where the protected data lives.
 
 use async_trait::async_trait;
-use dlock_core::{Error, FencingToken, StaleToken};
+use dlock_core::{Error, FenceError, FencingToken, StaleToken};
 
 /// Fencing where the data lives: checks a lock's token inside
 /// the caller's own transaction, in the database that holds the protected
@@ -13,19 +13,35 @@ use dlock_core::{Error, FencingToken, StaleToken};
 /// write, atomic on the server, never a read-compare-write from the client:
 ///
 /// * PostgreSQL, SQLite: `INSERT … ON CONFLICT (resource) DO UPDATE SET token
-///   = excluded.token WHERE token <= excluded.token RETURNING token`: no row
+///   = excluded.token WHERE fences.token <= excluded.token RETURNING token`: no row
 ///   back means a newer token was accepted before.
 /// * MySQL/MariaDB: `INSERT … ON DUPLICATE KEY UPDATE token = IF(token <=
 ///   VALUES(token), VALUES(token), LAST_INSERT_ID(token))`: a refusal keeps
 ///   the row and reports the newer token through `LAST_INSERT_ID`.
 ///
 /// The write also locks the fence row until the transaction ends, so checks
-/// of one resource are serialized by the database: a writer with a newer
-/// token that checks while an older one's transaction is open waits for it
-/// (and then writes after it), one with an older token that checks after a
-/// newer one committed gets [`FenceError::Stale`]. Roll the transaction back
-/// then; nothing it wrote may land. Equal tokens are accepted, so one holder
-/// may write many times.
+/// of one resource are serialized by the database: at READ COMMITTED (the
+/// PostgreSQL default) a writer with a newer token that checks while an
+/// older one's transaction is open waits for it (and then writes after it),
+/// one with an older token that checks after a newer one committed gets
+/// [`FenceError::Stale`]. Roll the transaction back then; nothing it wrote
+/// may land. Equal tokens are accepted, so one holder may write many times.
+///
+/// Rules of use:
+/// * **The check is the first statement of a transaction** that sqlx began
+///   (`pool.begin()`, `conn.begin()`): outside one it is
+///   [`FenceError::NotInTransaction`], since the row lock would end with the
+///   statement. Read the protected data only after it: a read before it
+///   may see data an older holder's write then changes under you.
+/// * **Retry the whole transaction** when the database aborts it:
+///   serialization failures at REPEATABLE READ or SERIALIZABLE (PostgreSQL
+///   40001), deadlocks (40P01, MySQL 1213), SQLite's busy errors. These are
+///   [`FenceError::Store`]; never a silent pass.
+/// * An older holder's transaction that stays open (a paused process) keeps
+///   the fence row locked: set `lock_timeout` and
+///   `idle_in_transaction_session_timeout` on PostgreSQL
+///   (`innodb_lock_wait_timeout` on MySQL, 50 s by default) so that the next
+///   holder is not blocked without end.
 ///
 /// Tokens are per lock name: guard one resource with one lock name, on one
 /// backend (tokens of different names or backends do not compare).
@@ -64,46 +80,6 @@ pub struct SqlFence {
     table: String,
 }
 
-/// Why a fence check refused a write.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum FenceError {
-    /// A newer token was accepted for the resource before: the caller is a
-    /// former holder and must not write (roll the transaction back).
-    #[error("fence on {resource:?}: {stale}")]
-    Stale {
-        /// The resource checked.
-        resource: String,
-        /// The refused token and the highest accepted.
-        stale: StaleToken,
-    },
-    /// The resource name is empty or longer than 255 bytes (the fence
-    /// table's key on MySQL).
-    #[error("fence resource {resource:?} must be 1 to 255 bytes")]
-    InvalidResource {
-        /// The resource checked.
-        resource: String,
-    },
-    /// The token does not fit the fence table's BIGINT (above 2^63 - 1).
-    #[error("fence on {resource:?}: token {token} is above the largest BIGINT")]
-    TokenTooLarge {
-        /// The resource checked.
-        resource: String,
-        /// The token.
-        token: FencingToken,
-    },
-    /// The database refused the statement (no fence table, a lost
-    /// connection, a deadlock): the write must not go on either.
-    #[error("fence on {resource:?}: {source}")]
-    Database {
-        /// The resource checked.
-        resource: String,
-        /// The driver's error.
-        #[source]
-        source: sqlx::Error,
-    },
-}
-
 impl SqlFence {
     /// The fence kept in table `table` (`[A-Za-z_][A-Za-z0-9_]{0,47}`, in
     /// the connection's default schema or database); [`Error::Config`] for
@@ -121,10 +97,7 @@ impl SqlFence {
     }
 
     /// Creates the fence table if it does not exist.
-    pub async fn create_table<C: FencedConnection + ?Sized>(
-        &self,
-        conn: &mut C,
-    ) -> Result<(), sqlx::Error> {
+    pub async fn create_table<C: FencedConnection>(&self, conn: &mut C) -> Result<(), sqlx::Error> {
         conn.create_fence_table(&self.table).await
     }
 
@@ -132,7 +105,7 @@ impl SqlFence {
     /// accepted for it, and records it; [`FenceError::Stale`] otherwise. Call
     /// it in the transaction that writes the protected data, before the
     /// write: the fence row stays locked until that transaction ends.
-    pub async fn check<C: FencedConnection + ?Sized>(
+    pub async fn check<C: FencedConnection>(
         &self,
         conn: &mut C,
         resource: &str,
@@ -140,6 +113,12 @@ impl SqlFence {
     ) -> Result<(), FenceError> {
         if resource.is_empty() || resource.len() > 255 {
             return Err(FenceError::InvalidResource {
+                resource: resource.to_owned(),
+                why: "must be 1 to 255 bytes (the fence table's key on MySQL)",
+            });
+        }
+        if !conn.in_transaction() {
+            return Err(FenceError::NotInTransaction {
                 resource: resource.to_owned(),
             });
         }
@@ -158,15 +137,15 @@ impl SqlFence {
                     highest: FencingToken::new(highest.max(0) as u64),
                 },
             }),
-            Err(source) => Err(FenceError::Database {
+            Err(source) => Err(FenceError::Store {
                 resource: resource.to_owned(),
-                source,
+                source: Box::new(source),
             }),
         }
     }
 
     /// The highest token accepted for `resource`, if any.
-    pub async fn highest<C: FencedConnection + ?Sized>(
+    pub async fn highest<C: FencedConnection>(
         &self,
         conn: &mut C,
         resource: &str,
@@ -179,39 +158,50 @@ impl SqlFence {
 }
 
 mod sealed {
-    pub trait Sealed {}
+    use async_trait::async_trait;
+
+    /// The statements, out of reach outside the crate (they take the table
+    /// name unchecked).
+    #[async_trait]
+    pub trait Sealed: Send {
+        fn in_transaction(&self) -> bool;
+        async fn create_fence_table(&mut self, table: &str) -> Result<(), sqlx::Error>;
+        /// `None` if accepted, else the highest token accepted before.
+        async fn fence_check(
+            &mut self,
+            table: &str,
+            resource: &str,
+            token: i64,
+        ) -> Result<Option<i64>, sqlx::Error>;
+        async fn fence_highest(
+            &mut self,
+            table: &str,
+            resource: &str,
+        ) -> Result<Option<i64>, sqlx::Error>;
+    }
 }
 
 /// A connection [`SqlFence`] can check on: `PgConnection`, `MySqlConnection`
-/// and `SqliteConnection` (pass `&mut *tx` for a transaction). Sealed.
-#[async_trait]
-pub trait FencedConnection: sealed::Sealed + Send {
-    #[doc(hidden)]
-    async fn create_fence_table(&mut self, table: &str) -> Result<(), sqlx::Error>;
-    /// `None` if accepted, else the highest token accepted before.
-    #[doc(hidden)]
-    async fn fence_check(
-        &mut self,
-        table: &str,
-        resource: &str,
-        token: i64,
-    ) -> Result<Option<i64>, sqlx::Error>;
-    #[doc(hidden)]
-    async fn fence_highest(
-        &mut self,
-        table: &str,
-        resource: &str,
-    ) -> Result<Option<i64>, sqlx::Error>;
-}
+/// and `SqliteConnection`; pass `&mut *tx` for a transaction `tx`. Sealed.
+pub trait FencedConnection: sealed::Sealed {}
+
+#[cfg(feature = "postgres")]
+impl FencedConnection for sqlx::PgConnection {}
+#[cfg(feature = "sqlite")]
+impl FencedConnection for sqlx::SqliteConnection {}
+#[cfg(feature = "mysql")]
+impl FencedConnection for sqlx::MySqlConnection {}
 
 /// PostgreSQL and SQLite share the upsert; `$n` placeholders work in both.
 #[cfg(any(feature = "postgres", feature = "sqlite"))]
 macro_rules! upsert_fence {
     ($conn:ty, $db:ty, $text:literal) => {
-        impl sealed::Sealed for $conn {}
-
         #[async_trait]
-        impl FencedConnection for $conn {
+        impl sealed::Sealed for $conn {
+            fn in_transaction(&self) -> bool {
+                sqlx::Connection::is_in_transaction(self)
+            }
+
             async fn create_fence_table(&mut self, table: &str) -> Result<(), sqlx::Error> {
                 let sql = format!(
                     "CREATE TABLE IF NOT EXISTS {table} (resource {} PRIMARY KEY, token BIGINT NOT NULL)",
@@ -274,14 +264,15 @@ upsert_fence!(sqlx::PgConnection, sqlx::Postgres, "TEXT");
 upsert_fence!(sqlx::SqliteConnection, sqlx::Sqlite, "TEXT");
 
 #[cfg(feature = "mysql")]
-impl sealed::Sealed for sqlx::MySqlConnection {}
-
-#[cfg(feature = "mysql")]
 #[async_trait]
-impl FencedConnection for sqlx::MySqlConnection {
+impl sealed::Sealed for sqlx::MySqlConnection {
+    fn in_transaction(&self) -> bool {
+        sqlx::Connection::is_in_transaction(self)
+    }
+
     async fn create_fence_table(&mut self, table: &str) -> Result<(), sqlx::Error> {
         let sql = format!(
-            "CREATE TABLE IF NOT EXISTS {table} (resource VARCHAR(255) NOT NULL PRIMARY KEY, \
+            "CREATE TABLE IF NOT EXISTS {table} (resource VARBINARY(255) NOT NULL PRIMARY KEY, \
              token BIGINT NOT NULL) ENGINE=InnoDB"
         );
         sqlx::query(&sql).execute(self).await.map(|_| ())

@@ -197,8 +197,9 @@ use sqlx::{AnyConnection, Connection, Row};
 
 use conns::Conns;
 use dialect::{Arg, Dialect, Sql, Statements, prefix_end};
+pub use dlock_core::FenceError;
 use dlock_core::wake::WakeHub;
-pub use fence::{FenceError, FencedConnection, SqlFence};
+pub use fence::{FencedConnection, SqlFence};
 pub use floor::SqlFloor;
 pub use options::{DEFAULT_QUEUE, DEFAULT_TABLE, SqlOptions};
 

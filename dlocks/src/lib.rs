@@ -42,9 +42,9 @@ use std::sync::{Arc, Once};
 
 #[doc(inline)]
 pub use dlock_core::{
-    Adapter, Backend, Capabilities, Error, FenceGate, FencingToken, Lock, LockGuard, LockInfo,
-    LockName, LostReason, Registry, Result, Session, SessionId, SessionOptions, StaleToken,
-    backend, impl_adapter, memory, raw, url,
+    Adapter, Backend, Capabilities, Error, FenceError, FenceGate, FencingToken, Lock, LockGuard,
+    LockInfo, LockName, LostReason, Registry, Result, Session, SessionId, SessionOptions,
+    StaleToken, backend, impl_adapter, memory, raw, url,
 };
 
 /// SQL databases: PostgreSQL, MySQL/MariaDB, SQLite.

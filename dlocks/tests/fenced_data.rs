@@ -1,19 +1,27 @@
-//! Fencing where the data lives, on the real servers (issue 16, SQL part):
-//! a holder paused past its TTL cannot write to PostgreSQL, MySQL/MariaDB or
-//! SQLite behind [`SqlFence`] once a newer holder wrote, whichever backend
-//! holds the lock; and 16 concurrent writers with tokens out of order never
-//! let an older token overwrite a newer one.
+//! Fencing where the data lives, on the real servers (issue 16): a holder
+//! paused past its TTL cannot write to PostgreSQL, MySQL/MariaDB or SQLite
+//! behind [`SqlFence`], nor to Redis behind [`RedisFence`], once a newer
+//! holder wrote, whichever backend holds the lock; and 16 concurrent writers
+//! with tokens out of order never let an older token overwrite a newer one.
 //!
 //! A store whose `DLOCK_TEST_<NAME>_URL` is unset prints a SKIPPED line
 //! (scripts/test lists them).
-#![cfg(all(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+#![cfg(all(
+    feature = "postgres",
+    feature = "mysql",
+    feature = "sqlite",
+    feature = "redis"
+))]
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use dlock_conformance::process::Process;
-use dlocks::sql::{FenceError, SqlFence};
+use dlocks::FenceError;
+use dlocks::redis::RedisFence;
+use dlocks::sql::SqlFence;
 use dlocks::{FencingToken, SessionOptions};
+use redis::aio::MultiplexedConnection;
 use sqlx::{Connection, MySqlPool, PgPool, SqlitePool};
 
 /// The protected data: one row per test run in each store.
@@ -25,7 +33,15 @@ enum Data {
     Pg(PgPool),
     My(MySqlPool),
     Lite(SqlitePool),
+    /// The row is a hash; its fence key is `<row>:fence`.
+    Redis(MultiplexedConnection),
 }
+
+/// Redis: the write as the user's own Lua under the fence, with the same
+/// "never goes back" check inside.
+const REDIS_WRITE: &str = "local before = tonumber(redis.call('HGET', KEYS[1], 'token') or '0') \
+    if before > tonumber(ARGV[1]) then return redis.error_reply('WENT_BACK ' .. before) end \
+    redis.call('HSET', KEYS[1], 'token', ARGV[1], 'writer', ARGV[2]) return 1";
 
 impl Data {
     fn name(&self) -> &'static str {
@@ -33,6 +49,7 @@ impl Data {
             Data::Pg(_) => "postgres",
             Data::My(_) => "mysql",
             Data::Lite(_) => "sqlite",
+            Data::Redis(_) => "redis",
         }
     }
 
@@ -42,6 +59,19 @@ impl Data {
             "CREATE TABLE IF NOT EXISTS {DATA} (id VARCHAR(64) PRIMARY KEY, token BIGINT NOT NULL, writer VARCHAR(64) NOT NULL)"
         );
         let insert = format!("INSERT INTO {DATA} (id, token, writer) VALUES ('{row}', 0, '')");
+        if let Data::Redis(c) = self {
+            let mut c = c.clone();
+            let _: () = redis::cmd("HSET")
+                .arg(row)
+                .arg("token")
+                .arg(0)
+                .arg("writer")
+                .arg("")
+                .query_async(&mut c)
+                .await
+                .unwrap();
+            return;
+        }
         // (the tests run at once: one creates the tables at a time)
         static CREATING: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
         let _creating = CREATING.lock().await;
@@ -64,6 +94,7 @@ impl Data {
                 sqlx::query(&create).execute(&mut *c).await.unwrap();
                 sqlx::query(&insert).execute(&mut *c).await.unwrap();
             }
+            Data::Redis(_) => unreachable!(),
         }
     }
 
@@ -100,6 +131,20 @@ impl Data {
             Data::Pg(p) => fenced_write!(p),
             Data::My(p) => fenced_write!(p),
             Data::Lite(p) => fenced_write!(p),
+            Data::Redis(c) => {
+                let fence = RedisFence::new(format!("{row}:fence"));
+                let written: i64 = fence
+                    .eval(
+                        &mut c.clone(),
+                        token,
+                        REDIS_WRITE,
+                        &[row],
+                        &[&t.to_string(), writer],
+                    )
+                    .await?;
+                assert_eq!(written, 1);
+                Ok(())
+            }
         }
     }
 
@@ -109,6 +154,13 @@ impl Data {
             Data::Pg(p) => fence.highest(&mut *p.acquire().await.unwrap(), row).await,
             Data::My(p) => fence.highest(&mut *p.acquire().await.unwrap(), row).await,
             Data::Lite(p) => fence.highest(&mut *p.acquire().await.unwrap(), row).await,
+            Data::Redis(c) => {
+                return RedisFence::new(format!("{row}:fence"))
+                    .highest(&mut c.clone())
+                    .await
+                    .unwrap()
+                    .expect("a token was accepted");
+            }
         };
         highest.unwrap().expect("a token was accepted")
     }
@@ -120,6 +172,16 @@ impl Data {
             Data::Pg(p) => sqlx::query_as(&read).fetch_one(p).await.unwrap(),
             Data::My(p) => sqlx::query_as(&read).fetch_one(p).await.unwrap(),
             Data::Lite(p) => sqlx::query_as(&read).fetch_one(p).await.unwrap(),
+            Data::Redis(c) => {
+                let (token, writer): (i64, String) = redis::cmd("HMGET")
+                    .arg(row)
+                    .arg("token")
+                    .arg("writer")
+                    .query_async(&mut c.clone())
+                    .await
+                    .unwrap();
+                (token, writer)
+            }
         }
     }
 }
@@ -129,11 +191,19 @@ async fn data_stores() -> Vec<Data> {
     let mut stores = Vec::new();
     match std::env::var("DLOCK_TEST_POSTGRES_URL") {
         Ok(url) => stores.push(Data::Pg(PgPool::connect(&url).await.unwrap())),
-        Err(_) => println!("SKIPPED fenced_sql postgres data: DLOCK_TEST_POSTGRES_URL is not set"),
+        Err(_) => println!("SKIPPED fenced_data postgres data: DLOCK_TEST_POSTGRES_URL is not set"),
     }
     match std::env::var("DLOCK_TEST_MYSQL_URL") {
         Ok(url) => stores.push(Data::My(MySqlPool::connect(&url).await.unwrap())),
-        Err(_) => println!("SKIPPED fenced_sql mysql data: DLOCK_TEST_MYSQL_URL is not set"),
+        Err(_) => println!("SKIPPED fenced_data mysql data: DLOCK_TEST_MYSQL_URL is not set"),
+    }
+    match std::env::var("DLOCK_TEST_REDIS_URL") {
+        Ok(url) => {
+            let client = redis::Client::open(url).unwrap();
+            let conn = client.get_multiplexed_async_connection().await.unwrap();
+            stores.push(Data::Redis(conn));
+        }
+        Err(_) => println!("SKIPPED fenced_data redis data: DLOCK_TEST_REDIS_URL is not set"),
     }
     let file = std::env::temp_dir().join(format!("dlock-fence-{:016x}.db", rand::random::<u64>()));
     let options = sqlx::sqlite::SqliteConnectOptions::new()
@@ -165,7 +235,7 @@ fn lock_urls() -> Vec<(&'static str, String)> {
                 let sep = if url.contains('?') { '&' } else { '?' };
                 urls.push((name, format!("{url}{sep}{extra}")));
             }
-            Err(_) => println!("SKIPPED fenced_sql lock on {name}: {var} is not set"),
+            Err(_) => println!("SKIPPED fenced_data lock on {name}: {var} is not set"),
         }
     }
     let file = std::env::temp_dir().join(format!(
@@ -289,7 +359,24 @@ async fn sixteen_writers_never_go_back() {
                     // rising: plenty arrive after a newer one was accepted.
                     let token = FencingToken::new(1 + k * 16 + (w * 7) % 16);
                     match stores[i].write(&fence, &row, &format!("w{w}"), token).await {
-                        Ok(()) => accepted += 1,
+                        Ok(()) => {
+                            accepted += 1;
+                            // The same holder writes again with its token: an
+                            // equal token is accepted unless a newer one won
+                            // meanwhile.
+                            match stores[i].write(&fence, &row, &format!("w{w}"), token).await {
+                                Ok(()) => accepted += 1,
+                                Err(FenceError::Stale { stale, .. }) => {
+                                    assert!(
+                                        stale.highest > token,
+                                        "{}: an equal token refused",
+                                        stores[i].name()
+                                    );
+                                    refused += 1;
+                                }
+                                Err(e) => panic!("{}: {e}", stores[i].name()),
+                            }
+                        }
                         Err(FenceError::Stale { stale, .. }) => {
                             assert!(stale.highest > stale.token);
                             refused += 1;
@@ -338,29 +425,28 @@ async fn bad_fence_input_is_typed() {
         .await
         .unwrap();
     fence.create_table(&mut conn).await.unwrap();
+    // Outside a transaction the row lock would end with the statement.
+    assert!(matches!(
+        fence.check(&mut conn, "r", FencingToken::new(1)).await,
+        Err(FenceError::NotInTransaction { .. })
+    ));
+    let mut tx = conn.begin().await.unwrap();
+    let conn = &mut *tx;
     let long = "r".repeat(256);
     for resource in ["", long.as_str()] {
         assert!(matches!(
-            fence.check(&mut conn, resource, FencingToken::new(1)).await,
+            fence.check(conn, resource, FencingToken::new(1)).await,
             Err(FenceError::InvalidResource { .. })
         ));
     }
     assert!(matches!(
-        fence
-            .check(&mut conn, "r", FencingToken::new(u64::MAX))
-            .await,
+        fence.check(conn, "r", FencingToken::new(u64::MAX)).await,
         Err(FenceError::TokenTooLarge { .. })
     ));
-    fence
-        .check(&mut conn, "r", FencingToken::new(7))
-        .await
-        .unwrap();
-    fence
-        .check(&mut conn, "r", FencingToken::new(7))
-        .await
-        .unwrap();
+    fence.check(conn, "r", FencingToken::new(7)).await.unwrap();
+    fence.check(conn, "r", FencingToken::new(7)).await.unwrap();
     let err = fence
-        .check(&mut conn, "r", FencingToken::new(6))
+        .check(conn, "r", FencingToken::new(6))
         .await
         .unwrap_err();
     assert_eq!(
@@ -369,7 +455,66 @@ async fn bad_fence_input_is_typed() {
     );
     let other = SqlFence::new("missing_table").unwrap();
     assert!(matches!(
-        other.check(&mut conn, "r", FencingToken::new(1)).await,
-        Err(FenceError::Database { .. })
+        other.check(conn, "r", FencingToken::new(1)).await,
+        Err(FenceError::Store { .. })
     ));
+}
+
+/// Redis compares tokens exactly beyond 2^53 (Lua's numbers are doubles,
+/// which would take 2^60 for 2^60 + 1), and across digit counts.
+#[tokio::test]
+async fn redis_fence_compares_large_tokens_exactly() {
+    let Ok(url) = std::env::var("DLOCK_TEST_REDIS_URL") else {
+        println!(
+            "SKIPPED redis_fence_compares_large_tokens_exactly: DLOCK_TEST_REDIS_URL is not set"
+        );
+        return;
+    };
+    let mut conn = redis::Client::open(url)
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let fence = RedisFence::new(format!("fence-test-{:016x}", rand::random::<u64>()));
+    let data = format!("{}:data", fence.key());
+    let big = 1u64 << 60;
+    fence
+        .set(&mut conn, FencingToken::new(9), &data, "a")
+        .await
+        .unwrap();
+    fence
+        .set(&mut conn, FencingToken::new(10), &data, "b")
+        .await
+        .unwrap();
+    fence
+        .set(&mut conn, FencingToken::new(big + 1), &data, "c")
+        .await
+        .unwrap();
+    for older in [big, 10, 9] {
+        match fence
+            .set(&mut conn, FencingToken::new(older), &data, "x")
+            .await
+        {
+            Err(FenceError::Stale { stale, .. }) => {
+                assert_eq!(stale.highest, FencingToken::new(big + 1))
+            }
+            other => panic!("token {older} after {}: {other:?}", big + 1),
+        }
+    }
+    fence
+        .set(&mut conn, FencingToken::new(big + 1), &data, "d")
+        .await
+        .unwrap();
+    let value: String = redis::cmd("GET")
+        .arg(&data)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(value, "d");
+    let _: () = redis::cmd("DEL")
+        .arg(fence.key())
+        .arg(&data)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
 }

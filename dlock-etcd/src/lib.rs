@@ -92,6 +92,7 @@
 //! # Ok(()) }
 //! ```
 
+mod fence;
 mod floor;
 mod session;
 
@@ -112,6 +113,7 @@ use etcd_client::{
     SortTarget, TlsOptions, Txn, TxnOp,
 };
 use etcd_client::{GetResponse, TxnResponse};
+pub use fence::EtcdFence;
 pub use floor::EtcdFloor;
 
 const BACKEND: &str = "etcd";

@@ -1,6 +1,7 @@
 //! Fencing where the data lives, on the real servers (issue 16): a holder
 //! paused past its TTL cannot write to PostgreSQL, MySQL/MariaDB or SQLite
-//! behind [`SqlFence`], nor to Redis behind [`RedisFence`], once a newer
+//! behind [`SqlFence`], nor to Redis behind [`RedisFence`] or etcd behind
+//! [`EtcdFence`], once a newer
 //! holder wrote, whichever backend holds the lock; and 16 concurrent writers
 //! with tokens out of order never let an older token overwrite a newer one.
 //!
@@ -10,7 +11,8 @@
     feature = "postgres",
     feature = "mysql",
     feature = "sqlite",
-    feature = "redis"
+    feature = "redis",
+    feature = "etcd"
 ))]
 
 use std::sync::Arc;
@@ -18,9 +20,11 @@ use std::time::Duration;
 
 use dlock_conformance::process::Process;
 use dlocks::FenceError;
+use dlocks::etcd::EtcdFence;
 use dlocks::redis::RedisFence;
 use dlocks::sql::SqlFence;
 use dlocks::{FencingToken, SessionOptions};
+use etcd_client::{PutOptions, TxnOp, TxnOpResponse};
 use redis::aio::MultiplexedConnection;
 use sqlx::{Connection, MySqlPool, PgPool, SqlitePool};
 
@@ -35,6 +39,17 @@ enum Data {
     Lite(SqlitePool),
     /// The row is a hash; its fence key is `<row>:fence`.
     Redis(MultiplexedConnection),
+    /// The row is the key `dlock-fence-test/<row>` (`token:writer`), its
+    /// fence key that plus `/fence`.
+    Etcd(Box<etcd_client::Client>),
+}
+
+fn etcd_key(row: &str) -> String {
+    format!("dlock-fence-test/{row}")
+}
+
+fn etcd_fence(row: &str) -> EtcdFence {
+    EtcdFence::new(format!("{}/fence", etcd_key(row)))
 }
 
 /// Redis: the write as the user's own Lua under the fence, with the same
@@ -50,6 +65,7 @@ impl Data {
             Data::My(_) => "mysql",
             Data::Lite(_) => "sqlite",
             Data::Redis(_) => "redis",
+            Data::Etcd(_) => "etcd",
         }
     }
 
@@ -59,6 +75,10 @@ impl Data {
             "CREATE TABLE IF NOT EXISTS {DATA} (id VARCHAR(64) PRIMARY KEY, token BIGINT NOT NULL, writer VARCHAR(64) NOT NULL)"
         );
         let insert = format!("INSERT INTO {DATA} (id, token, writer) VALUES ('{row}', 0, '')");
+        if let Data::Etcd(c) = self {
+            c.clone().put(etcd_key(row), "0:", None).await.unwrap();
+            return;
+        }
         if let Data::Redis(c) = self {
             let mut c = c.clone();
             let _: () = redis::cmd("HSET")
@@ -94,7 +114,7 @@ impl Data {
                 sqlx::query(&create).execute(&mut *c).await.unwrap();
                 sqlx::query(&insert).execute(&mut *c).await.unwrap();
             }
-            Data::Redis(_) => unreachable!(),
+            Data::Redis(_) | Data::Etcd(_) => unreachable!(),
         }
     }
 
@@ -145,6 +165,36 @@ impl Data {
                 assert_eq!(written, 1);
                 Ok(())
             }
+            Data::Etcd(c) => {
+                let put = TxnOp::put(
+                    etcd_key(row),
+                    format!("{t}:{writer}"),
+                    Some(PutOptions::new().with_prev_key()),
+                );
+                let done = etcd_fence(row).commit(&mut c.clone(), token, [put]).await?;
+                // The row's value before this write, read atomically with it.
+                let before = done
+                    .op_responses()
+                    .into_iter()
+                    .filter_map(|r| match r {
+                        TxnOpResponse::Put(p) => p.prev_key().map(|kv| kv.value().to_vec()),
+                        _ => None,
+                    })
+                    .next_back()
+                    .expect("the row existed");
+                let before: i64 = String::from_utf8(before)
+                    .unwrap()
+                    .split(':')
+                    .next()
+                    .unwrap()
+                    .parse()
+                    .unwrap();
+                assert!(
+                    before <= t,
+                    "etcd: the row held token {before}, newer than the accepted {t}"
+                );
+                Ok(())
+            }
         }
     }
 
@@ -154,6 +204,13 @@ impl Data {
             Data::Pg(p) => fence.highest(&mut *p.acquire().await.unwrap(), row).await,
             Data::My(p) => fence.highest(&mut *p.acquire().await.unwrap(), row).await,
             Data::Lite(p) => fence.highest(&mut *p.acquire().await.unwrap(), row).await,
+            Data::Etcd(c) => {
+                return etcd_fence(row)
+                    .highest(&mut c.clone())
+                    .await
+                    .unwrap()
+                    .expect("a token was accepted");
+            }
             Data::Redis(c) => {
                 return RedisFence::new(format!("{row}:fence"))
                     .highest(&mut c.clone())
@@ -172,6 +229,14 @@ impl Data {
             Data::Pg(p) => sqlx::query_as(&read).fetch_one(p).await.unwrap(),
             Data::My(p) => sqlx::query_as(&read).fetch_one(p).await.unwrap(),
             Data::Lite(p) => sqlx::query_as(&read).fetch_one(p).await.unwrap(),
+            Data::Etcd(c) => {
+                let got = c.clone().get(etcd_key(row), None).await.unwrap();
+                let value = std::str::from_utf8(got.kvs()[0].value())
+                    .unwrap()
+                    .to_owned();
+                let (token, writer) = value.split_once(':').unwrap();
+                (token.parse().unwrap(), writer.to_owned())
+            }
             Data::Redis(c) => {
                 let (token, writer): (i64, String) = redis::cmd("HMGET")
                     .arg(row)
@@ -204,6 +269,21 @@ async fn data_stores() -> Vec<Data> {
             stores.push(Data::Redis(conn));
         }
         Err(_) => println!("SKIPPED fenced_data redis data: DLOCK_TEST_REDIS_URL is not set"),
+    }
+    match std::env::var("DLOCK_TEST_ETCD_URL") {
+        Ok(url) => {
+            let endpoint = url
+                .trim_start_matches("etcd://")
+                .split('/')
+                .next()
+                .unwrap()
+                .to_owned();
+            let client = etcd_client::Client::connect([endpoint], None)
+                .await
+                .unwrap();
+            stores.push(Data::Etcd(Box::new(client)));
+        }
+        Err(_) => println!("SKIPPED fenced_data etcd data: DLOCK_TEST_ETCD_URL is not set"),
     }
     let file = std::env::temp_dir().join(format!("dlock-fence-{:016x}.db", rand::random::<u64>()));
     let options = sqlx::sqlite::SqliteConnectOptions::new()

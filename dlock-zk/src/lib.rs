@@ -110,6 +110,7 @@
 //! # Ok(()) }
 //! ```
 
+mod fence;
 mod floor;
 mod session;
 
@@ -123,6 +124,7 @@ use dlock_core::url::StoreUrl;
 use dlock_core::{
     Backend, Capabilities, Error, FencingToken, LockInfo, LockName, SessionId, SessionOptions, name,
 };
+pub use fence::ZkFence;
 pub use floor::ZkFloor;
 use zookeeper_client as zk;
 

@@ -1,7 +1,7 @@
 //! Fencing where the data lives, on the real servers (issue 16): a holder
 //! paused past its TTL cannot write to PostgreSQL, MySQL/MariaDB or SQLite
-//! behind [`SqlFence`], nor to Redis behind [`RedisFence`] or etcd behind
-//! [`EtcdFence`], once a newer
+//! behind [`SqlFence`], nor to Redis behind [`RedisFence`], etcd behind
+//! [`EtcdFence`] or ZooKeeper behind [`ZkFence`], once a newer
 //! holder wrote, whichever backend holds the lock; and 16 concurrent writers
 //! with tokens out of order never let an older token overwrite a newer one.
 //!
@@ -12,7 +12,8 @@
     feature = "mysql",
     feature = "sqlite",
     feature = "redis",
-    feature = "etcd"
+    feature = "etcd",
+    feature = "zk"
 ))]
 
 use std::sync::Arc;
@@ -23,6 +24,7 @@ use dlocks::FenceError;
 use dlocks::etcd::EtcdFence;
 use dlocks::redis::RedisFence;
 use dlocks::sql::SqlFence;
+use dlocks::zk::ZkFence;
 use dlocks::{FencingToken, SessionOptions};
 use etcd_client::{PutOptions, TxnOp, TxnOpResponse};
 use redis::aio::MultiplexedConnection;
@@ -42,6 +44,17 @@ enum Data {
     /// The row is the key `dlock-fence-test/<row>` (`token:writer`), its
     /// fence key that plus `/fence`.
     Etcd(Box<etcd_client::Client>),
+    /// The row is the znode `/dlock-fence-test/<row>` (`token:writer`), its
+    /// fence `/dlock-fence-test/<row>-fence`.
+    Zk(zookeeper_client::Client),
+}
+
+fn zk_path(row: &str) -> String {
+    format!("/dlock-fence-test/{row}")
+}
+
+fn zk_fence(row: &str) -> ZkFence {
+    ZkFence::new(format!("{}-fence", zk_path(row)))
 }
 
 fn etcd_key(row: &str) -> String {
@@ -66,6 +79,7 @@ impl Data {
             Data::Lite(_) => "sqlite",
             Data::Redis(_) => "redis",
             Data::Etcd(_) => "etcd",
+            Data::Zk(_) => "zk",
         }
     }
 
@@ -75,6 +89,16 @@ impl Data {
             "CREATE TABLE IF NOT EXISTS {DATA} (id VARCHAR(64) PRIMARY KEY, token BIGINT NOT NULL, writer VARCHAR(64) NOT NULL)"
         );
         let insert = format!("INSERT INTO {DATA} (id, token, writer) VALUES ('{row}', 0, '')");
+        if let Data::Zk(c) = self {
+            let persistent = zookeeper_client::CreateMode::Persistent
+                .with_acls(zookeeper_client::Acls::anyone_all());
+            match c.create("/dlock-fence-test", b"", &persistent).await {
+                Ok(_) | Err(zookeeper_client::Error::NodeExists) => {}
+                Err(e) => panic!("zk: {e}"),
+            }
+            c.create(&zk_path(row), b"0:", &persistent).await.unwrap();
+            return;
+        }
         if let Data::Etcd(c) = self {
             c.clone().put(etcd_key(row), "0:", None).await.unwrap();
             return;
@@ -114,7 +138,7 @@ impl Data {
                 sqlx::query(&create).execute(&mut *c).await.unwrap();
                 sqlx::query(&insert).execute(&mut *c).await.unwrap();
             }
-            Data::Redis(_) | Data::Etcd(_) => unreachable!(),
+            Data::Redis(_) | Data::Etcd(_) | Data::Zk(_) => unreachable!(),
         }
     }
 
@@ -165,6 +189,15 @@ impl Data {
                 assert_eq!(written, 1);
                 Ok(())
             }
+            Data::Zk(c) => {
+                let (path, value) = (zk_path(row), format!("{t}:{writer}"));
+                zk_fence(row)
+                    .commit(c, token, |multi| {
+                        multi.add_set_data(&path, value.as_bytes(), None)
+                    })
+                    .await?;
+                Ok(())
+            }
             Data::Etcd(c) => {
                 let put = TxnOp::put(
                     etcd_key(row),
@@ -204,6 +237,13 @@ impl Data {
             Data::Pg(p) => fence.highest(&mut *p.acquire().await.unwrap(), row).await,
             Data::My(p) => fence.highest(&mut *p.acquire().await.unwrap(), row).await,
             Data::Lite(p) => fence.highest(&mut *p.acquire().await.unwrap(), row).await,
+            Data::Zk(c) => {
+                return zk_fence(row)
+                    .highest(c)
+                    .await
+                    .unwrap()
+                    .expect("a token was accepted");
+            }
             Data::Etcd(c) => {
                 return etcd_fence(row)
                     .highest(&mut c.clone())
@@ -229,6 +269,12 @@ impl Data {
             Data::Pg(p) => sqlx::query_as(&read).fetch_one(p).await.unwrap(),
             Data::My(p) => sqlx::query_as(&read).fetch_one(p).await.unwrap(),
             Data::Lite(p) => sqlx::query_as(&read).fetch_one(p).await.unwrap(),
+            Data::Zk(c) => {
+                let (data, _) = c.get_data(&zk_path(row)).await.unwrap();
+                let value = String::from_utf8(data).unwrap();
+                let (token, writer) = value.split_once(':').unwrap();
+                (token.parse().unwrap(), writer.to_owned())
+            }
             Data::Etcd(c) => {
                 let got = c.clone().get(etcd_key(row), None).await.unwrap();
                 let value = std::str::from_utf8(got.kvs()[0].value())
@@ -269,6 +315,22 @@ async fn data_stores() -> Vec<Data> {
             stores.push(Data::Redis(conn));
         }
         Err(_) => println!("SKIPPED fenced_data redis data: DLOCK_TEST_REDIS_URL is not set"),
+    }
+    match std::env::var("DLOCK_TEST_ZK_URL") {
+        Ok(url) => {
+            let hosts = url
+                .trim_start_matches("zk://")
+                .split('/')
+                .next()
+                .unwrap()
+                .to_owned();
+            let client = zookeeper_client::Client::connector()
+                .connect(&hosts)
+                .await
+                .unwrap();
+            stores.push(Data::Zk(client));
+        }
+        Err(_) => println!("SKIPPED fenced_data zk data: DLOCK_TEST_ZK_URL is not set"),
     }
     match std::env::var("DLOCK_TEST_ETCD_URL") {
         Ok(url) => {

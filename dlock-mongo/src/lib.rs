@@ -227,6 +227,7 @@
 //! deployment (see the README, "Services for tests").
 
 mod client;
+mod fence;
 mod floor;
 mod notify;
 mod options;
@@ -254,6 +255,7 @@ use mongodb::options::{
 use mongodb::{Client, Collection, IndexModel};
 
 use dlock_core::wake::WakeHub;
+pub use fence::MongoFence;
 pub use floor::MongoFloor;
 pub use options::{DEFAULT_DATABASE, DEFAULT_LOCKS, DEFAULT_SESSIONS, MongoOptions, MongosPolicy};
 pub use query::SESSION_SWEEP;

@@ -1,7 +1,8 @@
 //! Fencing where the data lives, on the real servers (issue 16): a holder
 //! paused past its TTL cannot write to PostgreSQL, MySQL/MariaDB or SQLite
 //! behind [`SqlFence`], nor to Redis behind [`RedisFence`], etcd behind
-//! [`EtcdFence`] or ZooKeeper behind [`ZkFence`], once a newer
+//! [`EtcdFence`], ZooKeeper behind [`ZkFence`] or MongoDB behind
+//! [`MongoFence`], once a newer
 //! holder wrote, whichever backend holds the lock; and 16 concurrent writers
 //! with tokens out of order never let an older token overwrite a newer one.
 //!
@@ -13,7 +14,8 @@
     feature = "sqlite",
     feature = "redis",
     feature = "etcd",
-    feature = "zk"
+    feature = "zk",
+    feature = "mongo"
 ))]
 
 use std::sync::Arc;
@@ -22,11 +24,13 @@ use std::time::Duration;
 use dlock_conformance::process::Process;
 use dlocks::FenceError;
 use dlocks::etcd::EtcdFence;
+use dlocks::mongo::MongoFence;
 use dlocks::redis::RedisFence;
 use dlocks::sql::SqlFence;
 use dlocks::zk::ZkFence;
 use dlocks::{FencingToken, SessionOptions};
 use etcd_client::{PutOptions, TxnOp, TxnOpResponse};
+use mongodb::bson::{Document, doc};
 use redis::aio::MultiplexedConnection;
 use sqlx::{Connection, MySqlPool, PgPool, SqlitePool};
 
@@ -47,6 +51,9 @@ enum Data {
     /// The row is the znode `/dlock-fence-test/<row>` (`token:writer`), its
     /// fence `/dlock-fence-test/<row>-fence`.
     Zk(zookeeper_client::Client),
+    /// The row is the document `{_id: <row>, token, writer}` of
+    /// `dlock_fence_test.data`, its fence the document's `fence` field.
+    Mongo(mongodb::Collection<Document>),
 }
 
 fn zk_path(row: &str) -> String {
@@ -80,6 +87,7 @@ impl Data {
             Data::Redis(_) => "redis",
             Data::Etcd(_) => "etcd",
             Data::Zk(_) => "zk",
+            Data::Mongo(_) => "mongodb",
         }
     }
 
@@ -89,6 +97,12 @@ impl Data {
             "CREATE TABLE IF NOT EXISTS {DATA} (id VARCHAR(64) PRIMARY KEY, token BIGINT NOT NULL, writer VARCHAR(64) NOT NULL)"
         );
         let insert = format!("INSERT INTO {DATA} (id, token, writer) VALUES ('{row}', 0, '')");
+        if let Data::Mongo(c) = self {
+            c.insert_one(doc! { "_id": row, "token": 0i64, "writer": "" })
+                .await
+                .unwrap();
+            return;
+        }
         if let Data::Zk(c) = self {
             let persistent = zookeeper_client::CreateMode::Persistent
                 .with_acls(zookeeper_client::Acls::anyone_all());
@@ -138,7 +152,7 @@ impl Data {
                 sqlx::query(&create).execute(&mut *c).await.unwrap();
                 sqlx::query(&insert).execute(&mut *c).await.unwrap();
             }
-            Data::Redis(_) | Data::Etcd(_) | Data::Zk(_) => unreachable!(),
+            Data::Redis(_) | Data::Etcd(_) | Data::Zk(_) | Data::Mongo(_) => unreachable!(),
         }
     }
 
@@ -189,6 +203,14 @@ impl Data {
                 assert_eq!(written, 1);
                 Ok(())
             }
+            Data::Mongo(c) => {
+                let update = doc! { "$set": { "token": t, "writer": writer } };
+                let done = MongoFence::new()
+                    .update_one(c, doc! { "_id": row }, update, token)
+                    .await?;
+                assert_eq!(done.matched_count, 1, "mongodb: the row is gone");
+                Ok(())
+            }
             Data::Zk(c) => {
                 let (path, value) = (zk_path(row), format!("{t}:{writer}"));
                 zk_fence(row)
@@ -237,6 +259,12 @@ impl Data {
             Data::Pg(p) => fence.highest(&mut *p.acquire().await.unwrap(), row).await,
             Data::My(p) => fence.highest(&mut *p.acquire().await.unwrap(), row).await,
             Data::Lite(p) => fence.highest(&mut *p.acquire().await.unwrap(), row).await,
+            Data::Mongo(c) => {
+                let found = c.find_one(doc! { "_id": row }).await.unwrap().unwrap();
+                return FencingToken::new(
+                    found.get_i64("fence").expect("a token was accepted") as u64
+                );
+            }
             Data::Zk(c) => {
                 return zk_fence(row)
                     .highest(c)
@@ -269,6 +297,13 @@ impl Data {
             Data::Pg(p) => sqlx::query_as(&read).fetch_one(p).await.unwrap(),
             Data::My(p) => sqlx::query_as(&read).fetch_one(p).await.unwrap(),
             Data::Lite(p) => sqlx::query_as(&read).fetch_one(p).await.unwrap(),
+            Data::Mongo(c) => {
+                let found = c.find_one(doc! { "_id": row }).await.unwrap().unwrap();
+                (
+                    found.get_i64("token").unwrap(),
+                    found.get_str("writer").unwrap().to_owned(),
+                )
+            }
             Data::Zk(c) => {
                 let (data, _) = c.get_data(&zk_path(row)).await.unwrap();
                 let value = String::from_utf8(data).unwrap();
@@ -315,6 +350,17 @@ async fn data_stores() -> Vec<Data> {
             stores.push(Data::Redis(conn));
         }
         Err(_) => println!("SKIPPED fenced_data redis data: DLOCK_TEST_REDIS_URL is not set"),
+    }
+    match std::env::var("DLOCK_TEST_MONGO_URL") {
+        Ok(url) => {
+            // (the driver does not know dlock's own option)
+            let url = url.replace("&dlock_mongos=allow", "");
+            let client = mongodb::Client::with_uri_str(&url).await.unwrap();
+            stores.push(Data::Mongo(
+                client.database("dlock_fence_test").collection("data"),
+            ));
+        }
+        Err(_) => println!("SKIPPED fenced_data mongodb data: DLOCK_TEST_MONGO_URL is not set"),
     }
     match std::env::var("DLOCK_TEST_ZK_URL") {
         Ok(url) => {

@@ -60,9 +60,9 @@ pub struct StaleToken {
 }
 
 /// Why a fenced writer (a check of the token in the store that holds the
-/// protected data: dlock-sql's `SqlFence`, dlock-redis's `RedisFence`)
-/// refused a write or could not check it. In every case the write must not
-/// go on.
+/// protected data: `SqlFence`, `RedisFence`, `EtcdFence`, `ZkFence`,
+/// `MongoFence` in the adapter crates) refused a write or could not check
+/// it. In every case the write must not go on.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum FenceError {
@@ -91,8 +91,8 @@ pub enum FenceError {
         /// The resource checked.
         resource: String,
     },
-    /// The token does not fit the store's fence (a SQL BIGINT holds up to
-    /// 2^63 - 1).
+    /// The token does not fit the store's fence (SQL's BIGINT and MongoDB's
+    /// Int64 hold up to 2^63 - 1).
     #[error("fence on {resource:?}: token {token} is too large for the store")]
     TokenTooLarge {
         /// The resource checked.

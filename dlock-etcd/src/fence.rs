@@ -52,6 +52,12 @@ impl EtcdFence {
     /// it (and write nothing); else record `token` and run `ops`. A missing
     /// fence key compares false (etcd), so the first write goes through.
     /// [`commit`](Self::commit) sends it and reads the answer.
+    ///
+    /// **If you send it yourself, `succeeded() == true` means refused**
+    /// (the compare is "a newer token is recorded"; etcd has no `<=`), and
+    /// your ops went in the else branch. The fence's put takes one of the
+    /// transaction's operations (etcd allows 128 by default), and your ops
+    /// may not touch the fence key (etcd refuses a key twice in one txn).
     pub fn txn(&self, token: FencingToken, ops: impl Into<Vec<TxnOp>>) -> Txn {
         let mut writes = vec![TxnOp::put(self.key.as_str(), encode(token), None)];
         writes.extend(ops.into());

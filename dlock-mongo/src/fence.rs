@@ -4,7 +4,7 @@
 use dlock_core::{FenceError, FencingToken, StaleToken};
 use mongodb::Collection;
 use mongodb::bson::{Bson, Document, doc};
-use mongodb::results::UpdateResult;
+use mongodb::results::{InsertOneResult, UpdateResult};
 
 /// Fenced updates of MongoDB documents: the token is kept in a field of the
 /// protected document itself (default `fence`), and an update goes through
@@ -15,6 +15,17 @@ use mongodb::results::UpdateResult;
 ///
 /// Tokens are stored as 64-bit integers. Tokens are per lock name: guard one
 /// document with one lock name on one backend.
+///
+/// Rules of use:
+/// * **A protected document always carries the fence field.** One without it
+///   accepts any token, so create documents through
+///   [`insert_one`](Self::insert_one) (or set the field yourself), and never
+///   replace one without it.
+/// * With [`filter`](Self::filter) and [`update`](Self::update) in your own
+///   call, do not upsert on a filter that is not unique: a refused update
+///   would insert a second document instead.
+/// * The field must hold a number (dlock writes Int64); a string there
+///   compares as no token at all.
 ///
 /// ```no_run
 /// # async fn demo(accounts: mongodb::Collection<mongodb::bson::Document>, guard: dlock_core::LockGuard) -> Result<(), dlock_core::FenceError> {
@@ -54,7 +65,7 @@ impl MongoFence {
     /// `filter`, narrowed to documents whose fence holds no newer token than
     /// `token` (a missing field counts as none).
     pub fn filter(&self, filter: Document, token: FencingToken) -> Result<Document, FenceError> {
-        let t = self.value(&filter, token)?;
+        let t = self.value(token)?;
         Ok(doc! { "$and": [filter, { self.field.as_str(): { "$not": { "$gt": t } } }] })
     }
 
@@ -65,10 +76,16 @@ impl MongoFence {
         mut update: Document,
         token: FencingToken,
     ) -> Result<Document, FenceError> {
-        let t = self.value(&update, token)?;
+        let t = self.value(token)?;
         let mut set = match update.remove("$set") {
             Some(Bson::Document(set)) => set,
-            _ => Document::new(),
+            None => Document::new(),
+            Some(_) => {
+                return Err(FenceError::InvalidResource {
+                    resource: self.field.clone(),
+                    why: "the update's $set is not a document",
+                });
+            }
         };
         set.insert(self.field.as_str(), t);
         update.insert("$set", set);
@@ -85,39 +102,73 @@ impl MongoFence {
         update: Document,
         token: FencingToken,
     ) -> Result<UpdateResult, FenceError> {
-        let shown = format!("{filter}");
+        let resource = self.resource(collection);
+        let t = self.value(token)?;
         let result = collection
             .update_one(
                 self.filter(filter.clone(), token)?,
                 self.update(update, token)?,
             )
             .await
-            .map_err(|e| store_error(&shown, e))?;
+            .map_err(|e| store_error(&resource, e))?;
         if result.matched_count > 0 {
             return Ok(result);
         }
-        // Nothing matched: a newer token, or no such document.
-        let found = collection
-            .find_one(filter)
+        // Nothing matched: a newer token (of any numeric type), or no such
+        // document. A newer token never goes away, so finding one is sure;
+        // not finding one is as of this read.
+        let newer = collection
+            .find_one(doc! { "$and": [filter, { self.field.as_str(): { "$gt": t } }] })
             .await
-            .map_err(|e| store_error(&shown, e))?;
-        match found.as_ref().and_then(|d| d.get(self.field.as_str())) {
-            Some(Bson::Int64(h)) if *h > token.get() as i64 => Err(FenceError::Stale {
-                resource: shown,
+            .map_err(|e| store_error(&resource, e))?;
+        match newer.as_ref().and_then(|d| d.get(self.field.as_str())) {
+            Some(highest) => Err(FenceError::Stale {
+                resource,
                 stale: StaleToken {
                     token,
-                    highest: FencingToken::new(*h as u64),
+                    highest: FencingToken::new(as_token(highest).unwrap_or(u64::MAX)),
                 },
             }),
-            _ => Ok(result),
+            None => Ok(result),
         }
     }
 
-    fn value(&self, context: &Document, token: FencingToken) -> Result<i64, FenceError> {
+    /// Inserts `document` as a protected one, its fence field set to
+    /// `token`, so that no older holder can update it afterwards.
+    pub async fn insert_one(
+        &self,
+        collection: &Collection<Document>,
+        mut document: Document,
+        token: FencingToken,
+    ) -> Result<InsertOneResult, FenceError> {
+        document.insert(self.field.as_str(), self.value(token)?);
+        collection
+            .insert_one(document)
+            .await
+            .map_err(|e| store_error(&self.resource(collection), e))
+    }
+
+    /// What errors name: the collection and the field, never the filter
+    /// (which may hold data).
+    fn resource(&self, collection: &Collection<Document>) -> String {
+        format!("{}/{}", collection.namespace(), self.field)
+    }
+
+    fn value(&self, token: FencingToken) -> Result<i64, FenceError> {
         i64::try_from(token.get()).map_err(|_| FenceError::TokenTooLarge {
-            resource: format!("{context}"),
+            resource: self.field.clone(),
             token,
         })
+    }
+}
+
+/// A fence field's value as a token, whatever numeric type holds it.
+fn as_token(value: &Bson) -> Option<u64> {
+    match value {
+        Bson::Int64(v) => u64::try_from(*v).ok(),
+        Bson::Int32(v) => u64::try_from(*v).ok(),
+        Bson::Double(v) if *v >= 0.0 => Some(*v as u64),
+        _ => None,
     }
 }
 

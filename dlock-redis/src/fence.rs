@@ -45,6 +45,15 @@ static SET: LazyLock<Script> = LazyLock::new(|| {
 /// so that they share a slot. Tokens are per lock name: guard one resource
 /// with one lock name on one backend.
 ///
+/// Rules of use:
+/// * **Never let the fence key go**: no TTL on it, and a `maxmemory-policy`
+///   that cannot evict it (`noeviction`, or a `volatile-*` one): a fence key
+///   that is gone accepts any token.
+/// * A body given to [`eval`](Self::eval) is cached by the server as a
+///   script for good: keep bodies constant and pass values in `args`. Up to
+///   a few thousand keys and args (Lua's `unpack`). A body that fails half
+///   way keeps what it wrote before (the token was current).
+///
 /// ```no_run
 /// # async fn demo(mut conn: redis::aio::MultiplexedConnection, guard: dlock_core::LockGuard) -> Result<(), dlock_core::FenceError> {
 /// use dlock_redis::RedisFence;

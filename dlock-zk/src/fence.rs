@@ -14,8 +14,11 @@ use zookeeper_client as zk;
 ///
 /// The fence znode (one per resource, its parent must exist) is created on
 /// the first write with the ACLs given to [`acls`](Self::acls) (default
-/// `ANYONE_ALL`). Tokens are per lock name: guard one resource with one lock
-/// name on one backend.
+/// `ANYONE_ALL`). **Never delete a fence znode**: a new one starts from no
+/// token (and one deleted and re-created between a check's read and its
+/// multi has the version the read saw). Give it ACLs that keep other
+/// clients from deleting it. Tokens are per lock name: guard one resource
+/// with one lock name on one backend.
 ///
 /// ```no_run
 /// # async fn demo(client: zookeeper_client::Client, guard: dlock_core::LockGuard) -> Result<(), dlock_core::FenceError> {

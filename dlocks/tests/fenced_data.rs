@@ -72,6 +72,34 @@ fn etcd_fence(row: &str) -> EtcdFence {
     EtcdFence::new(format!("{}/fence", etcd_key(row)))
 }
 
+/// ZooKeeper's accepted writes: (row, mzxid of the data write, token).
+static ZK_WRITES: std::sync::Mutex<Vec<(String, i64, i64)>> = std::sync::Mutex::new(Vec::new());
+
+/// Tokens of one row's accepted writes, in the order the store applied them
+/// (ZooKeeper and MongoDB, whose writes cannot check the row's previous
+/// token inside themselves), or `None` where the write checks that itself.
+async fn applied_order(store: &Data, row: &str) -> Option<Vec<i64>> {
+    match store {
+        Data::Zk(_) => {
+            let mut writes: Vec<(i64, i64)> = ZK_WRITES
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|(r, _, _)| r == row)
+                .map(|(_, mzxid, t)| (*mzxid, *t))
+                .collect();
+            writes.sort();
+            Some(writes.into_iter().map(|(_, t)| t).collect())
+        }
+        Data::Mongo(c) => {
+            let found = c.find_one(doc! { "_id": row }).await.unwrap().unwrap();
+            let history = found.get_array("history").unwrap();
+            Some(history.iter().map(|t| t.as_i64().unwrap()).collect())
+        }
+        _ => None,
+    }
+}
+
 /// Redis: the write as the user's own Lua under the fence, with the same
 /// "never goes back" check inside.
 const REDIS_WRITE: &str = "local before = tonumber(redis.call('HGET', KEYS[1], 'token') or '0') \
@@ -98,7 +126,13 @@ impl Data {
         );
         let insert = format!("INSERT INTO {DATA} (id, token, writer) VALUES ('{row}', 0, '')");
         if let Data::Mongo(c) = self {
-            c.insert_one(doc! { "_id": row, "token": 0i64, "writer": "" })
+            // Born fenced (a document without the field accepts any token).
+            MongoFence::new()
+                .insert_one(
+                    c,
+                    doc! { "_id": row, "token": 0i64, "writer": "" },
+                    FencingToken::new(1),
+                )
                 .await
                 .unwrap();
             return;
@@ -204,7 +238,11 @@ impl Data {
                 Ok(())
             }
             Data::Mongo(c) => {
-                let update = doc! { "$set": { "token": t, "writer": writer } };
+                // `history`: every accepted token in the order applied.
+                let update = doc! {
+                    "$set": { "token": t, "writer": writer },
+                    "$push": { "history": t },
+                };
                 let done = MongoFence::new()
                     .update_one(c, doc! { "_id": row }, update, token)
                     .await?;
@@ -213,11 +251,21 @@ impl Data {
             }
             Data::Zk(c) => {
                 let (path, value) = (zk_path(row), format!("{t}:{writer}"));
-                zk_fence(row)
+                let results = zk_fence(row)
                     .commit(c, token, |multi| {
                         multi.add_set_data(&path, value.as_bytes(), None)
                     })
                     .await?;
+                // The data znode's write, in the order the ensemble applied
+                // it (its mzxid), for the check that tokens never go back.
+                let Some(zookeeper_client::MultiWriteResult::SetData { stat }) = results.get(1)
+                else {
+                    panic!("zk: the multi answered {results:?}");
+                };
+                ZK_WRITES
+                    .lock()
+                    .unwrap()
+                    .push((row.to_owned(), stat.mzxid, t));
                 Ok(())
             }
             Data::Etcd(c) => {
@@ -582,6 +630,14 @@ async fn sixteen_writers_never_go_back() {
             refused += r;
         }
         let highest = stores[i].highest(&fence, &row).await;
+        if let Some(order) = applied_order(&stores[i], &row).await {
+            assert!(
+                order.windows(2).all(|w| w[0] <= w[1]),
+                "{}: an older token was applied after a newer one: {order:?}",
+                stores[i].name()
+            );
+            assert!(order.len() >= 2, "{}: {order:?}", stores[i].name());
+        }
         let (token, _) = stores[i].row(&row).await;
         assert_eq!(
             token as u64,

@@ -161,15 +161,25 @@ pub async fn timeouts(h: &dyn Harness) -> Outcome {
     let ga = a.lock(&name)?.acquire().await?;
     let t = ctx.caps.ttl;
     for wait in [Duration::ZERO, t / 4, t] {
-        let start = Instant::now();
-        let result = b.lock(&name)?.acquire_timeout(wait).await;
+        let mut start = Instant::now();
+        let mut result = b.lock(&name)?.acquire_timeout(wait).await;
+        // A lock that stayed busy is no store failure (a zero wait may end
+        // before any answer, which says nothing about the lock). A store
+        // that really was slow once (a request timed out: SQLite's single
+        // writer under the suite's parallel cases) is asked once more; a
+        // wait that blames the store for a busy lock does so every time.
+        if !wait.is_zero() && matches!(result, Err(Error::Timeout { cause: Some(_), .. })) {
+            crate::loud(&format!(
+                "NOTE timeouts: acquire_timeout({wait:?}) saw a store failure ({result:?}); once more"
+            ));
+            start = Instant::now();
+            result = b.lock(&name)?.acquire_timeout(wait).await;
+        }
         let took = start.elapsed();
         ensure!(
             matches!(result, Err(Error::Timeout { .. })),
             "acquire_timeout({wait:?}) on a held lock gave {result:?}"
         );
-        // A lock that stayed busy is no store failure (a zero wait may end
-        // before any answer, which says nothing about the lock).
         if !wait.is_zero() {
             ensure!(
                 matches!(result, Err(Error::Timeout { cause: None, .. })),

@@ -8,15 +8,7 @@
 //!
 //! A store whose `DLOCK_TEST_<NAME>_URL` is unset prints a SKIPPED line
 //! (scripts/test lists them).
-#![cfg(all(
-    feature = "postgres",
-    feature = "mysql",
-    feature = "sqlite",
-    feature = "redis",
-    feature = "etcd",
-    feature = "zk",
-    feature = "mongo"
-))]
+#![cfg(feature = "all")]
 
 use std::sync::Arc;
 use std::time::Duration;

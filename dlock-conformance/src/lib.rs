@@ -108,9 +108,18 @@ where
         Kind::Exclusive => _exclusive = DEPLOYMENT.write().await,
     }
     if let Err(e) = harness.connect().await {
+        // What the supervisor says of the servers, so that a CI log shows
+        // why a server is down (who stopped it, how it died).
+        let described = match harness.servers() {
+            Some(servers) => servers.describe().await,
+            None => None,
+        };
+        let described = described
+            .map(|d| format!("\nthe supervisor says:\n{d}"))
+            .unwrap_or_default();
         panic!(
             "{store}::{case}: cannot reach the {store} server ({e}); to start it: {}; \
-             or set DLOCK_TEST_SKIP={store}",
+             or set DLOCK_TEST_SKIP={store}{described}",
             harness.start_hint()
         );
     }

@@ -113,6 +113,13 @@ pub trait Servers: Send + Sync + fmt::Debug {
     async fn endpoints(&self) -> Option<Result<Vec<String>, Failure>> {
         None
     }
+
+    /// What the supervisor knows of these nodes (their state and the last
+    /// lines of their logs), for the message of a case that could not reach
+    /// them; `None` where it cannot say.
+    async fn describe(&self) -> Option<String> {
+        None
+    }
 }
 
 /// [`Servers`] through a supervisor command (the dlock repository's
@@ -314,6 +321,42 @@ impl Servers for ServicesCommand {
             Err(e) => Err(e),
         })
     }
+
+    async fn describe(&self) -> Option<String> {
+        let command = self.command.clone();
+        let names = self.names.clone();
+        let said = tokio::task::spawn_blocking(move || {
+            let mut said = String::new();
+            for verb in ["status", "logs"] {
+                let out = Command::new(&command)
+                    .arg(verb)
+                    .args(&names)
+                    .output()
+                    .ok()?;
+                said.push_str(&String::from_utf8_lossy(&out.stdout));
+                said.push_str(&String::from_utf8_lossy(&out.stderr));
+            }
+            Some(said)
+        })
+        .await
+        .ok()??;
+        Some(redact_urls(said.trim()))
+    }
+}
+
+/// `text` with the password of every URL in it masked (a supervisor's
+/// status lines and server logs may show the test servers' URLs).
+fn redact_urls(text: &str) -> String {
+    text.split_inclusive(char::is_whitespace)
+        .map(|word| {
+            if word.contains("://") {
+                let end = word.trim_end();
+                format!("{}{}", dlock_core::url::redact(end), &word[end.len()..])
+            } else {
+                word.to_owned()
+            }
+        })
+        .collect()
 }
 
 /// The hosts of `name`'s URL in `status` output (`NAME STATE URL ...` lines).
@@ -387,5 +430,19 @@ fn run_retrying_busy(
             }
             done => return done,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::redact_urls;
+
+    #[test]
+    fn described_servers_show_no_password() {
+        let said = "mongo down mongodb://dlock:s3cret@127.0.0.1:17017/?x=1\n  | connecting to postgres://u:pw@h/db";
+        assert_eq!(
+            redact_urls(said),
+            "mongo down mongodb://dlock:***@127.0.0.1:17017/?x=1\n  | connecting to postgres://u:***@h/db"
+        );
     }
 }

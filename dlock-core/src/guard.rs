@@ -7,6 +7,7 @@ use std::sync::Arc;
 use tokio::time::Instant;
 
 use crate::error::Error;
+use crate::fence_header::FenceHeader;
 use crate::info::SessionId;
 use crate::lost::LostReason;
 use crate::name::LockName;
@@ -47,6 +48,13 @@ impl LockGuard {
     /// The lock's name.
     pub fn name(&self) -> &LockName {
         &self.tenure.hold.name
+    }
+
+    /// The name and token to send with a request another service carries
+    /// out for this holder: its `to_string()` is the value of the
+    /// [`Dlock-Fence`](crate::fence_header) header.
+    pub fn fence_header(&self) -> FenceHeader {
+        FenceHeader::new(self.name().clone(), self.token())
     }
 
     /// The holding session's id.

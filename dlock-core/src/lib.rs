@@ -56,6 +56,7 @@ pub mod backend;
 mod capabilities;
 mod clock;
 mod error;
+pub mod fence_header;
 pub mod floor;
 pub mod forward;
 mod guard;

@@ -119,6 +119,15 @@ pub enum FenceError {
 /// are accepted so the current holder can write many times. Lock-free, a single
 /// atomic `fetch_max`, safe to share between threads.
 ///
+/// The check and the write it allows must be one step: if writes of
+/// different holders can run at the same time, a former holder that passed
+/// the check may still write after a newer one. Check and write under one
+/// mutex (`dlocks::fence_layer::FenceLayer::gate` does this for a service),
+/// or check in the store that keeps the data (the adapters' fenced writers).
+/// Tokens of different lock names do not compare: one gate per lock name,
+/// and [`fence_header`](crate::fence_header) to carry the name along with
+/// the token across a network boundary.
+///
 /// ```
 /// use dlock_core::{FenceGate, FencingToken};
 /// let gate = FenceGate::new();

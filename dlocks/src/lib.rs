@@ -44,7 +44,7 @@ use std::sync::{Arc, Once};
 pub use dlock_core::{
     Adapter, Backend, Capabilities, Error, FenceError, FenceGate, FencingToken, Lock, LockGuard,
     LockInfo, LockName, LostReason, Registry, Result, Session, SessionId, SessionOptions,
-    StaleToken, backend, impl_adapter, memory, raw, url,
+    StaleToken, backend, fence_header, impl_adapter, memory, raw, url,
 };
 
 /// SQL databases: PostgreSQL, MySQL/MariaDB, SQLite.
@@ -71,6 +71,9 @@ pub use dlock_zk as zk;
 #[cfg(feature = "mongo")]
 #[doc(inline)]
 pub use dlock_mongo as mongo;
+
+#[cfg(feature = "tower")]
+pub mod fence_layer;
 
 /// The URL used when none is given: an SQLite file in the current directory.
 pub const DEFAULT_URL: &str = "sqlite://dlock.db";

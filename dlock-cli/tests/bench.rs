@@ -151,6 +151,21 @@ fn check_backend(b: &Value) {
     // Each held lock costs the client some memory (guard, tenure, adapter).
     assert!(num(&many["heap_bytes_per_hold"]) > 0.0, "{b:#}");
 
+    // Every store with a floor has a fenced writer: both writes measured,
+    // the ratio theirs, and nothing failed (a refused fenced write fails).
+    let fenced = &b["fenced_writes"];
+    if b["floor"].is_null() {
+        assert!(fenced.is_null(), "{b:#}");
+    } else {
+        assert!(fenced["error"].is_null(), "{b:#}");
+        assert_eq!(fenced["plain"]["samples"], 50, "{b:#}");
+        assert_eq!(fenced["fenced"]["samples"], 50, "{b:#}");
+        let ratio = num(&fenced["fenced_x_plain"]);
+        let expected = num(&fenced["fenced"]["p50_us"]) / num(&fenced["plain"]["p50_us"]);
+        assert!((ratio - expected).abs() < 1e-6 && ratio > 0.0, "{b:#}");
+        assert!(!fenced["operations"].as_str().unwrap().is_empty());
+    }
+
     let safety = &b["safety"];
     assert_eq!(safety["verdict"], "ok", "{b:#}");
     assert_eq!(safety["register_rejections"], 0, "{b:#}");
@@ -187,6 +202,13 @@ fn check_files(dir: &Path, backends: &[Value]) {
     assert!(md.contains("- command: `dlock bench "), "{md}");
     assert!(md.contains("- date: 20"), "{md}");
     assert!(md.contains("| backend | baseline p50 |"), "{md}");
+    for b in backends.iter().filter(|b| !b["fenced_writes"].is_null()) {
+        let (name, writes) = (
+            b["backend"].as_str().unwrap(),
+            b["fenced_writes"]["operations"].as_str().unwrap(),
+        );
+        assert!(md.contains(&format!("| {name} | {writes} | ")), "{md}");
+    }
     let natives = backends.iter().filter(|b| !b["native_lock"].is_null());
     for b in natives {
         let (name, lock) = (

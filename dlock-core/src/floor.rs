@@ -30,7 +30,7 @@ use std::fmt::Debug;
 
 use async_trait::async_trait;
 
-use crate::{Error, LockName};
+use crate::{Error, FencingToken, LockName};
 
 /// The raw operations one lock needs, on one connection of its own.
 ///
@@ -56,6 +56,43 @@ pub trait Floor: Send + Sync + Debug {
     fn native(&self) -> Option<&dyn NativeLock> {
         None
     }
+
+    /// The store's fenced writer next to the same write without it, if the
+    /// adapter has one: what fencing the data adds to the user's own write.
+    /// `None` by default.
+    fn fenced_write(&self) -> Option<&dyn FencedWrite> {
+        None
+    }
+}
+
+/// One small write of the protected data, unguarded and through the
+/// store's fenced writer (`SqlFence`, `RedisFence`, ...), on the floor's
+/// connection: `dlock bench` times the two alternately and reports their
+/// ratio.
+#[async_trait]
+pub trait FencedWrite: Send + Sync {
+    /// What the two writes send, for reports (`"SET"` against
+    /// `"RedisFence::set (one EVALSHA)"`).
+    fn operations(&self) -> &'static str;
+
+    /// Makes what the writes of `key` need (a table, a node, a document);
+    /// called once before they are timed.
+    async fn prepare(&self, key: &LockName) -> Result<(), Error> {
+        let _ = key;
+        Ok(())
+    }
+
+    /// Writes `value` under `key` as a user would without fencing.
+    async fn plain(&self, key: &LockName, value: u64) -> Result<(), Error>;
+
+    /// The same write through the fenced writer, with `token`. The bench
+    /// passes increasing tokens for a key, so every write is accepted; a
+    /// refusal is an error.
+    async fn fenced(&self, key: &LockName, token: FencingToken, value: u64) -> Result<(), Error>;
+
+    /// Deletes the data and the fence of `key` (the bench's keys are its
+    /// own; a real fence is never deleted).
+    async fn remove(&self, key: &LockName) -> Result<(), Error>;
 }
 
 /// A store's own blocking lock.

@@ -6,13 +6,13 @@
 use std::time::Duration;
 
 use async_trait::async_trait;
-use dlock_core::floor::{Floor, NativeGuard, NativeLock};
+use dlock_core::floor::{FencedWrite, Floor, NativeGuard, NativeLock};
 use dlock_core::url::StoreUrl;
-use dlock_core::{Error, LockName};
+use dlock_core::{Error, FencingToken, LockName};
 use etcd_client::{Client, Compare, CompareOp, LockOptions, PutOptions, Txn, TxnOp};
 use tokio::task::JoinHandle;
 
-use crate::{EtcdBackend, map_err, new_client};
+use crate::{EtcdBackend, EtcdFence, map_err, new_client};
 
 /// The lease's TTL; it is kept alive every third of it.
 const LEASE_TTL: Duration = Duration::from_secs(10);
@@ -113,6 +113,52 @@ impl Floor for EtcdFloor {
 
     fn native(&self) -> Option<&dyn NativeLock> {
         Some(self)
+    }
+
+    fn fenced_write(&self) -> Option<&dyn FencedWrite> {
+        Some(self)
+    }
+}
+
+impl EtcdFloor {
+    /// The data key and the fence key of the fenced-write measure of `key`.
+    fn fenced_keys(&self, key: &LockName) -> (String, String) {
+        let key = self.key(key);
+        (format!("{key}/data"), format!("{key}/fence"))
+    }
+}
+
+#[async_trait]
+impl FencedWrite for EtcdFloor {
+    fn operations(&self) -> &'static str {
+        "put, against EtcdFence::commit (one txn)"
+    }
+
+    async fn plain(&self, key: &LockName, value: u64) -> Result<(), Error> {
+        let (data, _) = self.fenced_keys(key);
+        let mut kv = self.client.kv_client();
+        kv.put(data, value.to_string(), None)
+            .await
+            .map_err(map_err)?;
+        Ok(())
+    }
+
+    async fn fenced(&self, key: &LockName, token: FencingToken, value: u64) -> Result<(), Error> {
+        let (data, fence) = self.fenced_keys(key);
+        let put = TxnOp::put(data, value.to_string(), None);
+        EtcdFence::new(fence)
+            .commit(&mut self.client.clone(), token, [put])
+            .await
+            .map_err(|e| Error::protocol("etcd", format!("floor: {e}")))?;
+        Ok(())
+    }
+
+    async fn remove(&self, key: &LockName) -> Result<(), Error> {
+        let (data, fence) = self.fenced_keys(key);
+        let mut kv = self.client.kv_client();
+        let both = Txn::new().and_then([TxnOp::delete(data, None), TxnOp::delete(fence, None)]);
+        kv.txn(both).await.map_err(map_err)?;
+        Ok(())
     }
 }
 

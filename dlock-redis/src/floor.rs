@@ -8,12 +8,13 @@ use std::sync::LazyLock;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use dlock_core::floor::Floor;
+use dlock_core::floor::{FencedWrite, Floor};
 use dlock_core::url::StoreUrl;
-use dlock_core::{Error, LockName};
+use dlock_core::{Error, FencingToken, LockName};
 use redis::Script;
 
-use crate::{ADMIN_TIMEOUT, RedisBackend};
+use crate::node::Node;
+use crate::{ADMIN_TIMEOUT, RedisBackend, RedisFence};
 
 /// The backend's name in errors.
 const BACKEND: &str = "redis";
@@ -58,10 +59,7 @@ impl Floor for RedisFloor {
     }
 
     async fn cycle(&self, key: &LockName) -> Result<(), Error> {
-        let node =
-            self.backend.inner.nodes.first().ok_or_else(|| {
-                Error::Config(format!("{BACKEND}: no node to measure the floor on"))
-            })?;
+        let node = self.node()?;
         let key = format!("{}:floor:{{{key}}}", node.prefix);
         let ttl_ms = u64::try_from(TTL.as_millis()).unwrap_or(u64::MAX);
         let taken: Option<String> = node
@@ -90,5 +88,66 @@ impl Floor for RedisFloor {
             })
             .await?;
         Ok(())
+    }
+
+    fn fenced_write(&self) -> Option<&dyn FencedWrite> {
+        Some(self)
+    }
+}
+
+impl RedisFloor {
+    /// The node the floor is measured on.
+    fn node(&self) -> Result<&Node, Error> {
+        self.backend
+            .inner
+            .nodes
+            .first()
+            .ok_or_else(|| Error::Config(format!("{BACKEND}: no node to measure the floor on")))
+    }
+
+    /// The data key and the fence key of the fenced-write measure of `key`
+    /// (one hash tag, as on a cluster).
+    fn fenced_keys(node: &Node, key: &LockName) -> (String, String) {
+        let data = format!("{}:floor:data:{{{key}}}", node.prefix);
+        let fence = format!("{}:floor:fence:{{{key}}}", node.prefix);
+        (data, fence)
+    }
+}
+
+#[async_trait]
+impl FencedWrite for RedisFloor {
+    fn operations(&self) -> &'static str {
+        "SET, against RedisFence::set (one EVALSHA)"
+    }
+
+    async fn plain(&self, key: &LockName, value: u64) -> Result<(), Error> {
+        let node = self.node()?;
+        let (data, _) = Self::fenced_keys(node, key);
+        node.request(ADMIN_TIMEOUT, |mut c| {
+            let set = redis::cmd("SET").arg(&data).arg(value).to_owned();
+            async move { set.query_async::<()>(&mut c).await }
+        })
+        .await
+    }
+
+    async fn fenced(&self, key: &LockName, token: FencingToken, value: u64) -> Result<(), Error> {
+        let node = self.node()?;
+        let (data, fence) = Self::fenced_keys(node, key);
+        let fence = RedisFence::new(fence);
+        node.request(ADMIN_TIMEOUT, |mut c| async move {
+            Ok(fence.set(&mut c, token, &data, value).await)
+        })
+        .await?
+        .map_err(|e| Error::protocol(BACKEND, format!("floor: {e}")))
+    }
+
+    async fn remove(&self, key: &LockName) -> Result<(), Error> {
+        let node = self.node()?;
+        let (data, fence) = Self::fenced_keys(node, key);
+        node.request(ADMIN_TIMEOUT, |mut c| {
+            let del = redis::cmd("DEL").arg(&data).arg(&fence).to_owned();
+            async move { del.query_async::<()>(&mut c).await }
+        })
+        .await
     }
 }

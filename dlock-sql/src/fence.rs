@@ -181,8 +181,9 @@ mod sealed {
     }
 }
 
-/// A connection [`SqlFence`] can check on: `PgConnection`, `MySqlConnection`
-/// and `SqliteConnection`; pass `&mut *tx` for a transaction `tx`. Sealed.
+/// A connection [`SqlFence`] can check on: `PgConnection`, `MySqlConnection`,
+/// `SqliteConnection`, and sqlx's `AnyConnection` on any of the three; pass
+/// `&mut *tx` for a transaction `tx`. Sealed.
 pub trait FencedConnection: sealed::Sealed {}
 
 #[cfg(feature = "postgres")]
@@ -191,11 +192,80 @@ impl FencedConnection for sqlx::PgConnection {}
 impl FencedConnection for sqlx::SqliteConnection {}
 #[cfg(feature = "mysql")]
 impl FencedConnection for sqlx::MySqlConnection {}
+impl FencedConnection for sqlx::AnyConnection {}
 
-/// PostgreSQL and SQLite share the upsert; `$n` placeholders work in both.
-#[cfg(any(feature = "postgres", feature = "sqlite"))]
-macro_rules! upsert_fence {
-    ($conn:ty, $db:ty, $text:literal) => {
+/// The fence's statements in one database's SQL.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum FenceSql {
+    /// PostgreSQL and SQLite: an upsert whose `WHERE` refuses an older
+    /// token, `$n` placeholders (SQLite reads them too).
+    Upsert {
+        /// The resource column's type.
+        text: &'static str,
+    },
+    /// MySQL/MariaDB: the refusal reported through `LAST_INSERT_ID`.
+    MySql,
+}
+
+impl FenceSql {
+    const POSTGRES: FenceSql = FenceSql::Upsert { text: "TEXT" };
+    const SQLITE: FenceSql = FenceSql::Upsert { text: "TEXT" };
+
+    fn create(self, table: &str) -> String {
+        match self {
+            FenceSql::Upsert { text } => format!(
+                "CREATE TABLE IF NOT EXISTS {table} (resource {text} PRIMARY KEY, token BIGINT NOT NULL)"
+            ),
+            FenceSql::MySql => format!(
+                "CREATE TABLE IF NOT EXISTS {table} (resource VARBINARY(255) NOT NULL PRIMARY KEY, \
+                 token BIGINT NOT NULL) ENGINE=InnoDB"
+            ),
+        }
+    }
+
+    /// Binds the resource, then the token. PostgreSQL and SQLite answer
+    /// the row when accepted, nothing when refused. MySQL answers no row:
+    /// its `LAST_INSERT_ID` is 0 when accepted, else the newer token (one
+    /// statement; a refusal leaves the token as it is and reports it
+    /// through LAST_INSERT_ID(expr), which the OK packet carries, 0 when
+    /// accepted as the table has no AUTO_INCREMENT column; IF() evaluates
+    /// only the branch it takes; tokens are at least 1, so a refusal never
+    /// reports 0).
+    fn check(self, table: &str) -> String {
+        match self {
+            FenceSql::Upsert { .. } => format!(
+                "INSERT INTO {table} (resource, token) VALUES ($1, $2) \
+                 ON CONFLICT (resource) DO UPDATE SET token = excluded.token \
+                 WHERE {table}.token <= excluded.token RETURNING token"
+            ),
+            FenceSql::MySql => format!(
+                "INSERT INTO {table} (resource, token) VALUES (?, ?) ON DUPLICATE KEY UPDATE \
+                 token = IF(token <= VALUES(token), VALUES(token), LAST_INSERT_ID(token))"
+            ),
+        }
+    }
+
+    fn highest(self, table: &str) -> String {
+        let at = match self {
+            FenceSql::Upsert { .. } => "$1",
+            FenceSql::MySql => "?",
+        };
+        format!("SELECT token FROM {table} WHERE resource = {at}")
+    }
+
+    /// Whether a failed `CREATE TABLE IF NOT EXISTS` means that another
+    /// session created it at the same moment (PostgreSQL: the loser fails
+    /// on the catalog's unique index).
+    fn created_meanwhile(self, e: &sqlx::Error) -> bool {
+        matches!(e, sqlx::Error::Database(e)
+            if self != FenceSql::MySql && matches!(e.code().as_deref(), Some("23505" | "42P07")))
+    }
+}
+
+/// The typed connections: each knows its SQL; `$check` turns the check's
+/// query into the refusal (`None` when accepted).
+macro_rules! typed_fence {
+    ($conn:ty, $db:ty, $sql:expr, |$this:ident, $query:ident, $table:ident, $resource:ident| $check:block) => {
         #[async_trait]
         impl sealed::Sealed for $conn {
             fn in_transaction(&self) -> bool {
@@ -203,43 +273,24 @@ macro_rules! upsert_fence {
             }
 
             async fn create_fence_table(&mut self, table: &str) -> Result<(), sqlx::Error> {
-                let sql = format!(
-                    "CREATE TABLE IF NOT EXISTS {table} (resource {} PRIMARY KEY, token BIGINT NOT NULL)",
-                    $text
-                );
-                match sqlx::query(&sql).execute(self).await {
-                    // Two PostgreSQL sessions creating the table at once: the
-                    // loser fails on the catalog's unique index.
-                    Err(sqlx::Error::Database(e))
-                        if matches!(e.code().as_deref(), Some("23505" | "42P07")) =>
-                    {
-                        Ok(())
-                    }
-                    r => r.map(|_| ()),
+                let sql: FenceSql = $sql;
+                match sqlx::query(&sql.create(table)).execute(self).await {
+                    Err(e) if sql.created_meanwhile(&e) => Ok(()),
+                    r => r.map(drop),
                 }
             }
 
             async fn fence_check(
                 &mut self,
-                table: &str,
-                resource: &str,
+                $table: &str,
+                $resource: &str,
                 token: i64,
             ) -> Result<Option<i64>, sqlx::Error> {
-                let sql = format!(
-                    "INSERT INTO {table} (resource, token) VALUES ($1, $2) \
-                     ON CONFLICT (resource) DO UPDATE SET token = excluded.token \
-                     WHERE {table}.token <= excluded.token RETURNING token"
-                );
-                let accepted: Option<(i64,)> = sqlx::query_as::<$db, (i64,)>(&sql)
-                    .bind(resource)
-                    .bind(token)
-                    .fetch_optional(&mut *self)
-                    .await?;
-                if accepted.is_some() {
-                    return Ok(None);
-                }
-                // Refused (the row is locked by the upsert; read what won).
-                Ok(Some(self.fence_highest(table, resource).await?.unwrap_or(0)))
+                let sql: FenceSql = $sql;
+                let text = sql.check($table);
+                let $query = sqlx::query::<$db>(&text).bind($resource).bind(token);
+                let $this = self;
+                $check
             }
 
             async fn fence_highest(
@@ -247,8 +298,8 @@ macro_rules! upsert_fence {
                 table: &str,
                 resource: &str,
             ) -> Result<Option<i64>, sqlx::Error> {
-                let sql = format!("SELECT token FROM {table} WHERE resource = $1");
-                let row: Option<(i64,)> = sqlx::query_as::<$db, (i64,)>(&sql)
+                let sql: FenceSql = $sql;
+                let row: Option<(i64,)> = sqlx::query_as::<$db, (i64,)>(&sql.highest(table))
                     .bind(resource)
                     .fetch_optional(self)
                     .await?;
@@ -258,24 +309,74 @@ macro_rules! upsert_fence {
     };
 }
 
-#[cfg(feature = "postgres")]
-upsert_fence!(sqlx::PgConnection, sqlx::Postgres, "TEXT");
-#[cfg(feature = "sqlite")]
-upsert_fence!(sqlx::SqliteConnection, sqlx::Sqlite, "TEXT");
+/// MySQL's `LAST_INSERT_ID` after a check: `None` (0) when accepted, else
+/// the newer token.
+fn reported(last_insert_id: i64) -> Option<i64> {
+    (last_insert_id != 0).then_some(last_insert_id)
+}
 
+/// PostgreSQL's and SQLite's check: the row back when accepted; else the
+/// newer token (the upsert locked the row: read what won).
+macro_rules! upsert_check {
+    ($conn:ident, $query:ident, $table:ident, $resource:ident) => {{
+        if $query.fetch_optional(&mut *$conn).await?.is_some() {
+            return Ok(None);
+        }
+        Ok(Some(
+            $conn.fence_highest($table, $resource).await?.unwrap_or(0),
+        ))
+    }};
+}
+
+#[cfg(feature = "postgres")]
+typed_fence!(
+    sqlx::PgConnection,
+    sqlx::Postgres,
+    FenceSql::POSTGRES,
+    |conn, query, table, resource| { upsert_check!(conn, query, table, resource) }
+);
+#[cfg(feature = "sqlite")]
+typed_fence!(
+    sqlx::SqliteConnection,
+    sqlx::Sqlite,
+    FenceSql::SQLITE,
+    |conn, query, table, resource| { upsert_check!(conn, query, table, resource) }
+);
 #[cfg(feature = "mysql")]
+typed_fence!(
+    sqlx::MySqlConnection,
+    sqlx::MySql,
+    FenceSql::MySql,
+    |conn, query, _table, _resource| {
+        let id = query.execute(&mut *conn).await?.last_insert_id();
+        Ok(reported(i64::try_from(id).unwrap_or(i64::MAX)))
+    }
+);
+
+/// The fence's SQL for the database behind an `AnyConnection`.
+fn any_sql(conn: &sqlx::AnyConnection) -> Result<FenceSql, sqlx::Error> {
+    match conn.backend_name() {
+        "PostgreSQL" => Ok(FenceSql::POSTGRES),
+        "SQLite" => Ok(FenceSql::SQLITE),
+        "MySQL" => Ok(FenceSql::MySql),
+        other => Err(sqlx::Error::Configuration(
+            format!("SqlFence has no statements for {other}").into(),
+        )),
+    }
+}
+
 #[async_trait]
-impl sealed::Sealed for sqlx::MySqlConnection {
+impl sealed::Sealed for sqlx::AnyConnection {
     fn in_transaction(&self) -> bool {
         sqlx::Connection::is_in_transaction(self)
     }
 
     async fn create_fence_table(&mut self, table: &str) -> Result<(), sqlx::Error> {
-        let sql = format!(
-            "CREATE TABLE IF NOT EXISTS {table} (resource VARBINARY(255) NOT NULL PRIMARY KEY, \
-             token BIGINT NOT NULL) ENGINE=InnoDB"
-        );
-        sqlx::query(&sql).execute(self).await.map(|_| ())
+        let sql = any_sql(self)?;
+        match sqlx::query(&sql.create(table)).execute(self).await {
+            Err(e) if sql.created_meanwhile(&e) => Ok(()),
+            r => r.map(drop),
+        }
     }
 
     async fn fence_check(
@@ -284,24 +385,15 @@ impl sealed::Sealed for sqlx::MySqlConnection {
         resource: &str,
         token: i64,
     ) -> Result<Option<i64>, sqlx::Error> {
-        // One statement. A refusal leaves the token as it is and reports it
-        // through LAST_INSERT_ID(expr), which the OK packet carries (0 when
-        // accepted: the table has no AUTO_INCREMENT column). IF() evaluates
-        // only the branch it takes. Tokens are at least 1, so a refusal never
-        // reports 0.
-        let sql = format!(
-            "INSERT INTO {table} (resource, token) VALUES (?, ?) ON DUPLICATE KEY UPDATE \
-             token = IF(token <= VALUES(token), VALUES(token), LAST_INSERT_ID(token))"
-        );
-        let done = sqlx::query(&sql)
-            .bind(resource)
-            .bind(token)
-            .execute(&mut *self)
-            .await?;
-        Ok(match done.last_insert_id() {
-            0 => None,
-            highest => Some(i64::try_from(highest).unwrap_or(i64::MAX)),
-        })
+        let sql = any_sql(self)?;
+        let text = sql.check(table);
+        let query = sqlx::query::<sqlx::Any>(&text).bind(resource).bind(token);
+        if sql == FenceSql::MySql {
+            let done = query.execute(&mut *self).await?;
+            return Ok(reported(done.last_insert_id().unwrap_or(0)));
+        }
+        let conn = self;
+        upsert_check!(conn, query, table, resource)
     }
 
     async fn fence_highest(
@@ -309,8 +401,8 @@ impl sealed::Sealed for sqlx::MySqlConnection {
         table: &str,
         resource: &str,
     ) -> Result<Option<i64>, sqlx::Error> {
-        let sql = format!("SELECT token FROM {table} WHERE resource = ?");
-        let row: Option<(i64,)> = sqlx::query_as(&sql)
+        let sql = any_sql(self)?;
+        let row: Option<(i64,)> = sqlx::query_as::<sqlx::Any, (i64,)>(&sql.highest(table))
             .bind(resource)
             .fetch_optional(self)
             .await?;

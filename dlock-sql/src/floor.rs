@@ -7,15 +7,15 @@
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use dlock_core::floor::{Floor, NativeGuard, NativeLock};
+use dlock_core::floor::{FencedWrite, Floor, NativeGuard, NativeLock};
 use dlock_core::url::StoreUrl;
-use dlock_core::{Error, LockName};
-use sqlx::{AnyConnection, Row};
+use dlock_core::{Error, FencingToken, LockName};
+use sqlx::{AnyConnection, Connection, Row};
 use tokio::sync::Mutex;
 
 use crate::dialect::{Arg, Dialect, Sql, Statements};
 use crate::options::SqlOptions;
-use crate::{ready_connection, store};
+use crate::{SqlFence, ready_connection, store};
 
 /// The row and native-lock name of the floor of `key`: a space, which no
 /// [`LockName`] contains, keeps the floor's rows apart from every real
@@ -39,7 +39,17 @@ struct FloorSql {
     lock: Sql,
     /// Releases it; answers 1 when it was held.
     unlock: Sql,
+    /// The fenced-write measure: its data table, an upsert of one of its
+    /// rows, and the deletes of the row and its fence.
+    create_data: Sql,
+    write_data: Sql,
+    delete_data: Sql,
+    delete_fence: Sql,
 }
+
+/// The fenced-write measure's tables (in the lock table's schema).
+const DATA_TABLE: &str = "dlock_floor_data";
+const FENCE_TABLE: &str = "dlock_floor_fences";
 
 impl FloorSql {
     fn new(dialect: Dialect, table: &str) -> Self {
@@ -64,12 +74,29 @@ impl FloorSql {
                 String::new(),
             ),
         };
+        let data = |template: &str| Sql::new(dialect, DATA_TABLE, template);
+        let (key_type, write_data) = match dialect {
+            Dialect::MySql => (
+                "VARBINARY(255)",
+                "INSERT INTO {t} (k, v) VALUES (?1, ?2) ON DUPLICATE KEY UPDATE v = VALUES(v)",
+            ),
+            _ => (
+                "TEXT",
+                "INSERT INTO {t} (k, v) VALUES (?1, ?2) ON CONFLICT (k) DO UPDATE SET v = excluded.v",
+            ),
+        };
         Self {
             dialect,
             upsert: sql(&upsert),
             delete: sql("DELETE FROM {t} WHERE name = ?1"),
             lock: sql(&lock),
             unlock: sql(&unlock),
+            create_data: data(&format!(
+                "CREATE TABLE IF NOT EXISTS {{t}} (k {key_type} NOT NULL PRIMARY KEY, v BIGINT NOT NULL)"
+            )),
+            write_data: data(write_data),
+            delete_data: data("DELETE FROM {t} WHERE k = ?1"),
+            delete_fence: Sql::new(dialect, FENCE_TABLE, "DELETE FROM {t} WHERE resource = ?1"),
         }
     }
 }
@@ -154,6 +181,77 @@ impl Floor for SqlFloor {
 
     fn native(&self) -> Option<&dyn NativeLock> {
         (self.sql.dialect != Dialect::Sqlite).then_some(self as &dyn NativeLock)
+    }
+
+    fn fenced_write(&self) -> Option<&dyn FencedWrite> {
+        Some(self)
+    }
+}
+
+/// The fenced-write measure's fence.
+fn floor_fence() -> SqlFence {
+    SqlFence::new(FENCE_TABLE).expect("a valid table name")
+}
+
+impl SqlFloor {
+    /// One write of the measure's row `key` in a transaction of its own,
+    /// after `SqlFence::check` with `token` if one is given.
+    async fn write(&self, key: &str, token: Option<FencingToken>, value: u64) -> Result<(), Error> {
+        let scheme = self.sql.dialect.scheme();
+        let db = |e| store::map_err(scheme, e);
+        let value = i64::try_from(value).unwrap_or(i64::MAX);
+        let mut conn = self.conn.lock().await;
+        let mut tx = conn.begin().await.map_err(db)?;
+        if let Some(token) = token {
+            floor_fence()
+                .check(&mut *tx, key, token)
+                .await
+                .map_err(|e| Error::protocol(scheme, format!("floor: {e}")))?;
+        }
+        self.sql
+            .write_data
+            .bind(&[Arg::Text(key), Arg::Int(value)])
+            .execute(&mut *tx)
+            .await
+            .map_err(db)?;
+        tx.commit().await.map_err(db)
+    }
+}
+
+#[async_trait]
+impl FencedWrite for SqlFloor {
+    fn operations(&self) -> &'static str {
+        "BEGIN + upsert + COMMIT, against the same with SqlFence::check first"
+    }
+
+    async fn prepare(&self, _key: &LockName) -> Result<(), Error> {
+        let scheme = self.sql.dialect.scheme();
+        let mut conn = self.conn.lock().await;
+        floor_fence()
+            .create_table(&mut *conn)
+            .await
+            .map_err(|e| store::map_err(scheme, e))?;
+        self.sql
+            .create_data
+            .bind(&[])
+            .execute(&mut *conn)
+            .await
+            .map(drop)
+            .map_err(|e| store::map_err(scheme, e))
+    }
+
+    async fn plain(&self, key: &LockName, value: u64) -> Result<(), Error> {
+        self.write(&floor_key(key), None, value).await
+    }
+
+    async fn fenced(&self, key: &LockName, token: FencingToken, value: u64) -> Result<(), Error> {
+        self.write(&floor_key(key), Some(token), value).await
+    }
+
+    async fn remove(&self, key: &LockName) -> Result<(), Error> {
+        let key = floor_key(key);
+        execute(&self.conn, &self.sql, &self.sql.delete_data, &key).await?;
+        execute(&self.conn, &self.sql, &self.sql.delete_fence, &key).await
     }
 }
 

@@ -679,3 +679,50 @@ async fn freed_rows_are_free_whatever_their_expiry(store: &str) {
 }
 
 on_stores!(freed_rows_are_free_whatever_their_expiry: postgres, mysql);
+
+/// `SqlFence` on sqlx's `AnyConnection` (what a program that picks its
+/// database by URL holds): the same check as on the typed connections, in
+/// the SQL of the database behind it.
+async fn fence_on_any_connection(store: &str) {
+    use dlock_core::{FenceError, FencingToken};
+    use sqlx::Connection;
+    let Some(url) = url(store, "fence_on_any_connection") else {
+        return;
+    };
+    sqlx::any::install_default_drivers();
+    // (the driver's URL: without the dlock options, SQLite's file created)
+    let driver_url = url.split('?').next().unwrap().to_owned();
+    let driver_url = if store == "sqlite" {
+        format!("{driver_url}?mode=rwc")
+    } else {
+        driver_url
+    };
+    let mut conn = sqlx::AnyConnection::connect(&driver_url).await.unwrap();
+    let fence = dlock_sql::SqlFence::new("dlock_adapter_fences").unwrap();
+    fence.create_table(&mut conn).await.unwrap();
+    let resource = name("any-fence").to_string();
+    let (older, newer) = (FencingToken::new(41), FencingToken::new(42));
+    match fence.check(&mut conn, &resource, newer).await {
+        Err(FenceError::NotInTransaction { .. }) => {}
+        other => panic!("{store}: a check outside a transaction: {other:?}"),
+    }
+    let mut tx = conn.begin().await.unwrap();
+    fence.check(&mut *tx, &resource, newer).await.unwrap();
+    fence.check(&mut *tx, &resource, newer).await.unwrap();
+    tx.commit().await.unwrap();
+    let mut tx = conn.begin().await.unwrap();
+    match fence.check(&mut *tx, &resource, older).await {
+        Err(FenceError::Stale { stale, .. }) => {
+            assert_eq!((stale.token, stale.highest), (older, newer), "{store}")
+        }
+        other => panic!("{store}: an older token after a newer one: {other:?}"),
+    }
+    tx.rollback().await.unwrap();
+    assert_eq!(
+        fence.highest(&mut conn, &resource).await.unwrap(),
+        Some(newer),
+        "{store}"
+    );
+}
+
+on_stores!(fence_on_any_connection: postgres, mysql, sqlite);

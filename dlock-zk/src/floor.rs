@@ -8,12 +8,12 @@
 use std::time::Duration;
 
 use async_trait::async_trait;
-use dlock_core::floor::{Floor, NativeGuard, NativeLock};
+use dlock_core::floor::{FencedWrite, Floor, NativeGuard, NativeLock};
 use dlock_core::url::StoreUrl;
-use dlock_core::{Error, LockName};
+use dlock_core::{Error, FencingToken, LockName};
 use zookeeper_client as zk;
 
-use crate::{Config, map_err};
+use crate::{Config, ZkFence, map_err};
 
 /// The floor's session timeout.
 const SESSION_TIMEOUT: Duration = Duration::from_secs(10);
@@ -70,6 +70,72 @@ impl Floor for ZkFloor {
 
     fn native(&self) -> Option<&dyn NativeLock> {
         Some(self)
+    }
+
+    fn fenced_write(&self) -> Option<&dyn FencedWrite> {
+        Some(self)
+    }
+}
+
+impl ZkFloor {
+    /// The data node and the fence znode of the fenced-write measure of
+    /// `key`.
+    fn fenced_paths(&self, key: &LockName) -> (String, String) {
+        let flat = key.flat();
+        (
+            format!("{}/data-{flat}", self.dir),
+            format!("{}/fence-{flat}", self.dir),
+        )
+    }
+}
+
+#[async_trait]
+impl FencedWrite for ZkFloor {
+    fn operations(&self) -> &'static str {
+        "setData, against ZkFence::commit (getData + multi)"
+    }
+
+    async fn prepare(&self, key: &LockName) -> Result<(), Error> {
+        let (data, _) = self.fenced_paths(key);
+        let persistent = zk::CreateMode::Persistent.with_acls(self.acls);
+        match self.client.create(&data, b"", &persistent).await {
+            Ok(_) | Err(zk::Error::NodeExists) => Ok(()),
+            Err(e) => Err(map_err(e)),
+        }
+    }
+
+    async fn plain(&self, key: &LockName, value: u64) -> Result<(), Error> {
+        let (data, _) = self.fenced_paths(key);
+        let value = value.to_string();
+        self.client
+            .set_data(&data, value.as_bytes(), None)
+            .await
+            .map_err(map_err)?;
+        Ok(())
+    }
+
+    async fn fenced(&self, key: &LockName, token: FencingToken, value: u64) -> Result<(), Error> {
+        let (data, fence) = self.fenced_paths(key);
+        let value = value.to_string();
+        ZkFence::new(fence)
+            .acls(self.acls)
+            .commit(&self.client, token, |multi| {
+                multi.add_set_data(&data, value.as_bytes(), None)
+            })
+            .await
+            .map_err(|e| Error::protocol("zk", format!("floor: {e}")))?;
+        Ok(())
+    }
+
+    async fn remove(&self, key: &LockName) -> Result<(), Error> {
+        let (data, fence) = self.fenced_paths(key);
+        for path in [data, fence] {
+            match self.client.delete(&path, None).await {
+                Ok(()) | Err(zk::Error::NoNode) => {}
+                Err(e) => return Err(map_err(e)),
+            }
+        }
+        Ok(())
     }
 }
 

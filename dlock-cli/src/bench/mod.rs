@@ -5,11 +5,12 @@
 //! backend fails the run before anything is measured), then run the phases
 //! one at a time across the backends: the latency phases round-robin (every
 //! backend does one ping, one acquire+release and one raw floor cycle per
-//! round), the contended phases backend by backend (dlock's hot lock, then
+//! round; then one plain and one fenced write), the contended phases backend by backend (dlock's hot lock, then
 //! the store's own lock under the same contention). Then close the sessions, write
 //! `<out>/bench.{md,json,svg}` and print the table (or the JSON).
 
 mod chart;
+mod fencing;
 mod holds;
 mod phases;
 mod report;
@@ -71,6 +72,13 @@ async fn measure(urls: &[String], args: BenchArgs) -> Result<u8, Failure> {
     );
     let latency = phases::latency(&targets, warmup, args.cycles, &bar).await?;
     bar.finish();
+    let bar = progress.bar(
+        warmup + args.cycles,
+        "fencing",
+        "plain write / fenced write",
+    );
+    let fenced_writes = fencing::fenced_writes(&targets, warmup, args.cycles, &bar).await?;
+    bar.finish();
 
     let phase_ms = phases::millis(args.duration);
     let mut hot = Vec::with_capacity(targets.len());
@@ -106,10 +114,13 @@ async fn measure(urls: &[String], args: BenchArgs) -> Result<u8, Failure> {
 
     let backends = targets
         .iter()
-        .zip(latency)
+        .zip(latency.into_iter().zip(fenced_writes))
         .zip(hot.into_iter().zip(independent).zip(many))
         .map(
-            |((t, latency), ((((hot_lock, safety), native_lock), independent), many_holds))| {
+            |(
+                (t, (latency, fenced_writes)),
+                ((((hot_lock, safety), native_lock), independent), many_holds),
+            )| {
                 let ratio = |a: Option<f64>, b: Option<f64>| match (a, b) {
                     (Some(a), Some(b)) if b > 0.0 => Some(a / b),
                     _ => None,
@@ -139,6 +150,7 @@ async fn measure(urls: &[String], args: BenchArgs) -> Result<u8, Failure> {
                     native_lock,
                     independent,
                     many_holds,
+                    fenced_writes,
                     safety,
                 }
             },

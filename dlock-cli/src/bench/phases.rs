@@ -116,6 +116,11 @@ impl Target {
         &self.clients[0].backend
     }
 
+    /// The first client's floor, if the store's adapter has one.
+    pub(crate) fn floor(&self) -> Option<&Arc<dyn Floor>> {
+        self.clients.first().and_then(|c| c.floor.as_ref())
+    }
+
     /// Take attempts and waits over all clients' sessions so far.
     fn counters(&self) -> (u64, u64) {
         self.clients.iter().fold((0, 0), |(takes, waits), c| {

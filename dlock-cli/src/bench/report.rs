@@ -5,6 +5,7 @@ use std::fmt::Write as _;
 
 use serde::Serialize;
 
+use super::fencing::FencedWrites;
 use super::holds::ManyHolds;
 use super::stats::Latency;
 
@@ -63,6 +64,9 @@ pub(crate) struct BackendReport {
     pub(crate) independent: Independent,
     /// Phase 6: many locks held by one session (`None`: skipped).
     pub(crate) many_holds: Option<ManyHolds>,
+    /// Phase 7: a plain write against the fenced writer's (`None`: the
+    /// adapter has no fenced writer).
+    pub(crate) fenced_writes: Option<FencedWrites>,
     /// Phase 5: the checker's verdict over phase 3.
     pub(crate) safety: Safety,
 }
@@ -257,6 +261,27 @@ pub(crate) fn table(report: &Report) -> String {
             );
         }
     }
+    if report.backends.iter().any(|b| b.fenced_writes.is_some()) {
+        out.push_str(
+            "\n| backend | plain write, against the fenced writer | plain p50 / p99 \
+             | fenced p50 / p99 (× plain) |\n|---|---|--:|--:|\n",
+        );
+        for b in &report.backends {
+            let Some(f) = &b.fenced_writes else { continue };
+            let fenced = match (&f.fenced, f.fenced_x_plain) {
+                (Some(l), Some(x)) => format!("{} ({x:.2}×)", p50_p99(l)),
+                (Some(l), None) => p50_p99(l),
+                _ => "-".to_owned(),
+            };
+            let _ = writeln!(
+                out,
+                "| {} | {} | {} | {fenced} |",
+                b.backend,
+                f.operations,
+                f.plain.as_ref().map_or_else(|| "-".to_owned(), p50_p99),
+            );
+        }
+    }
     out
 }
 
@@ -302,6 +327,11 @@ pub(crate) fn notes(report: &Report) -> String {
                 "many holds",
                 u64::from(b.many_holds.as_ref().is_some_and(|m| m.error.is_some())),
                 &b.many_holds.as_ref().and_then(|m| m.error.clone()),
+            ),
+            (
+                "fenced writes",
+                u64::from(b.fenced_writes.as_ref().is_some_and(|f| f.error.is_some())),
+                &b.fenced_writes.as_ref().and_then(|f| f.error.clone()),
             ),
         ] {
             if errors > 0 {
@@ -356,7 +386,10 @@ pub(crate) fn markdown(report: &Report) -> String {
          and the history check (overlapping holds, grant order) over the hot-lock phase. \
          locks held by one session: one renewal round (what the renewal task sends each \
          period) of one hold and of all of them, and the client's live heap growth per held \
-         lock.\n",
+         lock. fenced writes: one small write of the protected data as a user would send it, \
+         and the same write through the store's fenced writer (SqlFence, RedisFence, \
+         EtcdFence, ZkFence, MongoFence) with an increasing token, alternating; the ratio \
+         of their medians is what fencing the data adds.\n",
     );
     out
 }

@@ -19,7 +19,8 @@ Exit status:
   70      other errors (a reply dlock cannot use, a refused request)
   75      `run`: the lock was not acquired (busy with --no-wait, or --wait ran out);
           change it with --conflict-exit-code
-  76      `run`: the lock was lost while the command ran (the command was stopped)
+  76      `run`: the lock was lost while the command ran (the command was stopped);
+          `fence`: the write was refused, a newer token was recorded
   77      the store refused the credentials
   126     `run`: the command is not executable
   127     `run`: the command was not found
@@ -110,6 +111,10 @@ pub(crate) enum Command {
     List(ListArgs),
     /// Break a lock whoever holds it (admin); needs --force.
     Release(ReleaseArgs),
+    /// Write protected data only if a fencing token is current (the check
+    /// in the store that keeps the data).
+    #[command(long_about = FENCE_ABOUT, after_help = EXIT_STATUS)]
+    Fence(FenceArgs),
     /// Benchmark backends: latency, hot-lock handoffs, throughput, safety.
     #[command(long_about = BENCH_ABOUT, after_help = EXIT_STATUS)]
     Bench(BenchArgs),
@@ -188,6 +193,52 @@ pub(crate) struct ReleaseArgs {
     /// gets a larger fencing token.
     #[arg(long)]
     pub(crate) force: bool,
+}
+
+const FENCE_ABOUT: &str = "\
+Writes data in the store --url names only if TOKEN is at least the highest
+token recorded for RESOURCE, and records it: the check and the write are one
+atomic step in that store, so a former holder paused past its lease cannot
+write after the next holder did. Under `dlock run`, TOKEN and RESOURCE
+default to DLOCK_TOKEN and DLOCK_NAME (the lock's name):
+
+  dlock run --url $LOCKS accounts/42 -- \\
+    dlock fence --url postgres://app@db/bank -- 'UPDATE accounts SET balance = 90 WHERE id = 42'
+
+WRITE, by store:
+  postgres://, mysql://, sqlite://  SQL statements (one argument each), run in
+      one transaction after the check on RESOURCE's row of the fence table
+      (--fence TABLE, default dlock_fences, created if missing)
+  redis://, rediss://  one Redis command (SET key value), run in one script
+      after the check on the fence key (--fence KEY, default
+      dlock:fence:RESOURCE); its reply is printed
+  etcd://, etcds://  put KEY VALUE and del KEY (repeatable), in one
+      transaction with the compare on the fence key (--fence KEY, default
+      dlock/fence/RESOURCE)
+A refused write changes nothing and exits 76: a newer holder wrote first,
+the lock has moved on. Tokens are per lock name: guard one RESOURCE with one
+lock, on one backend.";
+
+/// `dlock fence`.
+#[derive(Debug, Args)]
+pub(crate) struct FenceArgs {
+    /// What the write protects: the fence's key.
+    #[arg(long, value_name = "RESOURCE", env = "DLOCK_NAME")]
+    pub(crate) resource: String,
+
+    /// The fencing token of the writer's grant.
+    #[arg(long, value_name = "TOKEN", env = "DLOCK_TOKEN",
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub(crate) token: u64,
+
+    /// Where the store keeps the highest token per resource: the fence
+    /// table (SQL) or key (Redis, etcd).
+    #[arg(long, value_name = "NAME")]
+    pub(crate) fence: Option<String>,
+
+    /// The write, in the store's terms (see above).
+    #[arg(required = true, trailing_var_arg = true, value_name = "WRITE")]
+    pub(crate) write: Vec<String>,
 }
 
 /// `dlock bench`.

@@ -6,6 +6,7 @@
 //! dlock status NAME [--url URL] [--json]
 //! dlock list [PREFIX] [--url URL] [--json]
 //! dlock release --force NAME [--url URL]
+//! dlock fence [--url URL] [--resource R] [--token N] [--fence NAME] -- WRITE...
 //! dlock bench [--url URL]... [--clients N] [--cycles N] [--duration D]
 //!             [--ttl D] [--out DIR] [--json] [--quiet]
 //! ```
@@ -39,7 +40,7 @@
 //! | 70 | other errors: a reply dlock cannot use, a request the store refused |
 //! | 77 | the store refused the credentials |
 //! | 75 | `run`: the lock was not acquired (busy with `--no-wait`, or `--wait` ran out); `--conflict-exit-code N` changes it, like flock(1)'s `-E` |
-//! | 76 | `run`: the lock was lost while CMD ran (CMD was stopped) |
+//! | 76 | `run`: the lock was lost while CMD ran (CMD was stopped); `fence`: the write was refused (a newer token was recorded) |
 //! | 126 | `run`: CMD is not executable |
 //! | 127 | `run`: CMD was not found |
 //! | 128 + N | `run`: dlock got signal N while connecting or waiting for the lock |
@@ -51,6 +52,7 @@ mod admin;
 mod bench;
 mod cli;
 mod exit;
+mod fence;
 mod run;
 mod signals;
 mod torture;
@@ -150,6 +152,7 @@ async fn dispatch(cli: Cli) -> Result<u8, Failure> {
         Command::Status(args) => admin::status(cli::single_url(urls)?, args).await,
         Command::List(args) => admin::list(cli::single_url(urls)?, args).await,
         Command::Release(args) => admin::release(cli::single_url(urls)?, args).await,
+        Command::Fence(args) => fence::fence(cli::single_url(urls)?, args).await,
         Command::Bench(args) => bench::bench(urls, args).await,
         Command::Torture(args) => torture::torture(urls, args).await,
     }

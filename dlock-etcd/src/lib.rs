@@ -108,6 +108,9 @@ use dlock_core::url::StoreUrl;
 use dlock_core::{
     Backend, Capabilities, Error, FencingToken, LockInfo, LockName, SessionId, SessionOptions, name,
 };
+/// The etcd client this crate speaks (its clients are what [`EtcdFence`]
+/// commits on).
+pub use etcd_client;
 use etcd_client::{
     Certificate, Client, Compare, CompareOp, ConnectOptions, GetOptions, Identity, SortOrder,
     SortTarget, TlsOptions, Txn, TxnOp,
@@ -622,6 +625,16 @@ impl EtcdBackend {
         // down is reported here, as for the other backends.
         backend.ping().await?;
         Ok(backend)
+    }
+
+    /// A new client of the cluster, with the URL's TLS and credentials: for
+    /// writes of the protected data through [`EtcdFence`], e.g. by `dlock
+    /// fence`.
+    ///
+    /// # Cancel safety
+    /// Cancel safe.
+    pub async fn data_client(&self) -> Result<Client, Error> {
+        new_client(&self.inner.endpoints, &self.inner.options).await
     }
 
     /// Keys under the lock names starting with `prefix`: zero once nothing

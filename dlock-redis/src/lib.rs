@@ -213,6 +213,9 @@ pub use floor::RedisFloor;
 use node::{CONNECT_TIMEOUT, Node, Record};
 use options::RedisOptions;
 pub use options::{DEFAULT_MAX_TTL, DEFAULT_PREFIX};
+/// The redis crate this crate speaks (its connections are what
+/// [`RedisFence`] writes on).
+pub use redis;
 
 /// The smallest TTL: `PX` has millisecond resolution and a renewal round trip
 /// must fit well inside a third of it.
@@ -313,6 +316,23 @@ impl Inner {
 }
 
 impl RedisBackend {
+    /// A connection to the node of a `redis://` or `rediss://` URL, with
+    /// the URL's TLS and credentials: for writes of the protected data
+    /// through [`RedisFence`], e.g. by `dlock fence`. [`Error::Config`] for
+    /// a Redlock URL (its nodes are independent: data on one of them is not
+    /// on the others).
+    ///
+    /// # Cancel safety
+    /// Cancel safe.
+    pub async fn data_connection(&self) -> Result<redis::aio::MultiplexedConnection, Error> {
+        let [node] = self.inner.nodes.as_slice() else {
+            return Err(Error::Config(
+                "redlock: fenced data lives on one Redis server: use its redis:// URL".into(),
+            ));
+        };
+        node.request(ADMIN_TIMEOUT, |c| async move { Ok(c) }).await
+    }
+
     /// Connects to `redis://`, `rediss://` or `redlock://` (see the crate
     /// docs for the URL options), given as text or as a [`StoreUrl`].
     ///

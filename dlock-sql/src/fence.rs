@@ -265,7 +265,7 @@ impl FenceSql {
 /// The typed connections: each knows its SQL; `$check` turns the check's
 /// query into the refusal (`None` when accepted).
 macro_rules! typed_fence {
-    ($conn:ty, $db:ty, $sql:expr, |$this:ident, $query:ident, $table:ident, $resource:ident| $check:block) => {
+    ($conn:ty, $db:ty, $sql:expr, |$this:ident, $query:ident, $table:ident, $resource:ident| $check:expr) => {
         #[async_trait]
         impl sealed::Sealed for $conn {
             fn in_transaction(&self) -> bool {
@@ -333,14 +333,14 @@ typed_fence!(
     sqlx::PgConnection,
     sqlx::Postgres,
     FenceSql::POSTGRES,
-    |conn, query, table, resource| { upsert_check!(conn, query, table, resource) }
+    |conn, query, table, resource| upsert_check!(conn, query, table, resource)
 );
 #[cfg(feature = "sqlite")]
 typed_fence!(
     sqlx::SqliteConnection,
     sqlx::Sqlite,
     FenceSql::SQLITE,
-    |conn, query, table, resource| { upsert_check!(conn, query, table, resource) }
+    |conn, query, table, resource| upsert_check!(conn, query, table, resource)
 );
 #[cfg(feature = "mysql")]
 typed_fence!(

@@ -202,6 +202,8 @@ use dlock_core::wake::WakeHub;
 pub use fence::{FencedConnection, SqlFence};
 pub use floor::SqlFloor;
 pub use options::{DEFAULT_QUEUE, DEFAULT_TABLE, SqlOptions};
+/// The sqlx this crate speaks (its connections are what [`SqlFence`] checks on).
+pub use sqlx;
 
 /// The smallest TTL: the database clock has millisecond resolution, and a
 /// statement plus a renewal round must fit comfortably.
@@ -472,6 +474,24 @@ async fn ready_connection(
     let mut conn = first_connection(options, &connect_options).await?;
     create_table(&mut conn, sql).await?;
     Ok((conn, connect_options))
+}
+
+/// A plain connection to the database a dlock URL names, with its TLS and
+/// time-outs (the `dlock_…` options are read, then ignored): for writes of
+/// the protected data through [`SqlFence`], e.g. by `dlock fence`.
+///
+/// # Cancel safety
+/// Cancel safe.
+pub async fn connect_data<U>(url: U) -> Result<AnyConnection, Error>
+where
+    U: TryInto<StoreUrl, Error = Error>,
+{
+    let options = SqlOptions::from_url(url)?;
+    sqlx::any::install_default_drivers();
+    let connect_options = options
+        .connect_options()
+        .map_err(|e| store::map_err(options.dialect.scheme(), e))?;
+    first_connection(&options, &connect_options).await
 }
 
 /// Creates the lock table and its index if they do not exist.

@@ -40,6 +40,16 @@ pub(crate) async fn fence(url: &str, args: FenceArgs) -> Result<u8, Failure> {
 }
 
 /// One fenced write, as given on the command line.
+#[cfg_attr(
+    not(any(
+        feature = "sqlite",
+        feature = "postgres",
+        feature = "mysql",
+        feature = "redis",
+        feature = "etcd"
+    )),
+    allow(dead_code)
+)]
 struct Write<'a> {
     resource: &'a str,
     token: FencingToken,
@@ -51,6 +61,16 @@ struct Write<'a> {
 
 /// A refused or failed check: a stale token is the lock lost (76), bad
 /// input is a usage error, anything else the store's failure.
+#[cfg_attr(
+    not(any(
+        feature = "sqlite",
+        feature = "postgres",
+        feature = "mysql",
+        feature = "redis",
+        feature = "etcd"
+    )),
+    allow(dead_code)
+)]
 fn refused(e: FenceError) -> Failure {
     let code = match &e {
         FenceError::Stale { .. } => LOST,
@@ -65,7 +85,14 @@ fn refused(e: FenceError) -> Failure {
 }
 
 /// The feature `scheme` needs, as a usage error.
-#[allow(dead_code)] // (unused when every fenced store's feature is on)
+#[cfg_attr(
+    all(
+        any(feature = "sqlite", feature = "postgres", feature = "mysql"),
+        feature = "redis",
+        feature = "etcd"
+    ),
+    allow(dead_code)
+)]
 fn disabled(scheme: &str, feature: &str) -> Failure {
     Failure::usage(format!(
         "{scheme}://: this dlock was built without the {feature} feature"

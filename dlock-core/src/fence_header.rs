@@ -4,7 +4,7 @@
 //! A holder that asks another service to write on its behalf sends its lock's
 //! name and token with the request; the service checks both before it writes,
 //! and passes the token on to its fenced writer (`SqlFence`, `RedisFence`, ...)
-//! or to an in-process [`FenceGate`]. The header carries the lock name because
+//! or to an in-process [`WriteGate`]. The header carries the lock name because
 //! tokens are per name: a token of another lock says nothing about this one,
 //! and a service must refuse it rather than compare it.
 //!
@@ -18,29 +18,46 @@
 //! `curl -H "Dlock-Fence: $DLOCK_TOKEN; lock=$DLOCK_NAME" ...`.
 //!
 //! ```
-//! use dlock_core::{FenceGate, FencingToken, LockName};
-//! use dlock_core::fence_header::{FenceHeader, FenceRefused};
+//! use dlock_core::{FencingToken, LockName};
+//! use dlock_core::fence_header::FenceHeader;
 //!
 //! // The holder's side (`LockGuard::fence_header` builds the same).
 //! let lock = LockName::new("billing/invoice-run")?;
 //! let sent = FenceHeader::new(lock.clone(), FencingToken::new(42)).to_string();
 //! assert_eq!(sent, "42; lock=billing/invoice-run");
 //!
-//! // The service's side: one gate per protected resource.
-//! let gate = FenceGate::new();
-//! let token = FenceHeader::check(Some(&sent), &lock, &gate)?;
+//! // A service that writes through a store's fenced writer: the token of
+//! // this lock, or why not.
+//! let token = FenceHeader::token_for(Some(&sent), &lock)?;
 //! assert_eq!(token, FencingToken::new(42));
-//! let older = "41; lock=billing/invoice-run";
-//! let refused = FenceHeader::check(Some(older), &lock, &gate).unwrap_err();
-//! assert!(matches!(refused, FenceRefused::Stale(_)));
-//! assert_eq!(refused.http_status(), 409);
+//! let foreign = FenceHeader::token_for(Some("43; lock=other"), &lock).unwrap_err();
+//! assert_eq!(foreign.http_status(), 409);
 //! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! A service that is the resource's only writer checks in memory, with the
+//! check and its write as one step ([`WriteGate`]):
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! use dlock_core::{LockName, WriteGate};
+//! use dlock_core::fence_header::{FenceHeader, FenceRefused};
+//!
+//! let lock = LockName::new("billing/invoice-run")?;
+//! let gate = WriteGate::new(); // one per resource, shared by every route
+//! let permit = FenceHeader::enter(Some("42; lock=billing/invoice-run"), &lock, &gate).await?;
+//! // ... write, holding the permit ...
+//! drop(permit);
+//! let older = FenceHeader::enter(Some("41; lock=billing/invoice-run"), &lock, &gate).await;
+//! assert!(matches!(older, Err(FenceRefused::Stale(_))));
+//! # Ok(()) }
 //! ```
 
 use std::fmt;
 use std::str::FromStr;
 
-use crate::{FenceGate, FencingToken, LockName, StaleToken};
+use crate::{FencingToken, GateRefused, LockName, StaleToken, WriteGate, WritePermit};
 
 /// The header's name, in the lower case HTTP/2 requires (HTTP/1 header
 /// names are case-insensitive: `Dlock-Fence` is the same header).
@@ -124,17 +141,23 @@ impl FenceHeader {
         Ok(header.token)
     }
 
-    /// [`token_for`](Self::token_for), then `gate`'s check: the token if
-    /// the request may write, else why not. For a service that is the only
-    /// writer of its resource (one process; the gate is its memory).
-    pub fn check(
+    /// [`token_for`](Self::token_for), then a turn at `gate`: the permit
+    /// to write (the check and the write are one step while it is held),
+    /// else why not. For a service that is the resource's only writer (one
+    /// process; the gate is its memory).
+    ///
+    /// # Cancel safety
+    /// Cancel safe.
+    pub async fn enter<'g>(
         value: Option<&str>,
         lock: &LockName,
-        gate: &FenceGate,
-    ) -> Result<FencingToken, FenceRefused> {
+        gate: &'g WriteGate,
+    ) -> Result<WritePermit<'g>, FenceRefused> {
         let token = Self::token_for(value, lock)?;
-        gate.check(token).map_err(FenceRefused::Stale)?;
-        Ok(token)
+        gate.enter(token).await.map_err(|refused| match refused {
+            GateRefused::Busy(wait) => FenceRefused::Busy(wait),
+            GateRefused::Stale(stale) => FenceRefused::Stale(stale),
+        })
     }
 }
 
@@ -181,17 +204,22 @@ pub enum FenceRefused {
     /// A newer token has been accepted: the sender is a former holder.
     #[error("{FENCE_HEADER}: {0}")]
     Stale(StaleToken),
+    /// Another writer held the [`WriteGate`] longer than it waits.
+    #[error("{FENCE_HEADER}: another writer held the gate for longer than {0:?}")]
+    Busy(std::time::Duration),
 }
 
 impl FenceRefused {
     /// The HTTP status that says it: 428 Precondition Required for a missing
     /// header, 400 Bad Request for a malformed one, 409 Conflict for a token
-    /// of another lock or a stale one (the sender must not retry with it).
+    /// of another lock or a stale one (the sender must not retry with it),
+    /// 503 Service Unavailable for a gate held too long by another writer.
     pub fn http_status(&self) -> u16 {
         match self {
             FenceRefused::Missing => 428,
             FenceRefused::Malformed { .. } => 400,
             FenceRefused::WrongLock { .. } | FenceRefused::Stale(_) => 409,
+            FenceRefused::Busy(_) => 503,
         }
     }
 }
@@ -257,15 +285,22 @@ mod tests {
         assert!(err.to_string().len() < 200, "{err}");
     }
 
-    #[test]
-    fn the_check_refuses_missing_foreign_and_stale_tokens() {
-        let (guarded, gate) = (lock("orders"), FenceGate::new());
-        let check = |v: Option<&str>| FenceHeader::check(v, &guarded, &gate);
-        assert_eq!(check(None), Err(FenceRefused::Missing));
-        assert_eq!(check(Some("5; lock=orders")), Ok(FencingToken::new(5)));
-        assert_eq!(check(Some("5; lock=orders")), Ok(FencingToken::new(5)));
+    #[tokio::test]
+    async fn the_check_refuses_missing_foreign_and_stale_tokens() {
+        let (guarded, gate) = (lock("orders"), WriteGate::new());
+        let token = |p: Result<WritePermit<'_>, FenceRefused>| p.map(|p| p.token());
+        let enter = |v: Option<&'static str>| FenceHeader::enter(v, &guarded, &gate);
+        assert_eq!(token(enter(None).await), Err(FenceRefused::Missing));
         assert_eq!(
-            check(Some("9; lock=invoices")),
+            token(enter(Some("5; lock=orders")).await),
+            Ok(FencingToken::new(5))
+        );
+        assert_eq!(
+            token(enter(Some("5; lock=orders")).await),
+            Ok(FencingToken::new(5))
+        );
+        assert_eq!(
+            token(enter(Some("9; lock=invoices")).await),
             Err(FenceRefused::WrongLock {
                 expected: lock("orders"),
                 got: lock("invoices")
@@ -273,8 +308,11 @@ mod tests {
         );
         // A foreign token is refused before the gate sees it: it did not
         // raise the gate, so the next token of this lock still passes.
-        assert_eq!(check(Some("6; lock=orders")), Ok(FencingToken::new(6)));
-        let stale = check(Some("5; lock=orders")).unwrap_err();
+        assert_eq!(
+            token(enter(Some("6; lock=orders")).await),
+            Ok(FencingToken::new(6))
+        );
+        let stale = token(enter(Some("5; lock=orders")).await).unwrap_err();
         assert_eq!(
             stale,
             FenceRefused::Stale(StaleToken {
@@ -285,12 +323,13 @@ mod tests {
         let statuses: Vec<u16> = [
             FenceRefused::Missing,
             FenceHeader::parse("x").unwrap_err(),
-            check(Some("1; lock=other")).unwrap_err(),
+            token(enter(Some("1; lock=other")).await).unwrap_err(),
             stale,
+            FenceRefused::Busy(std::time::Duration::from_secs(1)),
         ]
         .iter()
         .map(FenceRefused::http_status)
         .collect();
-        assert_eq!(statuses, [428, 400, 409, 409]);
+        assert_eq!(statuses, [428, 400, 409, 409, 503]);
     }
 }

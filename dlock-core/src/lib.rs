@@ -88,4 +88,6 @@ pub use name::{IntoLockName, LockName, MAX_NAME_LEN};
 pub use options::{MAX_TTL, SessionOptions};
 pub use session::Session;
 pub use state::SessionStats;
-pub use token::{FenceError, FenceGate, FencingToken, StaleToken};
+pub use token::{
+    FenceError, FenceGate, FencingToken, GateRefused, StaleToken, WriteGate, WritePermit,
+};

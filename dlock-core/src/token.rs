@@ -179,6 +179,115 @@ impl FenceGate {
     }
 }
 
+/// A [`FenceGate`] for writers that run concurrently: [`enter`](Self::enter)
+/// waits until the previous writer is done, checks the token, and hands back
+/// a [`WritePermit`] that keeps the next writer out until it is dropped. The
+/// check and the write it allows are therefore one step: a former holder
+/// that passed the check cannot write after a newer one.
+///
+/// One `WriteGate` per protected resource, shared (`Arc`) by every path that
+/// writes it. A writer that stalls while holding its permit (a paused
+/// client's upload) keeps the next one waiting: bound the wait with
+/// [`wait_at_most`](Self::wait_at_most), and read request bodies before
+/// entering.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() {
+/// use dlock_core::{FencingToken, WriteGate};
+/// let gate = WriteGate::new();
+/// let permit = gate.enter(FencingToken::new(7)).await.unwrap();
+/// // ... write the resource ...
+/// drop(permit);
+/// assert!(gate.enter(FencingToken::new(6)).await.is_err()); // a former holder
+/// # }
+/// ```
+#[derive(Debug)]
+pub struct WriteGate {
+    gate: FenceGate,
+    turn: tokio::sync::Mutex<()>,
+    wait: Option<std::time::Duration>,
+}
+
+/// Why [`WriteGate::enter`] refused a writer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum GateRefused {
+    /// A newer token was accepted: the writer is a former holder.
+    #[error(transparent)]
+    Stale(StaleToken),
+    /// Another writer held the gate longer than the gate waits.
+    #[error("another writer held the gate for longer than {0:?}")]
+    Busy(std::time::Duration),
+}
+
+/// A writer's turn at a [`WriteGate`]: no other writer enters until it is
+/// dropped.
+#[derive(Debug)]
+#[must_use = "the turn ends when the permit is dropped"]
+pub struct WritePermit<'a> {
+    _turn: tokio::sync::MutexGuard<'a, ()>,
+    token: FencingToken,
+}
+
+impl WritePermit<'_> {
+    /// The token that was accepted.
+    pub fn token(&self) -> FencingToken {
+        self.token
+    }
+}
+
+impl Default for WriteGate {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl WriteGate {
+    /// A gate that has seen no token yet and waits as long as it takes.
+    pub fn new() -> Self {
+        Self::starting_at(FencingToken::new(0))
+    }
+
+    /// A gate that starts from a persisted highest token.
+    pub fn starting_at(highest: FencingToken) -> Self {
+        Self {
+            gate: FenceGate::starting_at(highest),
+            turn: tokio::sync::Mutex::new(()),
+            wait: None,
+        }
+    }
+
+    /// Refuse a writer ([`GateRefused::Busy`]) that waited `wait` for the
+    /// previous one to finish.
+    pub fn wait_at_most(mut self, wait: std::time::Duration) -> Self {
+        self.wait = Some(wait);
+        self
+    }
+
+    /// Waits for the previous writer's turn to end (writers enter in
+    /// arrival order), then accepts `token` if it is at least the highest
+    /// seen; the permit ends the turn when dropped.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: a dropped wait leaves the gate as it was.
+    pub async fn enter(&self, token: FencingToken) -> Result<WritePermit<'_>, GateRefused> {
+        let turn = match self.wait {
+            None => self.turn.lock().await,
+            Some(wait) => tokio::time::timeout(wait, self.turn.lock())
+                .await
+                .map_err(|_| GateRefused::Busy(wait))?,
+        };
+        self.gate.check(token).map_err(GateRefused::Stale)?;
+        Ok(WritePermit { _turn: turn, token })
+    }
+
+    /// The highest token accepted so far (`None` before the first).
+    pub fn highest(&self) -> Option<FencingToken> {
+        self.gate.highest()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -215,5 +324,55 @@ mod tests {
         // count varies; what must hold is that the gate ends at the global maximum.
         assert!(accepted > 0 && accepted <= 40_000);
         assert_eq!(gate.highest(), Some(FencingToken::new(40_000)));
+    }
+
+    /// A former holder's writer that waits behind a newer one is refused
+    /// when its turn comes; writers enter one at a time.
+    #[tokio::test]
+    async fn write_gate_checks_inside_the_turn() {
+        let gate = Arc::new(WriteGate::new());
+        let newer = gate.enter(FencingToken::new(8)).await.unwrap();
+        let waiting = tokio::spawn({
+            let gate = gate.clone();
+            async move { gate.enter(FencingToken::new(7)).await.map(|p| p.token()) }
+        });
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        assert!(
+            !waiting.is_finished(),
+            "entered while another writer held the gate"
+        );
+        drop(newer);
+        let refused = waiting.await.unwrap().unwrap_err();
+        assert_eq!(
+            refused,
+            GateRefused::Stale(StaleToken {
+                token: FencingToken::new(7),
+                highest: FencingToken::new(8)
+            })
+        );
+        assert_eq!(
+            gate.enter(FencingToken::new(8))
+                .await
+                .unwrap()
+                .token()
+                .get(),
+            8
+        );
+        assert_eq!(gate.highest(), Some(FencingToken::new(8)));
+    }
+
+    #[tokio::test]
+    async fn write_gate_refuses_a_writer_that_waited_too_long() {
+        let wait = std::time::Duration::from_millis(30);
+        let gate = WriteGate::new().wait_at_most(wait);
+        let stalled = gate.enter(FencingToken::new(1)).await.unwrap();
+        assert_eq!(
+            gate.enter(FencingToken::new(2)).await.unwrap_err(),
+            GateRefused::Busy(wait)
+        );
+        drop(stalled);
+        // The refused writer's token was never checked: the gate is at 1.
+        assert_eq!(gate.highest(), Some(FencingToken::new(1)));
+        gate.enter(FencingToken::new(2)).await.unwrap();
     }
 }

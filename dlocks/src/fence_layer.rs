@@ -5,11 +5,15 @@
 //! Two modes:
 //!
 //! - [`FenceLayer::gate`]: the service is the only writer of the resource (one
-//!   process). The layer checks the token against a [`FenceGate`] and runs the
-//!   handler under one mutex, so that the check and the handler's write are
-//!   one step: a former holder's request that passed the gate cannot write
-//!   after a newer holder's request. Requests of this lock therefore run one
-//!   at a time (they come from one holder at a time anyway).
+//!   process). Each request takes a turn at a [`WriteGate`], which checks the
+//!   token and keeps other writers out until the handler's response is
+//!   ready, so that the check and the handler's write are one step: a former
+//!   holder's request that passed the check cannot write after a newer
+//!   holder's. Share one `WriteGate` (an `Arc`) between every route that
+//!   writes the resource. A handler that stalls holds the gate (a paused
+//!   client's upload, read by the handler): buffer request bodies before
+//!   this layer, and bound the wait with [`WriteGate::wait_at_most`] (a
+//!   request that waited longer gets 503).
 //! - [`FenceLayer::token`]: the resource lives in a shared store (several
 //!   replicas of the service write to it). The layer only refuses a missing,
 //!   malformed or foreign header and hands the [`FencingToken`] to the handler
@@ -19,17 +23,18 @@
 //!   nothing.
 //!
 //! A refused request gets the status [`FenceRefused::http_status`] says (428,
-//! 400 or 409) and the reason as its body; the handler never sees it.
+//! 400, 409 or 503) and the reason as its body; the handler never sees it.
 //!
 //! ```
-//! # async fn demo() {
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
 //! use std::sync::Arc;
 //! use dlocks::fence_layer::FenceLayer;
-//! use dlocks::{FenceGate, FencingToken, LockName};
+//! use dlocks::{FencingToken, LockName, WriteGate};
 //! use tower::{Layer, ServiceExt, service_fn};
 //!
 //! let lock = LockName::new("reports/nightly").unwrap();
-//! let gate = Arc::new(FenceGate::new());
+//! let gate = Arc::new(WriteGate::new());
 //! let service = FenceLayer::gate(lock, gate).layer(service_fn(
 //!     |req: http::Request<String>| async move {
 //!         let token = req.extensions().get::<FencingToken>().copied();
@@ -37,16 +42,14 @@
 //!         Ok::<_, std::convert::Infallible>(http::Response::new(format!("{token:?}")))
 //!     },
 //! ));
-//! let stale = http::Request::builder()
-//!     .header("dlock-fence", "3; lock=reports/nightly")
-//!     .body(String::new())
-//!     .unwrap();
-//! let fresh = http::Request::builder()
-//!     .header("dlock-fence", "4; lock=reports/nightly")
-//!     .body(String::new())
-//!     .unwrap();
-//! assert_eq!(service.clone().oneshot(fresh).await.unwrap().status(), 200);
-//! assert_eq!(service.oneshot(stale).await.unwrap().status(), 409);
+//! let request = |token: u64| {
+//!     http::Request::builder()
+//!         .header("dlock-fence", format!("{token}; lock=reports/nightly"))
+//!         .body(String::new())
+//!         .unwrap()
+//! };
+//! assert_eq!(service.clone().oneshot(request(4)).await.unwrap().status(), 200);
+//! assert_eq!(service.oneshot(request(3)).await.unwrap().status(), 409);
 //! # }
 //! ```
 
@@ -56,9 +59,8 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use dlock_core::fence_header::{FENCE_HEADER, FenceHeader, FenceRefused};
-use dlock_core::{FenceGate, FencingToken, LockName};
+use dlock_core::{FencingToken, LockName, WriteGate};
 use http::{Request, Response, StatusCode};
-use tokio::sync::Mutex;
 use tower_layer::Layer;
 use tower_service::Service;
 
@@ -72,18 +74,18 @@ pub struct FenceLayer {
 #[derive(Debug)]
 struct Fence {
     lock: LockName,
-    /// The gate and the mutex that makes its check and the handler one step.
-    gate: Option<(Arc<FenceGate>, Mutex<()>)>,
+    /// The gate whose turns make the check and the handler one step.
+    gate: Option<Arc<WriteGate>>,
 }
 
 impl FenceLayer {
-    /// For a service that is the resource's only writer: tokens checked
-    /// against `gate`, handlers run one at a time.
-    pub fn gate(lock: LockName, gate: Arc<FenceGate>) -> Self {
+    /// For a service that is the resource's only writer: a turn at `gate`
+    /// (shared by every route that writes the resource) for each request.
+    pub fn gate(lock: LockName, gate: Arc<WriteGate>) -> Self {
         Self {
             fence: Arc::new(Fence {
                 lock,
-                gate: Some((gate, Mutex::new(()))),
+                gate: Some(gate),
             }),
         }
     }
@@ -140,38 +142,38 @@ where
         let mut inner = std::mem::replace(&mut self.inner, clone);
         let fence = self.fence.clone();
         Box::pin(async move {
-            let header = match req.headers().get(FENCE_HEADER).map(|v| v.to_str()) {
-                None => None,
-                Some(Ok(value)) => Some(value),
-                Some(Err(_)) => return Ok(refused(&not_text(req.headers()))),
+            let mut values = req.headers().get_all(FENCE_HEADER).iter();
+            let header = match (values.next(), values.next()) {
+                (None, _) => None,
+                (Some(_), Some(_)) => return Ok(refused(&malformed("sent more than once"))),
+                (Some(value), None) => match value.to_str() {
+                    Ok(value) => Some(value.to_owned()),
+                    Err(_) => return Ok(refused(&malformed("not visible ASCII"))),
+                },
             };
+            let header = header.as_deref();
             let token = match FenceHeader::token_for(header, &fence.lock) {
                 Ok(token) => token,
                 Err(why) => return Ok(refused(&why)),
             };
             req.extensions_mut().insert::<FencingToken>(token);
-            let Some((gate, one_at_a_time)) = &fence.gate else {
+            let Some(gate) = &fence.gate else {
                 return inner.call(req).await;
             };
-            let _step = one_at_a_time.lock().await;
-            if let Err(stale) = gate.check(token) {
-                return Ok(refused(&FenceRefused::Stale(stale)));
-            }
+            let _turn = match FenceHeader::enter(header, &fence.lock, gate).await {
+                Ok(turn) => turn,
+                Err(why) => return Ok(refused(&why)),
+            };
             inner.call(req).await
         })
     }
 }
 
-/// A header value that is not visible ASCII.
-fn not_text(headers: &http::HeaderMap) -> FenceRefused {
-    let shown = headers
-        .get(FENCE_HEADER)
-        .map(|v| String::from_utf8_lossy(&v.as_bytes()[..v.len().min(64)]).into_owned())
-        .unwrap_or_default();
-    match FenceHeader::parse(&shown) {
-        Err(e) => e,
-        // (a value whose bytes are not text never parses; keep a reason anyway)
-        Ok(_) => FenceRefused::Missing,
+/// A header that cannot be read at all.
+fn malformed(why: &'static str) -> FenceRefused {
+    FenceRefused::Malformed {
+        value: String::new(),
+        why,
     }
 }
 
@@ -229,7 +231,7 @@ mod tests {
     #[tokio::test]
     async fn refused_requests_never_reach_the_handler() {
         let written = Arc::new(StdMutex::new(Vec::new()));
-        let gated = FenceLayer::gate(lock(), Arc::new(FenceGate::new()));
+        let gated = FenceLayer::gate(lock(), Arc::new(WriteGate::new()));
         let service = gated.layer(recording(written.clone()));
         for (header, status) in [
             (None, 428),
@@ -249,6 +251,17 @@ mod tests {
                     response.body()
                 );
             }
+        }
+        // Two headers, or a value that is not text past its first bytes: 400.
+        let twice = Request::builder()
+            .header(FENCE_HEADER, "7; lock=reports/nightly")
+            .header(FENCE_HEADER, "8; lock=reports/nightly")
+            .body(String::new())
+            .unwrap();
+        let late_byte = [b"7; lock=reports/nightly".repeat(3), vec![0xff]].concat();
+        for req in [twice, request(Some(&late_byte))] {
+            let response = service.clone().oneshot(req).await.unwrap();
+            assert_eq!(response.status(), 400, "{}", response.body());
         }
         assert_eq!(*written.lock().unwrap(), [7, 7]);
     }
@@ -278,7 +291,7 @@ mod tests {
     #[tokio::test]
     async fn a_slow_stale_write_cannot_land_after_a_newer_one() {
         let written = Arc::new(StdMutex::new(Vec::new()));
-        let gated = FenceLayer::gate(lock(), Arc::new(FenceGate::new()));
+        let gated = FenceLayer::gate(lock(), Arc::new(WriteGate::new()));
         let service = gated.layer(recording(written.clone()));
         let slow = |token: u64, pause: u64| {
             let header = format!("{token}; lock=reports/nightly");

@@ -63,8 +63,9 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use clap::Parser;
 use clap::error::ErrorKind;
+use clap::parser::ValueSource;
+use clap::{CommandFactory, FromArgMatches};
 use dlocks::{Backend, Error};
 use tracing_subscriber::EnvFilter;
 
@@ -98,8 +99,11 @@ const DEFAULT_LOG: &str = "warn,dlock_core::session=error,sqlx::query=error";
 
 fn main() -> ExitCode {
     let args: Vec<OsString> = std::env::args_os().collect();
-    let cli = match Cli::try_parse_from(&args) {
-        Ok(cli) => cli,
+    let parsed = Cli::command()
+        .try_get_matches_from(&args)
+        .and_then(|m| Ok((Cli::from_arg_matches(&m)?, url_given(&m))));
+    let (cli, url_given) = match parsed {
+        Ok(parsed) => parsed,
         Err(e) => match e.kind() {
             ErrorKind::DisplayHelp
             | ErrorKind::DisplayVersion
@@ -133,7 +137,7 @@ fn main() -> ExitCode {
             return ExitCode::from(exit::FAILURE);
         }
     };
-    let code = match runtime.block_on(dispatch(cli)) {
+    let code = match runtime.block_on(dispatch(cli, url_given)) {
         Ok(code) => code,
         Err(failure) => {
             eprintln!("dlock: {failure}");
@@ -144,10 +148,21 @@ fn main() -> ExitCode {
     ExitCode::from(code)
 }
 
+/// Whether `--url` was given on the command line (not from `DLOCK_URL` or
+/// the default), at the top or after the subcommand.
+fn url_given(matches: &clap::ArgMatches) -> bool {
+    let here = matches.value_source("url") == Some(ValueSource::CommandLine);
+    here || matches.subcommand().is_some_and(|(_, sub)| url_given(sub))
+}
+
 /// Runs the subcommand; returns the exit status.
-async fn dispatch(cli: Cli) -> Result<u8, Failure> {
+async fn dispatch(cli: Cli, url_given: bool) -> Result<u8, Failure> {
     let urls = &cli.url;
     match cli.command {
+        // The data's store, never the locks' by default (DLOCK_URL).
+        Command::Fence(_) if !url_given => Err(Failure::usage(
+            "dlock fence needs --url: the store that keeps the data (DLOCK_URL names the locks' store)",
+        )),
         Command::Run(args) => run::run(cli::single_url(urls)?, args).await,
         Command::Status(args) => admin::status(cli::single_url(urls)?, args).await,
         Command::List(args) => admin::list(cli::single_url(urls)?, args).await,

@@ -110,34 +110,66 @@ fn two_jobs_then_a_stale_write(data: &Data, tag: &str) -> (u64, u64) {
     (first, second)
 }
 
-/// SQL: the jobs insert their tokens into a table of the test's own.
+/// Runs `sql` on the database `url` names; the first column of its rows.
+#[allow(dead_code)]
+fn query(url: &str, sql: &str) -> Vec<i64> {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let mut conn = dlocks::sql::connect_data(url).await.unwrap();
+        dlocks::sql::sqlx::query_scalar(sql)
+            .fetch_all(&mut conn)
+            .await
+            .unwrap()
+    })
+}
+
+/// SQL: the jobs insert their tokens into a table of the test's own; a
+/// write that fails after the check is rolled back with it (the token is
+/// not recorded); a statement that would end the fence's transaction is
+/// refused before anything runs.
 #[allow(dead_code)]
 fn sql(url: String, dir: Option<TempDir>, tag: &str) {
     let table = format!("fence_cli_{:08x}", rand::random::<u32>());
+    // (DDL outside dlock fence: on MySQL it would commit the fence's
+    // transaction, and dlock fence refuses it)
+    query(&url, &format!("CREATE TABLE {table} (v BIGINT NOT NULL)"));
     let data = Data {
         url: url.clone(),
-        record: vec![
-            format!("CREATE TABLE IF NOT EXISTS {table} (v BIGINT NOT NULL)"),
-            format!("INSERT INTO {table} (v) VALUES ($DLOCK_TOKEN)"),
-        ],
+        record: vec![format!("INSERT INTO {table} (v) VALUES ($DLOCK_TOKEN)")],
         _dir: dir,
     };
     let (first, second) = two_jobs_then_a_stale_write(&data, tag);
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let rows: Vec<i64> = rt.block_on(async {
-        let mut conn = dlocks::sql::connect_data(url.as_str()).await.unwrap();
-        let rows = dlocks::sql::sqlx::query_scalar(&format!("SELECT v FROM {table} ORDER BY v"))
-            .fetch_all(&mut conn)
-            .await
-            .unwrap();
-        let drop = format!("DROP TABLE {table}");
-        dlocks::sql::sqlx::raw_sql(&drop)
-            .execute(&mut conn)
-            .await
-            .unwrap();
-        rows
-    });
+    let rows = query(&url, &format!("SELECT v FROM {table} ORDER BY v"));
     assert_eq!(rows, [first as i64, second as i64], "{tag}");
+
+    let resource = unique("rollback");
+    let fenced = |token: u64, statements: &[&str]| {
+        let token = token.to_string();
+        let mut args = vec![
+            "fence",
+            "--url",
+            &url,
+            "--resource",
+            &resource,
+            "--token",
+            &token,
+            "--",
+        ];
+        args.extend(statements);
+        dlock(&args)
+    };
+    let insert = format!("INSERT INTO {table} (v) VALUES (1000)");
+    let (code, _, err) = fenced(9, &[&insert, "INSERT INTO no_such_table_here VALUES (1)"]);
+    assert_eq!(code, Some(70), "{tag}: {err}");
+    // Neither the insert nor the fence's 9 stayed: 8 is still current.
+    let (code, _, err) = fenced(8, &["SELECT 1"]);
+    assert_eq!(code, Some(0), "{tag}: {err}");
+    let (code, _, err) = fenced(8, &[&insert, "COMMIT", &insert]);
+    assert_eq!(code, Some(2), "{tag}: {err}");
+    assert!(err.contains("would end the transaction"), "{tag}: {err}");
+    let rows = query(&url, &format!("SELECT v FROM {table} WHERE v = 1000"));
+    assert!(rows.is_empty(), "{tag}: {rows:?}");
+    query(&url, &format!("DROP TABLE {table}"));
 }
 
 #[test]
@@ -198,7 +230,22 @@ fn redis() {
     let (code, out, err) = fenced(&["LRANGE", &key, "0", "-1"]);
     assert_eq!(code, Some(0), "{err}");
     assert_eq!(out, format!("{first}\n{second}\n"));
-    fenced(&["DEL", &key, &format!("dlock:fence:{reader}")]);
+    // (cleanup without the fence: dlock fence refuses to touch a fence key)
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        use dlocks::redis::redis;
+        let client = redis::Client::open(url.as_str()).unwrap();
+        let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+        let fences = [format!("dlock:fence:{reader}")];
+        let _: () = redis::cmd("DEL")
+            .arg(&key)
+            .arg(&fences)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+    });
+    let (code, _, err) = fenced(&["SET", &format!("dlock:fence:{reader}"), "1"]);
+    assert_eq!(code, Some(2), "a write of the fence key itself: {err}");
 }
 
 /// etcd: each job puts its token under a key of its own; the stale write's
@@ -288,6 +335,24 @@ fn bad_input_is_a_usage_error() {
                 "x",
             ],
             "not to memory://",
+        ),
+        (
+            vec!["fence", "--resource", "r", "--token", "3", "--", "SELECT 1"],
+            "needs --url",
+        ),
+        (
+            vec![
+                "fence",
+                "--url",
+                &url,
+                "--resource",
+                "r",
+                "--token",
+                "x1",
+                "--",
+                "SELECT 1",
+            ],
+            "--token",
         ),
         (
             vec![

@@ -328,11 +328,9 @@ impl Servers for ServicesCommand {
         let said = tokio::task::spawn_blocking(move || {
             let mut said = String::new();
             for verb in ["status", "logs"] {
-                let out = Command::new(&command)
-                    .arg(verb)
-                    .args(&names)
-                    .output()
-                    .ok()?;
+                let mut args = vec![verb.to_owned()];
+                args.extend(names.iter().cloned());
+                let out = run_retrying_busy(&command, &args).ok()?;
                 said.push_str(&String::from_utf8_lossy(&out.stdout));
                 said.push_str(&String::from_utf8_lossy(&out.stderr));
             }

@@ -390,7 +390,13 @@ impl sealed::Sealed for sqlx::AnyConnection {
         let query = sqlx::query::<sqlx::Any>(&text).bind(resource).bind(token);
         if sql == FenceSql::MySql {
             let done = query.execute(&mut *self).await?;
-            return Ok(reported(done.last_insert_id().unwrap_or(0)));
+            // (a missing LAST_INSERT_ID must not read as "accepted")
+            let id = done.last_insert_id().ok_or_else(|| {
+                sqlx::Error::Protocol(
+                    "MySQL reported no LAST_INSERT_ID after the fence check".into(),
+                )
+            })?;
+            return Ok(reported(id));
         }
         let conn = self;
         upsert_check!(conn, query, table, resource)

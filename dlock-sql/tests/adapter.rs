@@ -717,6 +717,13 @@ async fn fence_on_any_connection(store: &str) {
         }
         other => panic!("{store}: an older token after a newer one: {other:?}"),
     }
+    // The refusal left the newer token in place (seen inside the same
+    // transaction, before any rollback could hide an overwrite).
+    assert_eq!(
+        fence.highest(&mut *tx, &resource).await.unwrap(),
+        Some(newer),
+        "{store}"
+    );
     tx.rollback().await.unwrap();
     assert_eq!(
         fence.highest(&mut conn, &resource).await.unwrap(),

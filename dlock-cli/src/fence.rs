@@ -103,146 +103,202 @@ fn disabled(scheme: &str, feature: &str) -> Failure {
 /// fence table (`--fence`, default `dlock_fences`, created if missing).
 ///
 /// The fence holds only while the transaction does: a statement that ends
-/// it (COMMIT, ROLLBACK, BEGIN; on MySQL any DDL, LOCK TABLES, a procedure)
-/// would let what follows land unfenced, so such statements are refused
-/// before anything runs, each argument runs as one prepared statement (no
-/// `;`-separated lists), and on PostgreSQL and MySQL the transaction is
-/// checked to be the one that took the fence before it commits.
+/// it would let what follows land unfenced. So, besides refusing such
+/// statements up front ([`sql_statement_allowed`]):
+/// - PostgreSQL: each argument is one prepared statement, and before each
+///   next one the transaction is checked to be the one that took the fence
+///   (a statement that ends it writes nothing itself; nothing runs after it);
+/// - MySQL/MariaDB: autocommit is off, so whatever follows an implicit
+///   commit runs in a new transaction, and the fence is checked again (same
+///   token) as the last statement of the one that commits: a newer token
+///   recorded meanwhile rolls the writes back;
+/// - SQLite: each argument must hold one statement (SQLite runs every
+///   statement of a string), found by a scanner that knows its quoting.
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 async fn sql(url: StoreUrl, w: &Write<'_>) -> Result<Option<String>, Failure> {
     use dlocks::sql::sqlx::{self, Connection};
     let scheme = url.scheme().to_owned();
-    let mysql = matches!(scheme.as_str(), "mysql" | "mariadb");
+    let dialect = Dialect::of(&scheme);
     for statement in w.words {
-        sql_statement_allowed(statement, mysql).map_err(Failure::usage)?;
+        sql_statement_allowed(statement, dialect).map_err(Failure::usage)?;
     }
     let db = |e: sqlx::Error| Failure::new(FAILURE, format!("{scheme}: {e}"));
     let fence = dlocks::sql::SqlFence::new(w.fence.unwrap_or("dlock_fences"))?;
     let mut conn = dlocks::sql::connect_data(&url).await?;
     // Created only when missing: a role that may write data but not create
     // tables still writes through an existing fence table.
-    if fence.highest(&mut conn, w.resource).await.is_err() {
-        fence.create_table(&mut conn).await.map_err(db)?;
+    match fence.highest(&mut conn, w.resource).await {
+        Ok(_) => {}
+        Err(e) if is_undefined_table(&e) => fence.create_table(&mut conn).await.map_err(db)?,
+        Err(e) => return Err(db(e)),
+    }
+    if dialect == Dialect::MySql {
+        sqlx::query("SET autocommit = 0")
+            .execute(&mut conn)
+            .await
+            .map_err(db)?;
     }
     let mut tx = conn.begin().await.map_err(db)?;
     fence
         .check(&mut *tx, w.resource, w.token)
         .await
         .map_err(refused)?;
-    let taken = transaction_id(&mut tx, &scheme).await.map_err(db)?;
+    let taken = postgres_xid(&mut tx, dialect).await.map_err(db)?;
     for statement in w.words {
+        if postgres_xid(&mut tx, dialect).await.map_err(db)? != taken {
+            return Err(Failure::new(
+                FAILURE,
+                format!(
+                    "{scheme}: a statement ended the transaction that held the fence; \
+                     nothing after it ran"
+                ),
+            ));
+        }
         sqlx::query(statement).execute(&mut *tx).await.map_err(db)?;
     }
-    if transaction_id(&mut tx, &scheme).await.map_err(db)? != taken {
-        return Err(Failure::new(
-            FAILURE,
-            format!(
-                "{scheme}: WRITE ended the transaction that held the fence: what it wrote \
-                 after that point was not fenced"
-            ),
-        ));
+    if dialect == Dialect::MySql {
+        fence
+            .check(&mut *tx, w.resource, w.token)
+            .await
+            .map_err(refused)?;
     }
     tx.commit().await.map_err(db)?;
     Ok(None)
 }
 
-/// The server's id of the open transaction (PostgreSQL, MySQL/MariaDB),
-/// `None` where there is none or the database cannot say (SQLite).
+/// Whether a failed read of the fence table says that it does not exist.
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
-async fn transaction_id(
-    conn: &mut dlocks::sql::sqlx::AnyConnection,
-    scheme: &str,
-) -> Result<Option<String>, dlocks::sql::sqlx::Error> {
-    let id = |query| async move {
-        dlocks::sql::sqlx::query_scalar::<_, Option<String>>(query)
-            .fetch_optional(conn)
-            .await
-            .map(Option::flatten)
-    };
-    match scheme {
-        "postgres" | "postgresql" => id("SELECT CAST(txid_current_if_assigned() AS TEXT)").await,
-        // (needs the PROCESS privilege on MySQL 8: without it the database
-        // cannot say, and a failed SELECT leaves a MySQL transaction open)
-        "mysql" | "mariadb" => Ok(id(
-            "SELECT CAST(trx_id AS CHAR) FROM information_schema.innodb_trx \
-             WHERE trx_mysql_thread_id = CONNECTION_ID()",
-        )
-        .await
-        .unwrap_or(None)),
-        _ => Ok(None),
+fn is_undefined_table(e: &dlocks::sql::sqlx::Error) -> bool {
+    match e {
+        dlocks::sql::sqlx::Error::Database(d) => {
+            matches!(d.code().as_deref(), Some("42P01" | "42S02" | "1146"))
+                || d.message().contains("no such table")
+        }
+        _ => false,
     }
 }
 
-/// Whether `statement` may run inside the fence's transaction: one
-/// statement that does not end it. (A first keyword is enough: each
-/// argument is prepared as exactly one statement.)
+/// PostgreSQL's id of the open transaction (`None` elsewhere).
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+async fn postgres_xid(
+    conn: &mut dlocks::sql::sqlx::AnyConnection,
+    dialect: Dialect,
+) -> Result<Option<String>, dlocks::sql::sqlx::Error> {
+    if dialect != Dialect::Postgres {
+        return Ok(None);
+    }
+    dlocks::sql::sqlx::query_scalar::<_, Option<String>>(
+        "SELECT CAST(txid_current_if_assigned() AS TEXT)",
+    )
+    .fetch_one(conn)
+    .await
+}
+
+/// The SQL dialect of a data URL's scheme.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[cfg_attr(
     not(any(feature = "sqlite", feature = "postgres", feature = "mysql")),
     allow(dead_code)
 )]
-fn sql_statement_allowed(statement: &str, mysql: bool) -> Result<(), String> {
-    let words: Vec<String> = strip_comments(statement)
-        .split(|c: char| c.is_whitespace() || c == '(' || c == ';')
-        .filter(|w| !w.is_empty())
-        .take(2)
-        .map(str::to_ascii_uppercase)
-        .collect();
-    if let Some(end) = statement_end(statement)
-        && !strip_comments(&statement[end + 1..]).is_empty()
-    {
+enum Dialect {
+    Postgres,
+    MySql,
+    Sqlite,
+}
+
+#[cfg_attr(
+    not(any(feature = "sqlite", feature = "postgres", feature = "mysql")),
+    allow(dead_code)
+)]
+impl Dialect {
+    fn of(scheme: &str) -> Self {
+        match scheme {
+            "mysql" | "mariadb" => Dialect::MySql,
+            "sqlite" => Dialect::Sqlite,
+            _ => Dialect::Postgres,
+        }
+    }
+}
+
+/// Whether `statement` may run inside the fence's transaction: one
+/// statement (no `;` followed by more), whose first keyword does not end
+/// the transaction.
+#[cfg_attr(
+    not(any(feature = "sqlite", feature = "postgres", feature = "mysql")),
+    allow(dead_code)
+)]
+fn sql_statement_allowed(statement: &str, dialect: Dialect) -> Result<(), String> {
+    let shown = || format!("{:?}", statement.trim());
+    if dialect == Dialect::MySql && statement.contains("/*!") {
         return Err(format!(
-            "{:?} holds several statements: give each its own argument",
-            statement.trim()
+            "{}: MySQL runs what /*! ... */ comments hold; not inside the fence",
+            shown()
         ));
     }
-    let first = words.first().map(String::as_str).unwrap_or("");
-    let second = words.get(1).map(String::as_str).unwrap_or("");
-    let ends_transaction = match first {
-        "" => return Err("an empty SQL statement".to_owned()),
+    if let Some(end) = statement_end(statement, dialect)
+        && !strip_comments(&statement[end + 1..], dialect).is_empty()
+    {
+        return Err(format!(
+            "{} holds several statements: give each its own argument",
+            shown()
+        ));
+    }
+    let text = strip_comments(statement, dialect);
+    let word = |text: &str| -> String {
+        text.chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+            .collect::<String>()
+            .to_ascii_uppercase()
+    };
+    let first = word(text);
+    let second = word(strip_comments(text[first.len()..].trim_start(), dialect));
+    let mysql = dialect == Dialect::MySql;
+    let ends_transaction = match first.as_str() {
+        "" => return Err(format!("{}: not an SQL statement", shown())),
         "BEGIN" | "START" | "COMMIT" | "END" | "ROLLBACK" | "ABORT" => true,
         "PREPARE" => second == "TRANSACTION",
+        // SQLite: a detached database, a VACUUM outside the transaction
+        "VACUUM" | "DETACH" | "ATTACH" => dialect == Dialect::Sqlite,
         // MySQL commits implicitly before DDL, account and admin statements,
         // and a procedure may commit.
         "CREATE" | "ALTER" | "DROP" | "TRUNCATE" | "RENAME" | "LOCK" | "UNLOCK" | "GRANT"
         | "REVOKE" | "ANALYZE" | "OPTIMIZE" | "REPAIR" | "FLUSH" | "RESET" | "INSTALL"
-        | "UNINSTALL" | "CACHE" | "LOAD" | "CALL" | "CHANGE" | "STOP" => mysql,
-        "SET" => mysql && statement.to_ascii_lowercase().contains("autocommit"),
+        | "UNINSTALL" | "CACHE" | "LOAD" | "CALL" | "CHANGE" | "STOP" | "CHECK" => mysql,
+        "SET" => {
+            mysql && (second == "PASSWORD" || statement.to_ascii_lowercase().contains("autocommit"))
+        }
         _ => false,
     };
     if ends_transaction {
         return Err(format!(
-            "{:?} would end the transaction that holds the fence (run it outside dlock fence)",
-            statement.trim()
+            "{} would end the transaction that holds the fence (run it outside dlock fence)",
+            shown()
         ));
     }
     Ok(())
 }
 
 /// The byte offset of the first `;` outside quotes and comments.
-fn statement_end(sql: &str) -> Option<usize> {
+fn statement_end(sql: &str, dialect: Dialect) -> Option<usize> {
     let bytes = sql.as_bytes();
+    let skip_to = |from: usize, close: u8| {
+        let mut i = from;
+        while i < bytes.len() && bytes[i] != close {
+            i += 1;
+        }
+        i
+    };
     let mut i = 0;
     while i < bytes.len() {
         match bytes[i] {
             b';' => return Some(i),
-            quote @ (b'\'' | b'"' | b'`') => {
-                // (a doubled quote inside is two quoted parts in a row)
-                i += 1;
-                while i < bytes.len() && bytes[i] != quote {
-                    i += 1;
-                }
-            }
-            b'-' if bytes.get(i + 1) == Some(&b'-') => {
-                while i < bytes.len() && bytes[i] != b'\n' {
-                    i += 1;
-                }
-            }
+            // (a doubled quote inside is two quoted parts in a row)
+            quote @ (b'\'' | b'"' | b'`') => i = skip_to(i + 1, quote),
+            b'[' if dialect == Dialect::Sqlite => i = skip_to(i + 1, b']'),
+            b'-' if bytes.get(i + 1) == Some(&b'-') => i = skip_to(i, b'\n'),
+            b'#' if dialect == Dialect::MySql => i = skip_to(i, b'\n'),
             b'/' if bytes.get(i + 1) == Some(&b'*') => {
-                i += 2;
-                while i + 1 < bytes.len() && !(bytes[i] == b'*' && bytes[i + 1] == b'/') {
-                    i += 1;
-                }
-                i += 1;
+                i = block_comment_end(sql, i, dialect).saturating_sub(1);
             }
             _ => {}
         }
@@ -251,14 +307,41 @@ fn statement_end(sql: &str) -> Option<usize> {
     None
 }
 
-/// `sql` without its leading `--` and `/* */` comments.
-fn strip_comments(sql: &str) -> &str {
+/// The byte offset just past the block comment starting at `from` (nested
+/// on PostgreSQL), or the end of `sql`.
+fn block_comment_end(sql: &str, from: usize, dialect: Dialect) -> usize {
+    let bytes = sql.as_bytes();
+    let (mut depth, mut i) = (0usize, from);
+    while i + 1 < bytes.len() {
+        if bytes[i] == b'/' && bytes[i + 1] == b'*' {
+            depth = if dialect == Dialect::Postgres || depth == 0 {
+                depth + 1
+            } else {
+                depth
+            };
+            i += 2;
+        } else if bytes[i] == b'*' && bytes[i + 1] == b'/' {
+            depth -= 1;
+            i += 2;
+            if depth == 0 {
+                return i;
+            }
+        } else {
+            i += 1;
+        }
+    }
+    bytes.len()
+}
+
+/// `sql` without its leading comments (`--`, `/* */`, nested on
+/// PostgreSQL; `#` on MySQL).
+fn strip_comments(sql: &str, dialect: Dialect) -> &str {
     let mut rest = sql.trim_start();
     loop {
-        if let Some(line) = rest.strip_prefix("--") {
-            rest = line.split_once('\n').map_or("", |(_, r)| r).trim_start();
-        } else if let Some(block) = rest.strip_prefix("/*") {
-            rest = block.split_once("*/").map_or("", |(_, r)| r).trim_start();
+        if rest.starts_with("--") || (dialect == Dialect::MySql && rest.starts_with('#')) {
+            rest = rest.split_once('\n').map_or("", |(_, r)| r).trim_start();
+        } else if rest.starts_with("/*") {
+            rest = rest[block_comment_end(rest, 0, dialect)..].trim_start();
         } else {
             return rest;
         }
@@ -283,6 +366,16 @@ async fn redis(url: StoreUrl, w: &Write<'_>) -> Result<Option<String>, Failure> 
     let backend = dlocks::redis::RedisBackend::connect(&url).await?;
     let mut conn = backend.data_connection().await?;
     let words: Vec<&str> = w.words.iter().map(String::as_str).collect();
+    let first = words
+        .first()
+        .map(|w| w.to_ascii_uppercase())
+        .unwrap_or_default();
+    if matches!(first.as_str(), "FLUSHDB" | "FLUSHALL" | "SWAPDB") {
+        return Err(Failure::usage(format!(
+            "{first} would erase the fence with the data (a former holder's token would \
+             pass again): run it outside dlock fence"
+        )));
+    }
     if words.contains(&key.as_str()) {
         return Err(Failure::usage(format!(
             "the command names the fence key {key:?}: a write must not touch its own fence"
@@ -372,51 +465,81 @@ async fn etcd(url: StoreUrl, _: &Write<'_>) -> Result<Option<String>, Failure> {
 
 #[cfg(test)]
 mod tests {
-    use super::sql_statement_allowed;
+    use super::{Dialect, sql_statement_allowed};
+
+    const ALL: [Dialect; 3] = [Dialect::Postgres, Dialect::MySql, Dialect::Sqlite];
 
     #[test]
     fn statements_that_would_end_the_fence_are_refused() {
-        for (statement, mysql) in [
-            ("COMMIT", false),
-            ("  commit work", false),
-            ("-- a comment\nROLLBACK", false),
-            ("/* x */ BEGIN", false),
-            ("START TRANSACTION", false),
-            ("END", false),
-            ("PREPARE TRANSACTION 'x'", false),
-            ("UPDATE t SET v = 1; COMMIT", false),
-            ("UPDATE t SET v = 1;COMMIT", true),
-            ("UPDATE t SET s = 'it''s';COMMIT", false),
-            ("UPDATE t SET s = '/*'; COMMIT", false),
-            ("CREATE TABLE t (v INT)", true),
-            ("drop table t", true),
-            ("LOCK TABLES t WRITE", true),
-            ("CALL p()", true),
-            ("SET autocommit = 1", true),
-            ("", false),
-            ("   ", false),
+        let everywhere = [
+            "COMMIT",
+            "  commit work",
+            "COMMIT/**/",
+            "COMMIT--x",
+            "rollback/* */",
+            "-- a comment\nROLLBACK",
+            "/* x */ BEGIN",
+            "START TRANSACTION",
+            "END",
+            "PREPARE TRANSACTION 'x'",
+            "UPDATE t SET v = 1; COMMIT",
+            "UPDATE t SET s = 'it''s';COMMIT",
+            "UPDATE t SET s = '/*'; COMMIT",
+            "",
+            "   ",
+            "-- only a comment",
+        ];
+        for dialect in ALL {
+            for statement in everywhere {
+                assert!(
+                    sql_statement_allowed(statement, dialect).is_err(),
+                    "{dialect:?}: {statement:?}"
+                );
+            }
+        }
+        for (statement, dialect) in [
+            ("CREATE TABLE t (v INT)", Dialect::MySql),
+            ("drop table t", Dialect::MySql),
+            ("CREATE/**/TABLE t (v INT)", Dialect::MySql),
+            ("LOCK TABLES t WRITE", Dialect::MySql),
+            ("CALL p()", Dialect::MySql),
+            ("SET autocommit = 1", Dialect::MySql),
+            ("SET/**/autocommit=1", Dialect::MySql),
+            ("SET PASSWORD = 'x'", Dialect::MySql),
+            ("#x\nCOMMIT", Dialect::MySql),
+            ("/*!CREATE TABLE t2 */ SELECT 1", Dialect::MySql),
+            ("/* /* */ SELECT 1 */ COMMIT", Dialect::Postgres),
+            (
+                "SELECT 1 AS [it's];COMMIT;INSERT INTO t VALUES(1) -- '",
+                Dialect::Sqlite,
+            ),
+            ("VACUUM", Dialect::Sqlite),
+            ("END TRANSACTION", Dialect::Sqlite),
         ] {
             assert!(
-                sql_statement_allowed(statement, mysql).is_err(),
-                "{statement:?}"
+                sql_statement_allowed(statement, dialect).is_err(),
+                "{dialect:?}: {statement:?}"
             );
         }
-        for (statement, mysql) in [
-            ("UPDATE t SET v = 1 WHERE id = 2", true),
-            ("INSERT INTO t VALUES (1);", true),
-            ("CREATE TABLE t (v INT)", false),
-            ("SET LOCAL lock_timeout = '1s'", false),
-            ("SAVEPOINT a", true),
-            ("DELETE FROM t -- trailing comment", true),
-            ("SELECT ';'", false),
+        for (statement, dialect) in [
+            ("UPDATE t SET v = 1 WHERE id = 2", Dialect::MySql),
+            ("INSERT INTO t VALUES (1);", Dialect::MySql),
+            ("CREATE TABLE t (v INT)", Dialect::Postgres),
+            ("SET LOCAL lock_timeout = '1s'", Dialect::Postgres),
+            ("SAVEPOINT a", Dialect::MySql),
+            ("DELETE FROM t -- trailing comment", Dialect::MySql),
+            ("SELECT ';'", Dialect::Postgres),
             (
                 "UPDATE t SET s = 'a;b' /* ; */ WHERE n = \"x;y\" -- ;",
-                true,
+                Dialect::Sqlite,
             ),
+            ("SELECT 1 AS [a;b]", Dialect::Sqlite),
+            ("/* /* */ */ SELECT 1", Dialect::Postgres),
+            ("UPDATE t SET v = 1 # note; COMMIT", Dialect::MySql),
         ] {
             assert!(
-                sql_statement_allowed(statement, mysql).is_ok(),
-                "{statement:?}"
+                sql_statement_allowed(statement, dialect).is_ok(),
+                "{dialect:?}: {statement:?}"
             );
         }
     }

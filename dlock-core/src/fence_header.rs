@@ -148,11 +148,11 @@ impl FenceHeader {
     ///
     /// # Cancel safety
     /// Cancel safe.
-    pub async fn enter<'g>(
+    pub async fn enter(
         value: Option<&str>,
         lock: &LockName,
-        gate: &'g WriteGate,
-    ) -> Result<WritePermit<'g>, FenceRefused> {
+        gate: &WriteGate,
+    ) -> Result<WritePermit, FenceRefused> {
         let token = Self::token_for(value, lock)?;
         gate.enter(token).await.map_err(|refused| match refused {
             GateRefused::Busy(wait) => FenceRefused::Busy(wait),
@@ -288,7 +288,7 @@ mod tests {
     #[tokio::test]
     async fn the_check_refuses_missing_foreign_and_stale_tokens() {
         let (guarded, gate) = (lock("orders"), WriteGate::new());
-        let token = |p: Result<WritePermit<'_>, FenceRefused>| p.map(|p| p.token());
+        let token = |p: Result<WritePermit, FenceRefused>| p.map(|p| p.token());
         let enter = |v: Option<&'static str>| FenceHeader::enter(v, &guarded, &gate);
         assert_eq!(token(enter(None).await), Err(FenceRefused::Missing));
         assert_eq!(

@@ -189,7 +189,9 @@ impl FenceGate {
 /// writes it. A writer that stalls while holding its permit (a paused
 /// client's upload) keeps the next one waiting: bound the wait with
 /// [`wait_at_most`](Self::wait_at_most), and read request bodies before
-/// entering.
+/// entering. A writer that enters twice (one gate layered twice around a
+/// handler, a handler that calls another route on the same gate) waits for
+/// itself: never nest turns.
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")]
@@ -205,7 +207,7 @@ impl FenceGate {
 #[derive(Debug)]
 pub struct WriteGate {
     gate: FenceGate,
-    turn: tokio::sync::Mutex<()>,
+    turn: std::sync::Arc<tokio::sync::Mutex<()>>,
     wait: Option<std::time::Duration>,
 }
 
@@ -222,15 +224,16 @@ pub enum GateRefused {
 }
 
 /// A writer's turn at a [`WriteGate`]: no other writer enters until it is
-/// dropped.
+/// dropped. It owns its turn, so it can move into a task that finishes the
+/// write after its caller has gone (a cancelled request's handler).
 #[derive(Debug)]
 #[must_use = "the turn ends when the permit is dropped"]
-pub struct WritePermit<'a> {
-    _turn: tokio::sync::MutexGuard<'a, ()>,
+pub struct WritePermit {
+    _turn: tokio::sync::OwnedMutexGuard<()>,
     token: FencingToken,
 }
 
-impl WritePermit<'_> {
+impl WritePermit {
     /// The token that was accepted.
     pub fn token(&self) -> FencingToken {
         self.token
@@ -253,7 +256,7 @@ impl WriteGate {
     pub fn starting_at(highest: FencingToken) -> Self {
         Self {
             gate: FenceGate::starting_at(highest),
-            turn: tokio::sync::Mutex::new(()),
+            turn: std::sync::Arc::new(tokio::sync::Mutex::new(())),
             wait: None,
         }
     }
@@ -271,10 +274,11 @@ impl WriteGate {
     ///
     /// # Cancel safety
     /// Cancel safe: a dropped wait leaves the gate as it was.
-    pub async fn enter(&self, token: FencingToken) -> Result<WritePermit<'_>, GateRefused> {
+    pub async fn enter(&self, token: FencingToken) -> Result<WritePermit, GateRefused> {
+        let turn = self.turn.clone().lock_owned();
         let turn = match self.wait {
-            None => self.turn.lock().await,
-            Some(wait) => tokio::time::timeout(wait, self.turn.lock())
+            None => turn.await,
+            Some(wait) => tokio::time::timeout(wait, turn)
                 .await
                 .map_err(|_| GateRefused::Busy(wait))?,
         };
@@ -373,6 +377,6 @@ mod tests {
         drop(stalled);
         // The refused writer's token was never checked: the gate is at 1.
         assert_eq!(gate.highest(), Some(FencingToken::new(1)));
-        gate.enter(FencingToken::new(2)).await.unwrap();
+        let _permit = gate.enter(FencingToken::new(2)).await.unwrap();
     }
 }

@@ -124,7 +124,7 @@ impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for FenceService<S>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone + Send + 'static,
     S::Future: Send,
-    S::Error: Send,
+    S::Error: Send + 'static,
     ReqBody: Send + 'static,
     ResBody: From<String> + Send + 'static,
 {
@@ -160,11 +160,25 @@ where
             let Some(gate) = &fence.gate else {
                 return inner.call(req).await;
             };
-            let _turn = match FenceHeader::enter(header, &fence.lock, gate).await {
+            let turn = match FenceHeader::enter(header, &fence.lock, gate).await {
                 Ok(turn) => turn,
                 Err(why) => return Ok(refused(&why)),
             };
-            inner.call(req).await
+            // The handler runs in a task that keeps the turn until it is
+            // done: a request dropped mid-way (its client went away) must
+            // not end the turn while the handler's write may still land.
+            let handler = tokio::spawn(async move {
+                let _turn = turn;
+                inner.call(req).await
+            });
+            match handler.await {
+                Ok(answer) => answer,
+                Err(e) => match e.try_into_panic() {
+                    Ok(panic) => std::panic::resume_unwind(panic),
+                    // (the runtime is shutting down)
+                    Err(_) => Ok(answer(StatusCode::SERVICE_UNAVAILABLE, "shutting down")),
+                },
+            }
         })
     }
 }
@@ -178,9 +192,14 @@ fn malformed(why: &'static str) -> FenceRefused {
 }
 
 fn refused<B: From<String>>(why: &FenceRefused) -> Response<B> {
-    let mut response = Response::new(B::from(format!("{why}\n")));
-    *response.status_mut() =
-        StatusCode::from_u16(why.http_status()).unwrap_or(StatusCode::CONFLICT);
+    let status = StatusCode::from_u16(why.http_status()).unwrap_or(StatusCode::CONFLICT);
+    answer(status, &why.to_string())
+}
+
+/// A response of `status` with `text` as its body.
+fn answer<B: From<String>>(status: StatusCode, text: &str) -> Response<B> {
+    let mut response = Response::new(B::from(format!("{text}\n")));
+    *response.status_mut() = status;
     response
 }
 
@@ -306,6 +325,28 @@ mod tests {
         let new = slow(2, 0).await.unwrap();
         assert_eq!(new.status(), 200);
         assert_eq!(old.await.unwrap().unwrap().status(), 200);
+        assert_eq!(*written.lock().unwrap(), [1, 2]);
+    }
+
+    /// A request dropped while its handler writes (the client went away)
+    /// keeps its turn until the handler is done: the next holder's request
+    /// writes after it, not in between.
+    #[tokio::test]
+    async fn a_dropped_request_keeps_its_turn_until_its_handler_is_done() {
+        let written = Arc::new(StdMutex::new(Vec::new()));
+        let gated = FenceLayer::gate(lock(), Arc::new(WriteGate::new()));
+        let service = gated.layer(recording(written.clone()));
+        let req = |token: u64, pause: u64| {
+            Request::builder()
+                .header(FENCE_HEADER, format!("{token}; lock=reports/nightly"))
+                .body(pause.to_string())
+                .unwrap()
+        };
+        let dropped = tokio::spawn(service.clone().oneshot(req(1, 200)));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        dropped.abort();
+        let newer = service.clone().oneshot(req(2, 0)).await.unwrap();
+        assert_eq!(newer.status(), 200);
         assert_eq!(*written.lock().unwrap(), [1, 2]);
     }
 }

@@ -119,11 +119,22 @@ async fn sql(url: StoreUrl, w: &Write<'_>) -> Result<Option<String>, Failure> {
     use dlocks::sql::sqlx::{self, Connection};
     let scheme = url.scheme().to_owned();
     let dialect = Dialect::of(&scheme);
+    let fence = dlocks::sql::SqlFence::new(w.fence.unwrap_or("dlock_fences"))?;
     for statement in w.words {
         sql_statement_allowed(statement, dialect).map_err(Failure::usage)?;
+        // (a write that resets the fence would let a former holder in again)
+        if statement
+            .to_ascii_lowercase()
+            .contains(&fence.table().to_ascii_lowercase())
+        {
+            return Err(Failure::usage(format!(
+                "{:?} names the fence table {}: a write must not touch its own fence",
+                statement.trim(),
+                fence.table()
+            )));
+        }
     }
     let db = |e: sqlx::Error| Failure::new(FAILURE, format!("{scheme}: {e}"));
-    let fence = dlocks::sql::SqlFence::new(w.fence.unwrap_or("dlock_fences"))?;
     let mut conn = dlocks::sql::connect_data(&url).await?;
     // Created only when missing: a role that may write data but not create
     // tables still writes through an existing fence table.
@@ -143,9 +154,9 @@ async fn sql(url: StoreUrl, w: &Write<'_>) -> Result<Option<String>, Failure> {
         .check(&mut *tx, w.resource, w.token)
         .await
         .map_err(refused)?;
-    let taken = postgres_xid(&mut tx, dialect).await.map_err(db)?;
+    let taken = transaction_state(&mut tx, dialect).await.map_err(db)?;
     for statement in w.words {
-        if postgres_xid(&mut tx, dialect).await.map_err(db)? != taken {
+        if transaction_state(&mut tx, dialect).await.map_err(db)? != taken {
             return Err(Failure::new(
                 FAILURE,
                 format!(
@@ -157,6 +168,12 @@ async fn sql(url: StoreUrl, w: &Write<'_>) -> Result<Option<String>, Failure> {
         sqlx::query(statement).execute(&mut *tx).await.map_err(db)?;
     }
     if dialect == Dialect::MySql {
+        if transaction_state(&mut tx, dialect).await.map_err(db)? != taken {
+            return Err(Failure::new(
+                FAILURE,
+                format!("{scheme}: a statement turned autocommit on; the writes are rolled back"),
+            ));
+        }
         fence
             .check(&mut *tx, w.resource, w.token)
             .await
@@ -178,20 +195,23 @@ fn is_undefined_table(e: &dlocks::sql::sqlx::Error) -> bool {
     }
 }
 
-/// PostgreSQL's id of the open transaction (`None` elsewhere).
+/// What says that the fence's transaction still runs: PostgreSQL's id of
+/// the open transaction; MySQL's `@@autocommit` (off while the fence's
+/// transaction and any that follows an implicit commit run); `None` on
+/// SQLite.
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
-async fn postgres_xid(
+async fn transaction_state(
     conn: &mut dlocks::sql::sqlx::AnyConnection,
     dialect: Dialect,
 ) -> Result<Option<String>, dlocks::sql::sqlx::Error> {
-    if dialect != Dialect::Postgres {
-        return Ok(None);
-    }
-    dlocks::sql::sqlx::query_scalar::<_, Option<String>>(
-        "SELECT CAST(txid_current_if_assigned() AS TEXT)",
-    )
-    .fetch_one(conn)
-    .await
+    let query = match dialect {
+        Dialect::Postgres => "SELECT CAST(txid_current_if_assigned() AS TEXT)",
+        Dialect::MySql => "SELECT CAST(@@autocommit AS CHAR)",
+        Dialect::Sqlite => return Ok(None),
+    };
+    dlocks::sql::sqlx::query_scalar::<_, Option<String>>(query)
+        .fetch_one(conn)
+        .await
 }
 
 /// The SQL dialect of a data URL's scheme.
@@ -229,13 +249,22 @@ impl Dialect {
 )]
 fn sql_statement_allowed(statement: &str, dialect: Dialect) -> Result<(), String> {
     let shown = || format!("{:?}", statement.trim());
-    if dialect == Dialect::MySql && statement.contains("/*!") {
+    if dialect == Dialect::MySql && (statement.contains("/*!") || statement.contains("/*M!")) {
         return Err(format!(
-            "{}: MySQL runs what /*! ... */ comments hold; not inside the fence",
+            "{}: MySQL and MariaDB run what /*! ... */ comments hold; not inside the fence",
             shown()
         ));
     }
-    if let Some(end) = statement_end(statement, dialect)
+    if dialect == Dialect::MySql && statement.to_ascii_lowercase().contains("autocommit") {
+        return Err(format!(
+            "{} would change autocommit, which keeps the fence's transaction",
+            shown()
+        ));
+    }
+    // (PostgreSQL and MySQL prepare each argument as one statement and
+    // refuse more; SQLite runs every statement of a string)
+    if dialect == Dialect::Sqlite
+        && let Some(end) = statement_end(statement, dialect)
         && !strip_comments(&statement[end + 1..], dialect).is_empty()
     {
         return Err(format!(
@@ -482,9 +511,6 @@ mod tests {
             "START TRANSACTION",
             "END",
             "PREPARE TRANSACTION 'x'",
-            "UPDATE t SET v = 1; COMMIT",
-            "UPDATE t SET s = 'it''s';COMMIT",
-            "UPDATE t SET s = '/*'; COMMIT",
             "",
             "   ",
             "-- only a comment",
@@ -536,6 +562,7 @@ mod tests {
             ("SELECT 1 AS [a;b]", Dialect::Sqlite),
             ("/* /* */ */ SELECT 1", Dialect::Postgres),
             ("UPDATE t SET v = 1 # note; COMMIT", Dialect::MySql),
+            ("DO $$ BEGIN PERFORM 1; END $$", Dialect::Postgres),
         ] {
             assert!(
                 sql_statement_allowed(statement, dialect).is_ok(),

@@ -204,8 +204,9 @@ pub enum FenceRefused {
     /// A newer token has been accepted: the sender is a former holder.
     #[error("{FENCE_HEADER}: {0}")]
     Stale(StaleToken),
-    /// Another writer held the [`WriteGate`] longer than it waits.
-    #[error("{FENCE_HEADER}: another writer held the gate for longer than {0:?}")]
+    /// The request waited its turn at the [`WriteGate`] longer than the
+    /// gate waits.
+    #[error("{FENCE_HEADER}: waited {0:?} for the writers before it to finish")]
     Busy(std::time::Duration),
 }
 

@@ -218,8 +218,9 @@ pub enum GateRefused {
     /// A newer token was accepted: the writer is a former holder.
     #[error(transparent)]
     Stale(StaleToken),
-    /// Another writer held the gate longer than the gate waits.
-    #[error("another writer held the gate for longer than {0:?}")]
+    /// The writer waited its turn longer than the gate waits (the writers
+    /// before it took that long together).
+    #[error("waited {0:?} for the writers before it to finish")]
     Busy(std::time::Duration),
 }
 

@@ -22,6 +22,9 @@
 //!   the write. A replica's memory would be a gate of its own, and prove
 //!   nothing.
 //!
+//! The layer runs on a Tokio runtime (gate mode spawns each handler in a
+//! task; `wait_at_most` needs its timers).
+//!
 //! A refused request gets the status [`FenceRefused::http_status`] says (428,
 //! 400, 409 or 503) and the reason as its body; the handler never sees it.
 //!

@@ -92,6 +92,21 @@ impl Session {
         Ok(Lock::new(self.keep_open.clone(), name.into_lock_name()?))
     }
 
+    /// Handles on several locks, taken all-or-nothing in name order (see
+    /// [`MultiLock`](crate::MultiLock)); [`Error::InvalidName`] for a bad
+    /// name, [`Error::Config`] for none.
+    pub fn lock_all<I, N>(&self, names: I) -> Result<crate::MultiLock, Error>
+    where
+        I: IntoIterator<Item = N>,
+        N: IntoLockName,
+    {
+        let locks = names
+            .into_iter()
+            .map(|n| self.lock(n))
+            .collect::<Result<Vec<_>, _>>()?;
+        crate::MultiLock::new(locks)
+    }
+
     /// The session id (`host:pid:start:random`).
     pub fn id(&self) -> &SessionId {
         self.state().id()

@@ -11,6 +11,7 @@
 mod cancel;
 mod expiry;
 mod hygiene;
+mod multi;
 mod mutex;
 mod ownership;
 mod server;
@@ -20,6 +21,7 @@ mod wire;
 pub use cancel::*;
 pub use expiry::*;
 pub use hygiene::*;
+pub use multi::*;
 pub use mutex::*;
 pub use ownership::*;
 pub use server::*;
@@ -41,6 +43,8 @@ macro_rules! __with_cases {
             try_acquire: shared, "S1, L5", "–";
             timeouts: shared, "L5, L4", "–";
             reentrancy: shared, "S1 (handles exclude each other)", "–";
+            multi_lock_all_or_nothing: shared, "S1, L5 (lock_all takes none or all)", "–";
+            multi_lock_no_deadlock: shared, "S1, S2, L1 (overlapping lock_all in any order)", "–";
             first_take_race: shared, "S1, S2 (racing creation of a lock's record)", "–";
             release_by_non_owner: shared, "S3", "–";
             stale_release_after_expiry: shared, "S3, S4", "in-process stall";

@@ -1,0 +1,144 @@
+//! Several names taken all-or-nothing (`Session::lock_all`, issue 17 item
+//! 4): written once in the core on top of each store's locks, proved here on
+//! every store.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use dlock_core::Error;
+use rand::seq::SliceRandom;
+use tokio::task::JoinSet;
+
+use super::{ensure, passed};
+use crate::checker::{FencedRegister, History, Op, Phase};
+use crate::{Ctx, Failure, Harness, Outcome};
+
+/// S1, L5: a multi-lock that finds one name busy takes none of them (what
+/// it took first is free again when it returns, for a try and for a timed
+/// wait), then takes all of them once they are free, each with its own
+/// token, and frees all of them on release.
+pub async fn multi_lock_all_or_nothing(h: &dyn Harness) -> Outcome {
+    let ctx = Ctx::new(h, "multi_lock_all_or_nothing");
+    let (x, y) = (ctx.name("x"), ctx.name("y"));
+    let (a, b, c) = (
+        ctx.client().await?,
+        ctx.client().await?,
+        ctx.client().await?,
+    );
+    let held = a.lock(&y)?.acquire().await?;
+    // (given in reverse: taken in name order, x first)
+    let both = b.lock_all([&y, &x])?;
+    let free_again = |what: &'static str| {
+        let (lock, x) = (c.lock(&x), x.clone());
+        async move {
+            let got = lock?.try_acquire().await?;
+            let guard = got.ok_or_else(|| Failure(format!("{what} left {x} held")))?;
+            guard.release().await?;
+            Ok::<_, Failure>(())
+        }
+    };
+    ensure!(
+        both.try_acquire().await?.is_none(),
+        "lock_all took both names while one was held"
+    );
+    free_again("a failed try").await?;
+    let wait = ctx.caps.ttl / 4;
+    match both.acquire_timeout(wait).await {
+        Err(Error::Timeout { .. }) => {}
+        Ok(_) => {
+            return Err(Failure(
+                "lock_all took both names while one was held".into(),
+            ));
+        }
+        Err(e) => return Err(e.into()),
+    }
+    free_again("a timed-out wait").await?;
+    held.release().await?;
+    let guard = both.acquire_timeout(ctx.caps.ttl * 4).await?;
+    ensure!(guard.is_held(), "a fresh multi-guard is not held");
+    let (tx, ty) = (guard.token(x.as_str()), guard.token(y.as_str()));
+    ensure!(tx.is_some() && ty.is_some(), "tokens {tx:?} {ty:?}");
+    for name in [&x, &y] {
+        ensure!(
+            c.lock(name)?.try_acquire().await?.is_none(),
+            "{name} is free while the multi-guard holds it"
+        );
+    }
+    guard.release().await?;
+    for name in [&x, &y] {
+        let got = c.lock(name)?.try_acquire().await?;
+        let got = got.ok_or_else(|| Failure(format!("{name} still held after release")))?;
+        got.release().await?;
+    }
+    passed()
+}
+
+/// S1, S2, L1: clients take random pairs of three names in random order
+/// through `lock_all`, overlapping one another: every one finishes (no
+/// deadlock), and per name no two holds overlap and tokens follow grant
+/// order (fenced register and history check per name).
+pub async fn multi_lock_no_deadlock(h: &dyn Harness) -> Outcome {
+    const CLIENTS: usize = 4;
+    const ROUNDS: usize = 8;
+    let ctx = Ctx::new(h, "multi_lock_no_deadlock");
+    let names = [ctx.name("a"), ctx.name("b"), ctx.name("c")];
+    let per_name: Arc<Vec<(FencedRegister, History)>> = Arc::new(
+        names
+            .iter()
+            .map(|_| (FencedRegister::new(), History::new()))
+            .collect(),
+    );
+    let wait = (ctx.caps.ttl * 20).max(Duration::from_secs(60));
+    let mut tasks = JoinSet::new();
+    for client in 0..CLIENTS {
+        let session = ctx.client().await?;
+        let (names, per_name) = (names.clone(), per_name.clone());
+        tasks.spawn(async move {
+            for _ in 0..ROUNDS {
+                let mut pick: Vec<usize> = (0..names.len()).collect();
+                pick.shuffle(&mut rand::rng());
+                pick.truncate(2);
+                let guard = session
+                    .lock_all(pick.iter().map(|&i| names[i].clone()))?
+                    .acquire_timeout(wait)
+                    .await
+                    .map_err(|e| Failure(format!("lock_all waited {wait:?} (deadlock?): {e}")))?;
+                for &i in &pick {
+                    let token = guard.token(names[i].as_str()).expect("a picked name");
+                    let (register, history) = &per_name[i];
+                    history.record(client, Op::Acquire, Phase::Invoke, None);
+                    history.record(client, Op::Acquire, Phase::Ok, Some(token));
+                    register.write(client, token);
+                }
+                tokio::time::sleep(Duration::from_millis(2)).await;
+                for &i in &pick {
+                    let token = guard.token(names[i].as_str()).expect("a picked name");
+                    per_name[i].0.write(client, token);
+                    per_name[i]
+                        .1
+                        .record(client, Op::Release, Phase::Invoke, None);
+                }
+                guard.release().await?;
+                for &i in &pick {
+                    per_name[i].1.record(client, Op::Release, Phase::Ok, None);
+                }
+            }
+            session.close().await?;
+            Ok::<_, Failure>(())
+        });
+    }
+    while let Some(done) = tasks.join_next().await {
+        done.map_err(|e| Failure(format!("client task failed: {e}")))??;
+    }
+    let mut holds = 0;
+    for (register, history) in per_name.iter() {
+        register.check()?;
+        holds += history.check()?.holds;
+    }
+    ensure!(
+        holds == CLIENTS * ROUNDS * 2,
+        "expected {} holds, the histories have {holds}",
+        CLIENTS * ROUNDS * 2
+    );
+    passed()
+}

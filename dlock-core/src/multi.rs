@@ -1,0 +1,304 @@
+//! [`MultiLock`]: several names taken all-or-nothing, written once on top of
+//! [`Lock`] for every store.
+//!
+//! The names are taken one at a time in one global order (their bytes,
+//! sorted), so that two multi-locks over overlapping names never wait for
+//! each other in a cycle; whoever waits holds only names that sort before
+//! the one it waits for. A failed or timed-out attempt releases what it had
+//! taken before it returns; a dropped one releases it in the background.
+
+use std::future::Future;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::error::Error;
+use crate::guard::LockGuard;
+use crate::lock::Lock;
+use crate::lost::LostReason;
+use crate::name::LockName;
+use crate::token::FencingToken;
+
+/// Several locks of one session, taken all-or-nothing:
+/// `session.lock_all(["accounts/1", "accounts/2"])?`.
+///
+/// Deadlock-free among multi-locks: names are taken in sorted order. A
+/// caller that also holds single locks must take them in the same order
+/// (or not wait for a multi-lock while holding one). Duplicate names count
+/// once.
+///
+/// ```
+/// # async fn demo(session: dlock_core::Session) -> Result<(), dlock_core::Error> {
+/// use std::time::Duration;
+/// let transfer = session.lock_all(["accounts/2", "accounts/1"])?.why("transfer");
+/// let both = transfer.acquire_timeout(Duration::from_secs(10)).await?;
+/// let (from, to) = (both.token("accounts/1"), both.token("accounts/2"));
+/// // ... write both accounts, each with its own token ...
+/// both.release().await?;
+/// # let _ = (from, to);
+/// # Ok(()) }
+/// ```
+pub struct MultiLock {
+    /// One handle per name, sorted by name.
+    locks: Vec<Lock>,
+}
+
+/// How long an attempt may wait for each name.
+#[derive(Clone, Copy)]
+enum Wait {
+    No,
+    Forever,
+    Until(Instant, Duration),
+}
+
+impl MultiLock {
+    /// Handles on `locks`, sorted and without duplicates; [`Error::Config`]
+    /// for none.
+    pub(crate) fn new(mut locks: Vec<Lock>) -> Result<Self, Error> {
+        locks.sort_by(|a, b| a.name().as_str().cmp(b.name().as_str()));
+        locks.dedup_by(|a, b| a.name() == b.name());
+        if locks.is_empty() {
+            return Err(Error::Config("lock_all: no lock names given".into()));
+        }
+        Ok(Self { locks })
+    }
+
+    /// Sets the reason recorded with each of the locks (see
+    /// [`Lock::why`]).
+    pub fn why(self, why: impl Into<String>) -> Self {
+        let why = why.into();
+        Self {
+            locks: self.locks.into_iter().map(|l| l.why(why.clone())).collect(),
+        }
+    }
+
+    /// The names, in the order they are taken.
+    pub fn names(&self) -> impl Iterator<Item = &LockName> {
+        self.locks.iter().map(Lock::name)
+    }
+
+    /// Takes every lock if each is free now; never waits. `Ok(None)` if one
+    /// is busy: those taken before it are released before this returns.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: locks taken before the drop are released in the
+    /// background.
+    pub async fn try_acquire(&self) -> Result<Option<MultiGuard>, Error> {
+        self.acquire_with(Wait::No).await
+    }
+
+    /// Waits until every lock is ours, in name order.
+    ///
+    /// # Cancel safety
+    /// As [`try_acquire`](Self::try_acquire).
+    pub async fn acquire(&self) -> Result<MultiGuard, Error> {
+        let all = self.acquire_with(Wait::Forever).await?;
+        all.ok_or_else(|| Error::protocol("dlock", "lock_all: a wait without end gave up"))
+    }
+
+    /// Waits at most `wait` for all of them together; [`Error::Timeout`]
+    /// (naming the lock it was waiting for) after that, having released the
+    /// ones it had taken.
+    ///
+    /// # Cancel safety
+    /// As [`try_acquire`](Self::try_acquire).
+    pub async fn acquire_timeout(&self, wait: Duration) -> Result<MultiGuard, Error> {
+        let until = match Instant::now().checked_add(wait) {
+            Some(deadline) => Wait::Until(deadline, wait),
+            None => Wait::Forever,
+        };
+        let all = self.acquire_with(until).await?;
+        all.ok_or_else(|| {
+            Error::protocol("dlock", "lock_all: a timed wait gave up without a timeout")
+        })
+    }
+
+    async fn acquire_with(&self, wait: Wait) -> Result<Option<MultiGuard>, Error> {
+        let mut guards: Vec<LockGuard> = Vec::with_capacity(self.locks.len());
+        for lock in &self.locks {
+            let got = match wait {
+                Wait::No => lock.try_acquire().await,
+                Wait::Forever => lock.acquire().await.map(Some),
+                Wait::Until(deadline, asked) => {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    match lock.acquire_timeout(left).await {
+                        // The timeout is the whole wait's, not this lock's share.
+                        Err(Error::Timeout { name, cause, .. }) => Err(Error::Timeout {
+                            name,
+                            waited: asked,
+                            cause,
+                        }),
+                        other => other.map(Some),
+                    }
+                }
+            };
+            match got {
+                Ok(Some(guard)) => guards.push(guard),
+                Ok(None) => {
+                    release_all(guards).await?;
+                    return Ok(None);
+                }
+                Err(e) => {
+                    // (what was taken goes back; the first error is the answer)
+                    let _ = release_all(guards).await;
+                    return Err(e);
+                }
+            }
+        }
+        Ok(Some(MultiGuard { guards }))
+    }
+}
+
+/// Releases `guards` (all of them, whatever fails); the first error.
+async fn release_all(guards: Vec<LockGuard>) -> Result<(), Error> {
+    let mut first = Ok(());
+    for guard in guards.into_iter().rev() {
+        // (every guard is released; the first error is kept)
+        let released = guard.release().await;
+        if first.is_ok() {
+            first = released;
+        }
+    }
+    first
+}
+
+/// The locks of a [`MultiLock`], all held. Dropping it releases them in the
+/// background; it is lost when any of them is.
+#[must_use = "dropping a MultiGuard releases its locks at once"]
+pub struct MultiGuard {
+    /// Sorted by name.
+    guards: Vec<LockGuard>,
+}
+
+impl MultiGuard {
+    /// The guards, in name order.
+    pub fn guards(&self) -> &[LockGuard] {
+        &self.guards
+    }
+
+    /// The fencing token of the lock `name`, if it is one of them. Each
+    /// name has its own tokens: fence each resource with its own lock's.
+    pub fn token(&self, name: impl AsRef<str>) -> Option<FencingToken> {
+        let name = name.as_ref();
+        self.guards
+            .iter()
+            .find(|g| g.name().as_str() == name)
+            .map(LockGuard::token)
+    }
+
+    /// Whether every lock is still held (see [`LockGuard::is_held`]).
+    pub fn is_held(&self) -> bool {
+        self.guards.iter().all(LockGuard::is_held)
+    }
+
+    /// Resolves when the first of the locks is lost or released: its name
+    /// and why.
+    ///
+    /// # Cancel safety
+    /// Cancel safe.
+    pub fn lost(&self) -> impl Future<Output = (LockName, LostReason)> + Send + 'static {
+        let each: Vec<_> = self
+            .guards
+            .iter()
+            .map(|g| {
+                let (name, lost) = (g.name().clone(), g.lost());
+                Box::pin(async move { (name, lost.await) })
+            })
+            .collect();
+        async move { futures_select_first(each).await }
+    }
+
+    /// Releases every lock (all of them, whatever fails); the first error
+    /// (see [`LockGuard::release`]).
+    ///
+    /// # Cancel safety
+    /// The locks not yet released when the future is dropped are released
+    /// in the background.
+    pub async fn release(self) -> Result<(), Error> {
+        release_all(self.guards).await
+    }
+}
+
+/// The output of whichever of `futures` finishes first.
+async fn futures_select_first<F: Future + Unpin>(futures: Vec<F>) -> F::Output {
+    let mut futures = futures;
+    std::future::poll_fn(move |cx| {
+        for f in futures.iter_mut() {
+            if let std::task::Poll::Ready(out) = std::pin::Pin::new(f).poll(cx) {
+                return std::task::Poll::Ready(out);
+            }
+        }
+        std::task::Poll::Pending
+    })
+    .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::MemoryBackend;
+    use crate::{Backend, SessionOptions};
+
+    async fn session(backend: &MemoryBackend) -> crate::Session {
+        backend
+            .session(SessionOptions::new().ttl(Duration::from_secs(5)))
+            .await
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn all_or_nothing_in_name_order() {
+        let backend = MemoryBackend::new();
+        let (a, b) = (session(&backend).await, session(&backend).await);
+        let held = a.lock("m/b").unwrap().acquire().await.unwrap();
+        let both = b.lock_all(["m/b", "m/a", "m/b"]).unwrap();
+        let names: Vec<_> = both.names().map(LockName::as_str).collect();
+        assert_eq!(names, ["m/a", "m/b"]);
+        assert!(both.try_acquire().await.unwrap().is_none());
+        // m/a was taken, then given back before try_acquire returned.
+        let free = a.lock("m/a").unwrap().try_acquire().await.unwrap();
+        free.expect("m/a left held by a failed lock_all")
+            .release()
+            .await
+            .unwrap();
+        let timed_out = both.acquire_timeout(Duration::from_millis(50)).await;
+        assert!(
+            matches!(&timed_out, Err(Error::Timeout { name, waited, .. })
+                if name == "m/b" && *waited == Duration::from_millis(50)),
+            "{:?}",
+            timed_out.err()
+        );
+        held.release().await.unwrap();
+        let guard = both.acquire_timeout(Duration::from_secs(5)).await.unwrap();
+        assert!(guard.is_held());
+        assert!(guard.token("m/a").is_some() && guard.token("m/b").is_some());
+        assert!(guard.token("m/c").is_none());
+        guard.release().await.unwrap();
+        assert!(
+            a.lock("m/a")
+                .unwrap()
+                .try_acquire()
+                .await
+                .unwrap()
+                .is_some()
+        );
+        assert!(b.lock_all(Vec::<&str>::new()).is_err());
+    }
+
+    #[tokio::test]
+    async fn lost_when_any_is_lost() {
+        let backend = MemoryBackend::new();
+        let a = session(&backend).await;
+        let guard = a.lock_all(["l/x", "l/y"]).unwrap().acquire().await.unwrap();
+        let lost = guard.lost();
+        backend
+            .force_release(&LockName::new("l/y").unwrap())
+            .await
+            .unwrap();
+        let (name, _) = tokio::time::timeout(Duration::from_secs(10), lost)
+            .await
+            .expect("lost() did not resolve when one lock was broken");
+        assert_eq!(name.as_str(), "l/y");
+        assert!(!guard.is_held());
+    }
+}

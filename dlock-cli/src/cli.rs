@@ -146,6 +146,11 @@ pub(crate) struct RunArgs {
     #[arg(long, value_name = "TEXT")]
     pub(crate) why: Option<String>,
 
+    /// Give the lock back after D even if COMMAND still runs (a hung job):
+    /// COMMAND is stopped as for a lost lock, and dlock exits 76.
+    #[arg(long, value_name = "D", value_parser = parse_positive_duration)]
+    pub(crate) hold_at_most: Option<Duration>,
+
     /// After a lost lock, how long COMMAND has between SIGTERM and SIGKILL.
     #[arg(long, value_name = "D", default_value = "10s", value_parser = parse_duration)]
     pub(crate) grace: Duration,

@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! dlock run NAME [--url URL] [--ttl D] [--wait D | --no-wait] [--why TEXT]
-//!                [--grace D] [--conflict-exit-code N] -- CMD ARGS...
+//!                [--grace D] [--hold-at-most D] [--conflict-exit-code N] -- CMD ARGS...
 //! dlock status NAME [--url URL] [--json]
 //! dlock list [PREFIX] [--url URL] [--json]
 //! dlock release --force NAME [--url URL]

@@ -147,6 +147,9 @@ async fn wait_for_lock(
             if let Some(why) = &args.why {
                 lock = lock.why(why.as_str());
             }
+            if let Some(limit) = args.hold_at_most {
+                lock = lock.hold_at_most(limit);
+            }
             let left = deadline.map(|d| d.map(|d| d.saturating_duration_since(Instant::now())));
             let result = acquire(&lock, left).await;
             Ok::<_, Error>((session, result))

@@ -338,6 +338,35 @@ fn force_release_stops_command(store: &Store) {
     assert_next_token_above(store, &name, token);
 }
 
+/// `--hold-at-most`: a command still running at the limit is stopped as for
+/// a lost lock (76), and the lock is free again for the next run.
+fn hold_at_most_stops_a_hung_command(store: &Store) {
+    let name = unique("hold-at-most");
+    let ran = store.run(&[
+        "run",
+        "--hold-at-most",
+        "1s",
+        "--grace",
+        "1s",
+        &name,
+        "--",
+        "sleep",
+        "30",
+    ]);
+    ran.assert_error(76);
+    assert!(ran.stderr.contains("hold_at_most"), "{ran:#?}");
+    assert!(
+        ran.took >= Duration::from_secs(1) && ran.took < Duration::from_secs(1) + SLACK * 2,
+        "{ran:#?}"
+    );
+    let ran = store.run(&["run", "--no-wait", &name, "--", "true"]);
+    assert_eq!(
+        ran.code,
+        Some(0),
+        "the lock stayed held after its limit: {ran:#?}"
+    );
+}
+
 /// The next `dlock run` of `name` gets a token larger than `token`.
 fn assert_next_token_above(store: &Store, name: &str, token: u64) {
     let ran = store.run(&["run", name, "--", "sh", "-c", "echo $DLOCK_TOKEN"]);
@@ -556,6 +585,7 @@ on_every_store!(
     busy_lock_statuses,
     tokens_increase,
     force_release_stops_command,
+    hold_at_most_stops_a_hung_command,
     lost_lock_kills_stubborn_command,
     paused_holder_loses_lock,
     exit_statuses,

@@ -20,6 +20,9 @@ pub enum LostReason {
     Closed,
     /// The holder released it: not a loss, but the hold is over.
     Released,
+    /// The hold reached its [`Lock::hold_at_most`](crate::Lock::hold_at_most)
+    /// limit; it is released in the background.
+    HoldLimit,
 }
 
 impl fmt::Display for LostReason {
@@ -30,6 +33,7 @@ impl fmt::Display for LostReason {
             LostReason::SessionLost => "the session expired in the store",
             LostReason::Closed => "the session was closed",
             LostReason::Released => "released by the holder",
+            LostReason::HoldLimit => "held for its hold_at_most limit",
         })
     }
 }

@@ -45,6 +45,7 @@ macro_rules! __with_cases {
             reentrancy: shared, "S1 (handles exclude each other)", "–";
             multi_lock_all_or_nothing: shared, "S1, L5 (lock_all takes none or all)", "–";
             multi_lock_no_deadlock: shared, "S1, S2, L1 (overlapping lock_all in any order)", "–";
+            hold_at_most_ends_the_hold: shared, "S4, L1 (hold_at_most)", "–";
             first_take_race: shared, "S1, S2 (racing creation of a lock's record)", "–";
             release_by_non_owner: shared, "S3", "–";
             stale_release_after_expiry: shared, "S3, S4", "in-process stall";

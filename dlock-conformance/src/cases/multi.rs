@@ -142,3 +142,47 @@ pub async fn multi_lock_no_deadlock(h: &dyn Harness) -> Outcome {
     );
     passed()
 }
+
+/// S4, L1 for scheduled jobs (issue 17 item 5): a hold taken with
+/// `hold_at_most(limit)` ends at its limit although the session renews it:
+/// `lost()` fires with `HoldLimit` no earlier than the limit, the lock is
+/// given back (the next client gets it, with a larger token), and the late
+/// holder's release reports the loss.
+pub async fn hold_at_most_ends_the_hold(h: &dyn Harness) -> Outcome {
+    let ctx = Ctx::new(h, "hold_at_most_ends_the_hold");
+    let name = ctx.name("job");
+    let (a, b) = (ctx.client().await?, ctx.client().await?);
+    // Longer than a renewal period, so that the renewals would keep it.
+    let limit = ctx.caps.ttl;
+    let start = tokio::time::Instant::now();
+    let held = a.lock(&name)?.hold_at_most(limit).acquire().await?;
+    let bound = limit + ctx.caps.ttl + ctx.caps.recovery_bound;
+    let reason = tokio::time::timeout(bound, held.lost())
+        .await
+        .map_err(|_| {
+            Failure(format!(
+                "the hold outlived its limit of {limit:?} by {bound:?}"
+            ))
+        })?;
+    let took = start.elapsed();
+    ensure!(
+        reason == dlock_core::LostReason::HoldLimit,
+        "the hold ended with {reason:?}, not at its limit"
+    );
+    ensure!(
+        took >= limit,
+        "the hold ended after {took:?}, before its limit {limit:?}"
+    );
+    let next = b.lock(&name)?.acquire_timeout(bound).await?;
+    super::increased(next.token(), held.token(), "after a hold limit")?;
+    match held.release().await {
+        Err(Error::Lost { .. }) => {}
+        other => {
+            return Err(Failure(format!(
+                "the release of a hold ended by its limit answered {other:?}"
+            )));
+        }
+    }
+    next.release().await?;
+    passed()
+}

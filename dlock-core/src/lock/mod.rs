@@ -54,6 +54,8 @@ pub struct Lock {
     session: Arc<KeepOpen>,
     name: LockName,
     why: Option<Arc<str>>,
+    /// [`Lock::hold_at_most`]'s limit.
+    hold_limit: Option<Duration>,
     handle: Arc<HandleState>,
 }
 
@@ -65,6 +67,7 @@ impl Clone for Lock {
             session: self.session.clone(),
             name: self.name.clone(),
             why: self.why.clone(),
+            hold_limit: self.hold_limit,
             handle: Arc::default(),
         }
     }
@@ -103,6 +106,7 @@ impl Lock {
             session,
             name,
             why: None,
+            hold_limit: None,
             handle: Arc::default(),
         }
     }
@@ -120,6 +124,28 @@ impl Lock {
             why.truncate(end);
         }
         self.why = Some(why.into());
+        self
+    }
+
+    /// Ends every hold taken through this handle `limit` after its grant,
+    /// even while the session renews it: the guard's [`lost`](LockGuard::lost)
+    /// fires with [`LostReason::HoldLimit`] and the lock is released in the
+    /// background (a scheduled job that hangs gives the lock back; ShedLock's
+    /// "lock at most for"). Without it, a hold lasts until released or lost.
+    ///
+    /// ```
+    /// # async fn demo(session: dlock_core::Session) -> Result<(), dlock_core::Error> {
+    /// use std::time::Duration;
+    /// let job = session.lock("jobs/nightly")?.hold_at_most(Duration::from_secs(3600));
+    /// let guard = job.acquire().await?;
+    /// tokio::select! {
+    ///     reason = guard.lost() => eprintln!("stopping: {reason}"),
+    ///     _ = async { /* the job */ } => {}
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn hold_at_most(mut self, limit: Duration) -> Self {
+        self.hold_limit = Some(limit);
         self
     }
 
@@ -228,6 +254,9 @@ impl Lock {
             return Err(e);
         }
         *self.handle.current.lock().unwrap() = Arc::downgrade(&tenure);
+        if let Some(limit) = self.hold_limit {
+            end_at_limit(state, &tenure, limit);
+        }
         tracing::debug!(token = %tenure.hold.token, "acquired");
         Ok(LockGuard {
             tenure,
@@ -243,6 +272,23 @@ impl Lock {
             cause: cause.map(Box::new),
         }
     }
+}
+
+/// Ends `tenure` with [`LostReason::HoldLimit`] `limit` from now, unless it
+/// ends first (released, lost) or the session does.
+fn end_at_limit(state: &Arc<SessionState>, tenure: &Arc<Tenure>, limit: Duration) {
+    let (session, weak) = (state.clone(), Arc::downgrade(tenure));
+    let (ended, over) = (state.ended_owned(), tenure.clone().lost());
+    state.spawn(async move {
+        tokio::select! {
+            _ = tokio::time::sleep(limit) => {}
+            _ = over => return,
+            _ = ended => return,
+        }
+        if let Some(tenure) = weak.upgrade() {
+            session.lose(&tenure, LostReason::HoldLimit);
+        }
+    });
 }
 
 /// A waiting acquire never answers "busy"; if the loop did, that is a bug.

@@ -279,7 +279,10 @@ impl SessionState {
         let reason = tenure.reason().unwrap_or(reason);
         Stats::bump(&self.stats.losses);
         tracing::warn!(target: crate::state::LOG_TARGET, lock = %tenure.hold.name, token = %tenure.hold.token, session = %self.id, %reason, "lock lost");
-        if matches!(reason, LostReason::Expired | LostReason::Closed) {
+        if matches!(
+            reason,
+            LostReason::Expired | LostReason::Closed | LostReason::HoldLimit
+        ) {
             self.release_in_background(tenure.hold.clone(), "releasing a lost hold");
         }
     }

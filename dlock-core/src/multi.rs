@@ -24,8 +24,12 @@ use crate::token::FencingToken;
 ///
 /// Deadlock-free among multi-locks: names are taken in sorted order. A
 /// caller that also holds single locks must take them in the same order
-/// (or not wait for a multi-lock while holding one). Duplicate names count
-/// once.
+/// (or not wait for a multi-lock while holding one), and must not hold one
+/// of the names through another handle: handles exclude each other, even
+/// within one session, so that wait would never end. Duplicate names count
+/// once. Acquiring twice through one `MultiLock` is reentrant, as for
+/// [`Lock`]. A timed wait must cover a round trip per name
+/// (`Duration::ZERO` always times out).
 ///
 /// ```
 /// # async fn demo(session: dlock_core::Session) -> Result<(), dlock_core::Error> {
@@ -114,6 +118,28 @@ impl MultiLock {
     }
 
     async fn acquire_with(&self, wait: Wait) -> Result<Option<MultiGuard>, Error> {
+        loop {
+            let guards = match self.take_each(wait).await {
+                Ok(Some(guards)) => guards,
+                Ok(None) => return Ok(None),
+                Err(e) => return Err(e),
+            };
+            // A name taken early may have been lost while a later one was
+            // waited for: never hand out a guard that is not held. Give all
+            // back and start again (a try reports busy).
+            if guards.iter().all(LockGuard::is_held) {
+                return Ok(Some(MultiGuard { guards }));
+            }
+            self.give_back(guards).await;
+            if matches!(wait, Wait::No) {
+                return Ok(None);
+            }
+        }
+    }
+
+    /// One pass over the names in order: all guards, or `None` when one is
+    /// busy (a try), or the error; what was taken is given back first.
+    async fn take_each(&self, wait: Wait) -> Result<Option<Vec<LockGuard>>, Error> {
         let mut guards: Vec<LockGuard> = Vec::with_capacity(self.locks.len());
         for lock in &self.locks {
             let got = match wait {
@@ -135,17 +161,29 @@ impl MultiLock {
             match got {
                 Ok(Some(guard)) => guards.push(guard),
                 Ok(None) => {
-                    release_all(guards).await?;
+                    self.give_back(guards).await;
                     return Ok(None);
                 }
                 Err(e) => {
-                    // (what was taken goes back; the first error is the answer)
-                    let _ = release_all(guards).await;
+                    self.give_back(guards).await;
                     return Err(e);
                 }
             }
         }
-        Ok(Some(MultiGuard { guards }))
+        Ok(Some(guards))
+    }
+
+    /// Releases `guards`, waiting at most one request timeout (a store that
+    /// does not answer must not stretch the caller's deadline: what is left
+    /// then is released in the background, as for dropped guards); a
+    /// failure is logged, since the caller's answer is about the acquire.
+    async fn give_back(&self, guards: Vec<LockGuard>) {
+        let limit = self.locks[0].request_timeout();
+        match tokio::time::timeout(limit, release_all(guards)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::debug!(error = %e, "lock_all: giving back a taken lock"),
+            Err(_) => tracing::debug!("lock_all: giving back continues in the background"),
+        }
     }
 }
 

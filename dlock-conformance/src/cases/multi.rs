@@ -9,7 +9,7 @@ use dlock_core::Error;
 use rand::seq::SliceRandom;
 use tokio::task::JoinSet;
 
-use super::{ensure, passed};
+use super::{ensure, eventually, passed};
 use crate::checker::{FencedRegister, History, Op, Phase};
 use crate::{Ctx, Failure, Harness, Outcome};
 
@@ -28,6 +28,11 @@ pub async fn multi_lock_all_or_nothing(h: &dyn Harness) -> Outcome {
     let held = a.lock(&y)?.acquire().await?;
     // (given in reverse: taken in name order, x first)
     let both = b.lock_all([&y, &x])?;
+    let order: Vec<_> = both.names().cloned().collect();
+    ensure!(
+        order == [x.clone(), y.clone()],
+        "lock_all takes {order:?}, not in name order"
+    );
     let free_again = |what: &'static str| {
         let (lock, x) = (c.lock(&x), x.clone());
         async move {
@@ -173,6 +178,19 @@ pub async fn hold_at_most_ends_the_hold(h: &dyn Harness) -> Outcome {
         took >= limit,
         "the hold ended after {took:?}, before its limit {limit:?}"
     );
+    // Released, not left to expire: the store shows it free well within
+    // the TTL (renewed up to the limit, it would expire 2/3 TTL later at
+    // the earliest).
+    let admin = ctx.admin().await?;
+    eventually(
+        ctx.caps.ttl / 2,
+        "the store to free a hold ended by its limit",
+        || {
+            let (admin, name) = (admin.clone(), name.clone());
+            async move { Ok(admin.inspect(&name).await?.is_none()) }
+        },
+    )
+    .await?;
     let next = b.lock(&name)?.acquire_timeout(bound).await?;
     super::increased(next.token(), held.token(), "after a hold limit")?;
     match held.release().await {

@@ -201,6 +201,11 @@ impl Lock {
             .and_then(|g| g.ok_or_else(|| unreachable_busy(&self.name)))
     }
 
+    /// The session's request timeout.
+    pub(crate) fn request_timeout(&self) -> Duration {
+        self.session_state().timing.request_timeout
+    }
+
     fn session_state(&self) -> &Arc<SessionState> {
         &self.session.state
     }
@@ -281,7 +286,8 @@ fn end_at_limit(state: &Arc<SessionState>, tenure: &Arc<Tenure>, limit: Duration
     let (ended, over) = (state.ended_owned(), tenure.clone().lost());
     state.spawn(async move {
         tokio::select! {
-            _ = tokio::time::sleep(limit) => {}
+            // (the deadline clock: a suspended machine does not stretch it)
+            _ = crate::clock::sleep_until(crate::clock::now() + limit) => {}
             _ = over => return,
             _ = ended => return,
         }

@@ -19,7 +19,8 @@ Exit status:
   70      other errors (a reply dlock cannot use, a refused request)
   75      `run`: the lock was not acquired (busy with --no-wait, or --wait ran out);
           change it with --conflict-exit-code
-  76      `run`: the lock was lost while the command ran (the command was stopped);
+  76      `run`: the lock was lost while the command ran (the command was stopped;
+          with --leader, dlock campaigns again instead);
           `fence`: the write was refused, a newer token was recorded
   77      the store refused the credentials
   126     `run`: the command is not executable
@@ -46,7 +47,16 @@ status.
 
 If the lock is lost while COMMAND runs (the store expired it, or an admin ran
 `dlock release --force`), dlock says so on stderr, sends COMMAND SIGTERM, then
-SIGKILL after --grace, and exits with 76.";
+SIGKILL after --grace, and exits with 76.
+
+With --leader, NAME is an election and COMMAND runs only while this dlock
+leads it: dlock campaigns (waiting as long as it takes), runs COMMAND with
+DLOCK_TOKEN set to the term (larger with every new leader), and if the
+leadership is lost, stops COMMAND as above and campaigns again, starting
+COMMAND anew when it leads again (a standby: run the same line on several
+machines). It exits only when COMMAND exits on its own or by a signal,
+with COMMAND's status; --why is what observers see as the leader's value
+(`dlock status NAME`).";
 
 const BENCH_ABOUT: &str = "\
 Measures every backend given with --url (repeat it) in one run, with the
@@ -150,6 +160,11 @@ pub(crate) struct RunArgs {
     /// COMMAND is stopped as for a lost lock, and dlock exits 76.
     #[arg(long, value_name = "D", value_parser = parse_positive_duration)]
     pub(crate) hold_at_most: Option<Duration>,
+
+    /// Lead the election NAME: run COMMAND while leading, stop it when the
+    /// leadership is lost and campaign again (see above).
+    #[arg(long, conflicts_with_all = ["no_wait", "wait"])]
+    pub(crate) leader: bool,
 
     /// After a lost lock, how long COMMAND has between SIGTERM and SIGKILL.
     #[arg(long, value_name = "D", default_value = "10s", value_parser = parse_duration)]

@@ -5,7 +5,9 @@
 //! and `DLOCK_NAME`, then wait for whichever comes first: the command's exit
 //! (release, close, exit with its status) or the lock's loss (SIGTERM, SIGKILL
 //! after the grace period, exit 76). Signals are forwarded to the command
-//! meanwhile.
+//! meanwhile. With `--leader` the name is an election: a loss stops the
+//! command and dlock campaigns again (each pass of [`hold_and_run`] is one
+//! term) instead of exiting 76.
 
 use std::ffi::OsStr;
 use std::future::Future;
@@ -46,23 +48,55 @@ pub(crate) async fn run(url: &str, args: RunArgs) -> Result<u8, Failure> {
     let mut signals = Signals::install()
         .map_err(|e| Failure::new(FAILURE, format!("cannot catch signals: {e}")))?;
 
-    let (session, guard) =
-        match unless_signalled(&mut signals, wait_for_lock(url, &name, &args)).await {
-            Ok(Ok(Some(held))) => held,
-            Ok(Ok(None)) => {
-                let message = match args.wait {
-                    Some(wait) if !args.no_wait => format!(
-                        "lock {name} is still busy after {}",
-                        humantime::format_duration(wait)
-                    ),
-                    _ => format!("lock {name} is busy"),
-                };
-                return Err(Failure::new(args.conflict_exit_code, message));
+    // Once, or with --leader until COMMAND ends on its own: each pass is
+    // one term.
+    loop {
+        match hold_and_run(url, &name, &args, program, program_args, &mut signals).await? {
+            Held::Done(code) => return Ok(code),
+            Held::Lost if args.leader => {
+                eprintln!("dlock: campaigning to lead {name} again");
             }
-            Ok(Err(e)) => return Err(e),
-            Err(sig) => return Err(interrupted(sig, &format!("waiting for lock {name}"))),
-        };
+            Held::Lost => return Ok(LOST),
+        }
+    }
+}
+
+/// How one hold of `dlock run` ended.
+enum Held {
+    /// Exit with this status.
+    Done(u8),
+    /// The lock was lost and COMMAND stopped.
+    Lost,
+}
+
+/// Waits for the lock, runs COMMAND under it and supervises it.
+async fn hold_and_run(
+    url: &str,
+    name: &LockName,
+    args: &RunArgs,
+    program: &OsStr,
+    program_args: &[std::ffi::OsString],
+    signals: &mut Signals,
+) -> Result<Held, Failure> {
+    let (session, guard) = match unless_signalled(signals, wait_for_lock(url, name, args)).await {
+        Ok(Ok(Some(held))) => held,
+        Ok(Ok(None)) => {
+            let message = match args.wait {
+                Some(wait) if !args.no_wait => format!(
+                    "lock {name} is still busy after {}",
+                    humantime::format_duration(wait)
+                ),
+                _ => format!("lock {name} is busy"),
+            };
+            return Err(Failure::new(args.conflict_exit_code, message));
+        }
+        Ok(Err(e)) => return Err(e),
+        Err(sig) => return Err(interrupted(sig, &format!("waiting for lock {name}"))),
+    };
     tracing::debug!(lock = %name, token = %guard.token(), "acquired; starting the command");
+    if args.leader {
+        eprintln!("dlock: leading {name} in term {}", guard.token());
+    }
 
     let mut child = match Command::new(program)
         .args(program_args)
@@ -72,37 +106,36 @@ pub(crate) async fn run(url: &str, args: RunArgs) -> Result<u8, Failure> {
     {
         Ok(child) => child,
         Err(e) => {
-            finish(guard, &session, &name).await;
+            finish(guard, &session, name).await;
             return Err(spawn_failure(program, &e));
         }
     };
 
-    let code = match supervise(&mut child, &guard, &mut signals, &name, args.grace).await {
+    match supervise(&mut child, &guard, signals, name, args.grace).await {
         Ok(Outcome::Exited(status)) => {
             let code = status_code(status);
-            match finish(guard, &session, &name).await {
+            Ok(match finish(guard, &session, name).await {
                 Some(lost) => {
                     eprintln!("dlock: lock {name} was lost before the command finished ({lost})");
-                    LOST
+                    Held::Done(LOST)
                 }
-                None => code,
-            }
+                None => Held::Done(code),
+            })
         }
         Ok(Outcome::Stopped) => {
-            finish(guard, &session, &name).await;
-            LOST
+            finish(guard, &session, name).await;
+            Ok(Held::Lost)
         }
         Err(e) => {
             let _ = child.start_kill();
             let _ = child.wait().await;
-            finish(guard, &session, &name).await;
-            return Err(Failure::new(
+            finish(guard, &session, name).await;
+            Err(Failure::new(
                 FAILURE,
                 format!("waiting for the command failed: {e}"),
-            ));
+            ))
         }
-    };
-    Ok(code)
+    }
 }
 
 /// Connects, opens a session and acquires as the flags say, riding out

@@ -2,7 +2,7 @@
 //! temporary file) and, with the `postgres` feature, on the PostgreSQL server
 //! from `scripts/services` (`DLOCK_TEST_POSTGRES_URL`).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::thread;
@@ -122,17 +122,7 @@ impl Running {
     /// Starts `dlock run ARGS -- sh -c SCRIPT` (with `$READY` set) and waits
     /// until the script has written its token to `$READY`.
     fn start(store: &Store, dir: &Path, args: &[&str], script: &str) -> Self {
-        let ready = dir.join(format!("ready-{}", unique("r").replace('/', "_")));
-        let mut child = store
-            .dlock()
-            .arg("run")
-            .args(args)
-            .args(["--", "sh", "-c", script])
-            .env("READY", &ready)
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
+        let (mut child, ready) = Self::spawn(store, dir, args, script);
         let deadline = Instant::now() + Duration::from_secs(15);
         let token = loop {
             if let Ok(text) = std::fs::read_to_string(&ready) {
@@ -149,6 +139,40 @@ impl Running {
             child: Some(child),
             token,
         }
+    }
+
+    /// Starts `dlock run ARGS -- sh -c SCRIPT` without waiting for its
+    /// command (a standby that does not hold the lock yet).
+    fn start_standing_by(store: &Store, dir: &Path, args: &[&str], script: &str) -> Self {
+        let (child, _) = Self::spawn(store, dir, args, script);
+        // (long enough to be in line before the leader loses the lock)
+        thread::sleep(Duration::from_millis(300));
+        Self {
+            child: Some(child),
+            token: 0,
+        }
+    }
+
+    /// `dlock run ARGS -- sh -c SCRIPT` with `$READY` set to a new path in
+    /// `dir`: the child and that path.
+    fn spawn(store: &Store, dir: &Path, args: &[&str], script: &str) -> (Child, PathBuf) {
+        let ready = dir.join(format!("ready-{}", unique("r").replace('/', "_")));
+        let child = store
+            .dlock()
+            .arg("run")
+            .args(args)
+            .args(["--", "sh", "-c", script])
+            .env("READY", &ready)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        (child, ready)
+    }
+
+    /// Whether dlock is still running.
+    fn is_running(&mut self) -> bool {
+        self.child.as_mut().unwrap().try_wait().unwrap().is_none()
     }
 
     fn pid(&self) -> Pid {
@@ -365,6 +389,56 @@ fn hold_at_most_stops_a_hung_command(store: &Store) {
         Some(0),
         "the lock stayed held after its limit: {ran:#?}"
     );
+}
+
+/// `--leader`: a leader whose leadership is lost (force-released) stops its
+/// command and campaigns again instead of exiting; the standby or the old
+/// leader leads the next term, with a larger `DLOCK_TOKEN`, and the command
+/// runs again. A signal then ends each dlock with the command's status.
+fn leader_campaigns_again(store: &Store) {
+    let dir = tempfile::tempdir().unwrap();
+    let terms = dir.path().join("terms");
+    let name = unique("leader");
+    let script = format!(r#"echo "$DLOCK_TOKEN" >> "{}"; {HOLD}"#, terms.display());
+    let args = ["--leader", "--ttl", "2s", "--grace", "1s", &name];
+    let leader = Running::start(store, dir.path(), &args, &script);
+    let standby = Running::start_standing_by(store, dir.path(), &args, &script);
+    let read_terms = || -> Vec<u64> {
+        std::fs::read_to_string(&terms)
+            .unwrap_or_default()
+            .lines()
+            .map(|l| l.trim().parse().unwrap())
+            .collect()
+    };
+    assert_eq!(read_terms(), [leader.token]);
+    let ran = store.run(&["release", "--force", &name]);
+    assert_eq!(ran.code, Some(0), "{ran:#?}");
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while read_terms().len() < 2 {
+        assert!(Instant::now() < deadline, "no new term: {:?}", read_terms());
+        thread::sleep(Duration::from_millis(20));
+    }
+    let seen = read_terms();
+    assert!(seen[1] > seen[0], "terms {seen:?}");
+    // The old leader notices the loss at its next renewal (TTL/3), stops its
+    // command and stands by; nobody starts a third term meanwhile.
+    thread::sleep(Duration::from_secs(2) / 3 + SLACK);
+    assert_eq!(
+        read_terms().len(),
+        2,
+        "a third term began: {:?}",
+        read_terms()
+    );
+    for mut running in [leader, standby] {
+        assert!(
+            running.is_running(),
+            "a dlock --leader exited after the leadership was lost"
+        );
+        running.signal(Signal::SIGTERM);
+        let ran = running.wait();
+        assert_eq!(ran.code, Some(143), "{ran:#?}");
+        assert!(!ran.stderr.contains("panicked"), "{ran:#?}");
+    }
 }
 
 /// The next `dlock run` of `name` gets a token larger than `token`.
@@ -585,6 +659,7 @@ on_every_store!(
     busy_lock_statuses,
     tokens_increase,
     force_release_stops_command,
+    leader_campaigns_again,
     hold_at_most_stops_a_hung_command,
     lost_lock_kills_stubborn_command,
     paused_holder_loses_lock,

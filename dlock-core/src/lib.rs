@@ -55,6 +55,7 @@ pub mod adapter;
 pub mod backend;
 mod capabilities;
 mod clock;
+pub mod election;
 mod error;
 pub mod fence_header;
 pub mod floor;
@@ -80,6 +81,7 @@ pub use adapter::{Adapter, Capabilities, Registry, registry};
 #[doc(hidden)]
 pub use async_trait::async_trait as __async_trait;
 pub use backend::Backend;
+pub use election::{Election, Leader, LeaderWatch, Leadership};
 pub use error::{BoxError, Error, Result};
 pub use guard::LockGuard;
 pub use info::{LockInfo, SessionId};

@@ -107,6 +107,20 @@ impl Session {
         crate::MultiLock::new(locks)
     }
 
+    /// A candidate in the election `name` (see [`election`](crate::election)):
+    /// campaigning takes the lock `name`, and the term is its fencing token.
+    ///
+    /// ```
+    /// # async fn demo(session: dlock_core::Session) -> Result<(), dlock_core::Error> {
+    /// let leadership = session.election("jobs/scheduler")?.campaign().await?;
+    /// println!("leading in term {}", leadership.term());
+    /// leadership.resign().await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn election(&self, name: impl IntoLockName) -> Result<crate::election::Election, Error> {
+        Ok(crate::election::Election::new(self.lock(name)?))
+    }
+
     /// The session id (`host:pid:start:random`).
     pub fn id(&self) -> &SessionId {
         self.state().id()

@@ -42,10 +42,10 @@ use std::sync::{Arc, Once};
 
 #[doc(inline)]
 pub use dlock_core::{
-    Adapter, Backend, Capabilities, Error, FenceError, FenceGate, FencingToken, GateRefused, Lock,
-    LockGuard, LockInfo, LockName, LostReason, MultiGuard, MultiLock, Registry, Result, Session,
-    SessionId, SessionOptions, StaleToken, WriteGate, WritePermit, backend, fence_header,
-    impl_adapter, memory, raw, url,
+    Adapter, Backend, Capabilities, Election, Error, FenceError, FenceGate, FencingToken,
+    GateRefused, Leader, LeaderWatch, Leadership, Lock, LockGuard, LockInfo, LockName, LostReason,
+    MultiGuard, MultiLock, Registry, Result, Session, SessionId, SessionOptions, StaleToken,
+    WriteGate, WritePermit, backend, election, fence_header, impl_adapter, memory, raw, url,
 };
 
 /// SQL databases: PostgreSQL, MySQL/MariaDB, SQLite.

@@ -9,6 +9,7 @@
 //! within the case TTL, under the case's own random prefix.
 
 mod cancel;
+mod election;
 mod expiry;
 mod hygiene;
 mod multi;
@@ -19,6 +20,7 @@ mod wakeup;
 mod wire;
 
 pub use cancel::*;
+pub use election::*;
 pub use expiry::*;
 pub use hygiene::*;
 pub use multi::*;
@@ -46,6 +48,8 @@ macro_rules! __with_cases {
             multi_lock_all_or_nothing: shared, "S1, L5 (lock_all takes none or all)", "–";
             multi_lock_no_deadlock: shared, "S1, S2, L1 (overlapping lock_all in any order)", "–";
             hold_at_most_ends_the_hold: shared, "S4, L1 (hold_at_most)", "–";
+            election_one_leader_per_term: shared, "S7, S2 (4 candidates, fenced register, history check, observers)", "–";
+            election_failover: shared, "S7, L1, fencing (standby leads after a crash, observers follow)", "in-process crash";
             first_take_race: shared, "S1, S2 (racing creation of a lock's record)", "–";
             release_by_non_owner: shared, "S3", "–";
             stale_release_after_expiry: shared, "S3, S4", "in-process stall";

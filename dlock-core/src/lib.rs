@@ -70,6 +70,7 @@ pub mod name;
 mod options;
 pub mod raw;
 mod renew;
+pub mod semaphore;
 mod session;
 mod state;
 mod token;
@@ -90,6 +91,7 @@ pub use lost::LostReason;
 pub use multi::{MultiGuard, MultiLock};
 pub use name::{IntoLockName, LockName, MAX_NAME_LEN};
 pub use options::{MAX_TTL, SessionOptions};
+pub use semaphore::{Permit, Semaphore};
 pub use session::Session;
 pub use state::SessionStats;
 pub use token::{

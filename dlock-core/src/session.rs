@@ -121,6 +121,18 @@ impl Session {
         Ok(crate::election::Election::new(self.lock(name)?))
     }
 
+    /// A counting semaphore of `permits` permits named `name` (see
+    /// [`semaphore`](crate::semaphore)): every client of it must give the
+    /// same count. [`Error::Config`] for 0 or more than
+    /// [`MAX_PERMITS`](crate::semaphore::MAX_PERMITS) permits.
+    pub fn semaphore(
+        &self,
+        name: impl IntoLockName,
+        permits: usize,
+    ) -> Result<crate::semaphore::Semaphore, Error> {
+        crate::semaphore::Semaphore::new(self.clone(), name, permits)
+    }
+
     /// The session id (`host:pid:start:random`).
     pub fn id(&self) -> &SessionId {
         self.state().id()

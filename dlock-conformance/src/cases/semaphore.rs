@@ -1,0 +1,182 @@
+//! Counting semaphores (`Session::semaphore`, issue 17 item 2): written
+//! once in the core on each store's locks, proved here on every store. S7
+//! for semaphores: never more than N valid permits; each permit expires on
+//! its own.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use dlock_core::semaphore;
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+
+use super::{ensure, increased, joined, passed};
+use crate::checker::{FencedRegister, History, Op, Phase};
+use crate::{Ctx, Failure, Harness, Outcome};
+
+/// S7, S2: clients take permits of a 3-permit semaphore round after round.
+/// One client gets exactly 3 permits and no fourth; under contention never
+/// more than 3 permits are held at once (counted by the clients, from grant
+/// to release, and as the store lists them), and per permit the holds
+/// never overlap and tokens follow grant order (fenced register and
+/// history check per permit).
+pub async fn semaphore_bounds_holders(h: &dyn Harness) -> Outcome {
+    const PERMITS: usize = 3;
+    const CLIENTS: usize = 6;
+    const ROUNDS: usize = 5;
+    let ctx = Ctx::new(h, "semaphore_bounds_holders");
+    let name = ctx.name("pool");
+    let admin = ctx.admin().await?;
+    // Exactly N for one client.
+    let first = ctx.client().await?;
+    let pool = first.semaphore(&name, PERMITS)?;
+    let mut taken = Vec::new();
+    for _ in 0..PERMITS {
+        let got = pool.try_acquire().await?;
+        taken.push(got.ok_or_else(|| Failure("a free permit was refused".into()))?);
+    }
+    ensure!(
+        pool.try_acquire().await?.is_none(),
+        "a permit beyond the {PERMITS} was granted"
+    );
+    let listed = semaphore::holders(&*admin, &name).await?.len();
+    ensure!(
+        listed == PERMITS,
+        "the store lists {listed} held permits, not {PERMITS}"
+    );
+    for permit in taken {
+        permit.release().await?;
+    }
+    first.close().await?;
+
+    let per_slot: Arc<Vec<(FencedRegister, History)>> = Arc::new(
+        (0..PERMITS)
+            .map(|_| (FencedRegister::new(), History::new()))
+            .collect(),
+    );
+    let (inside, most) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let wait = (ctx.caps.ttl * 20).max(Duration::from_secs(60));
+    let mut tasks = JoinSet::new();
+    for client in 0..CLIENTS {
+        let session = ctx.client().await?;
+        let (name, per_slot, inside, most, admin) = (
+            name.clone(),
+            per_slot.clone(),
+            inside.clone(),
+            most.clone(),
+            admin.clone(),
+        );
+        tasks.spawn(async move {
+            let pool = session.semaphore(&name, PERMITS)?;
+            for _ in 0..ROUNDS {
+                let permit = pool
+                    .acquire_timeout(wait)
+                    .await
+                    .map_err(|e| Failure(format!("waited {wait:?} for a permit: {e}")))?;
+                let now = inside.fetch_add(1, Ordering::SeqCst) + 1;
+                most.fetch_max(now, Ordering::SeqCst);
+                let (register, history) = &per_slot[permit.slot()];
+                history.record(client, Op::Acquire, Phase::Invoke, None);
+                history.record(client, Op::Acquire, Phase::Ok, Some(permit.token()));
+                register.write(client, permit.token());
+                let listed = semaphore::holders(&*admin, &name).await?.len();
+                ensure!(
+                    listed <= PERMITS,
+                    "the store lists {listed} held permits of {PERMITS}"
+                );
+                tokio::time::sleep(Duration::from_millis(3)).await;
+                register.write(client, permit.token());
+                inside.fetch_sub(1, Ordering::SeqCst);
+                history.record(client, Op::Release, Phase::Invoke, None);
+                let slot = permit.slot();
+                permit.release().await?;
+                per_slot[slot]
+                    .1
+                    .record(client, Op::Release, Phase::Ok, None);
+            }
+            session.close().await?;
+            Ok::<_, Failure>(())
+        });
+    }
+    while let Some(done) = tasks.join_next().await {
+        done.map_err(|e| Failure(format!("client task failed: {e}")))??;
+    }
+    let most = most.load(Ordering::SeqCst);
+    ensure!(
+        most <= PERMITS,
+        "{most} permits were held at once, of {PERMITS}"
+    );
+    let mut holds = 0;
+    for (register, history) in per_slot.iter() {
+        register.check()?;
+        holds += history.check()?.holds;
+    }
+    ensure!(
+        holds == CLIENTS * ROUNDS,
+        "expected {} holds, the histories have {holds}",
+        CLIENTS * ROUNDS
+    );
+    passed()
+}
+
+/// L1, S7 (per-permit expiry): of a 2-permit semaphore, A holds one and B
+/// the other; C waits. A crashes: C gets A's permit within a TTL plus the
+/// recovery bound, with a larger token, while B's permit stays valid (the
+/// store validates it): one holder's crash frees its permit, not the
+/// semaphore.
+pub async fn semaphore_permit_expiry(h: &dyn Harness) -> Outcome {
+    let ctx = Ctx::new(h, "semaphore_permit_expiry");
+    let (t, bound) = (ctx.caps.ttl, ctx.caps.recovery_bound);
+    let name = ctx.name("pool");
+    let (a, faults) = ctx.faulty_client().await?;
+    let (b, c) = (ctx.client().await?, ctx.client().await?);
+    let admin = ctx.admin().await?;
+    let held_a = a.semaphore(&name, 2)?.acquire().await?;
+    let held_b = b.semaphore(&name, 2)?.acquire().await?;
+    ensure!(
+        held_a.slot() != held_b.slot(),
+        "two holders share permit {}",
+        held_a.slot()
+    );
+    let pool_c = c.semaphore(&name, 2)?;
+    ensure!(
+        pool_c.try_acquire().await?.is_none(),
+        "a third permit of two was granted"
+    );
+    let waiting = tokio::spawn({
+        let pool_c = pool_c.clone();
+        let limit = t * 3 + bound;
+        async move { (pool_c.acquire_timeout(limit).await, Instant::now()) }
+    });
+    let (slot_a, token_a) = (held_a.slot(), held_a.token());
+    faults.crash();
+    let crashed = Instant::now();
+    // Gone with its process (its session object no longer talks to the store).
+    drop(held_a);
+    drop(a);
+    let (got, at) = joined(t * 4 + bound, "C's wait for a permit", waiting).await?;
+    let got = got.map_err(|e| Failure(format!("C never got the crashed holder's permit: {e}")))?;
+    let took = at.duration_since(crashed);
+    ensure!(
+        took <= t + bound,
+        "the crashed holder's permit came back after {took:?} (bound {:?})",
+        t + bound
+    );
+    ensure!(
+        got.slot() == slot_a,
+        "C got permit {}, not the crashed holder's {slot_a}",
+        got.slot()
+    );
+    increased(got.token(), token_a, " (the permit's next grant)")?;
+    ensure!(held_b.is_held(), "B's permit was lost with A's");
+    ensure!(
+        admin
+            .validate(held_b.guard().name(), held_b.token())
+            .await?,
+        "the store no longer validates B's permit after A crashed"
+    );
+    got.release().await?;
+    held_b.release().await?;
+    passed()
+}

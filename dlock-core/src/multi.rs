@@ -188,7 +188,7 @@ impl MultiLock {
 }
 
 /// Releases `guards` (all of them, whatever fails); the first error.
-async fn release_all(guards: Vec<LockGuard>) -> Result<(), Error> {
+pub(crate) async fn release_all(guards: Vec<LockGuard>) -> Result<(), Error> {
     let mut first = Ok(());
     for guard in guards.into_iter().rev() {
         // (every guard is released; the first error is kept)
@@ -209,6 +209,12 @@ pub struct MultiGuard {
 }
 
 impl MultiGuard {
+    /// One guard over `guards` (the caller holds them all).
+    pub(crate) fn from_guards(mut guards: Vec<LockGuard>) -> Self {
+        guards.sort_by(|a, b| a.name().as_str().cmp(b.name().as_str()));
+        Self { guards }
+    }
+
     /// The guards, in name order.
     pub fn guards(&self) -> &[LockGuard] {
         &self.guards

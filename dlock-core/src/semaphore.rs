@@ -148,16 +148,27 @@ impl Semaphore {
 
     async fn acquire_until(&self, until: Option<(Instant, Duration)>) -> Result<Permit, Error> {
         let left = || until.map(|(d, _)| d.saturating_duration_since(Instant::now()));
-        let queue = self.session.lock(&self.queue)?;
-        let place = match left() {
-            None => queue.acquire().await?,
-            Some(left) => queue.acquire_timeout(left).await?,
-        };
+        let place = self.line_up(left()).await?;
         let permit = self.claim_all(left()).await;
         // The line moves on whether or not this one got a permit; the queue
         // lock guards nothing, so its release is not waited for.
         drop(place);
         permit
+    }
+
+    /// A place at the head of the line (the queue lock), waiting at most
+    /// `wait` (`None`: no end).
+    pub(crate) async fn line_up(&self, wait: Option<Duration>) -> Result<LockGuard, Error> {
+        let queue = self.session.lock(&self.queue)?;
+        match wait {
+            None => queue.acquire().await,
+            Some(wait) => queue.acquire_timeout(wait).await,
+        }
+    }
+
+    /// The session's request timeout.
+    pub(crate) fn request_timeout(&self) -> Duration {
+        self.session.state().timing.request_timeout
     }
 
     /// At the head of the line: a free permit at once, else a claim on
@@ -194,7 +205,7 @@ impl Semaphore {
         Err(last.unwrap_or_else(|| Error::protocol("dlock", "a semaphore without permits")))
     }
 
-    fn permit_lock(&self, slot: usize) -> Result<crate::Lock, Error> {
+    pub(crate) fn permit_lock(&self, slot: usize) -> Result<crate::Lock, Error> {
         let lock = self.session.lock(&self.slots[slot])?;
         Ok(match &self.why {
             Some(why) => lock.why(why.as_str()),
@@ -218,7 +229,7 @@ impl std::fmt::Debug for Semaphore {
 /// dropping it gives the permit back in the background.
 #[must_use = "dropping a Permit gives it back at once"]
 pub struct Permit {
-    guard: LockGuard,
+    pub(crate) guard: LockGuard,
     slot: usize,
 }
 

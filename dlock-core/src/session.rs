@@ -133,6 +133,25 @@ impl Session {
         crate::semaphore::Semaphore::new(self.clone(), name, permits)
     }
 
+    /// A read-write lock named `name` admitting
+    /// [`DEFAULT_MAX_READERS`](crate::rwlock::DEFAULT_MAX_READERS) readers
+    /// at once (see [`rwlock`](crate::rwlock)).
+    pub fn rwlock(&self, name: impl IntoLockName) -> Result<crate::rwlock::RwLock, Error> {
+        self.rwlock_with(name, crate::rwlock::DEFAULT_MAX_READERS)
+    }
+
+    /// A read-write lock named `name` admitting `max_readers` readers at
+    /// once (a writer takes and renews that many permits); every client of
+    /// it must give the same number. [`Error::Config`] for 0 or more than
+    /// [`MAX_PERMITS`](crate::semaphore::MAX_PERMITS).
+    pub fn rwlock_with(
+        &self,
+        name: impl IntoLockName,
+        max_readers: usize,
+    ) -> Result<crate::rwlock::RwLock, Error> {
+        crate::rwlock::RwLock::new(self.clone(), name, max_readers)
+    }
+
     /// The session id (`host:pid:start:random`).
     pub fn id(&self) -> &SessionId {
         self.state().id()

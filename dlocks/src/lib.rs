@@ -44,9 +44,9 @@ use std::sync::{Arc, Once};
 pub use dlock_core::{
     Adapter, Backend, Capabilities, Election, Error, FenceError, FenceGate, FencingToken,
     GateRefused, Leader, LeaderWatch, Leadership, Lock, LockGuard, LockInfo, LockName, LostReason,
-    MultiGuard, MultiLock, Permit, Registry, Result, Semaphore, Session, SessionId, SessionOptions,
-    StaleToken, WriteGate, WritePermit, backend, election, fence_header, impl_adapter, memory, raw,
-    semaphore, url,
+    MultiGuard, MultiLock, Permit, ReadGuard, Registry, Result, RwLock, Semaphore, Session,
+    SessionId, SessionOptions, StaleToken, WriteGate, WriteGuard, WritePermit, backend, election,
+    fence_header, impl_adapter, memory, raw, rwlock, semaphore, url,
 };
 
 /// SQL databases: PostgreSQL, MySQL/MariaDB, SQLite.

@@ -436,7 +436,37 @@ impl Claim for MemoryClaim {
     }
 
     async fn abandon(&mut self) -> Result<(), Error> {
-        let (name, ticket) = (self.name.clone(), self.ticket);
-        request(&self.link, &self.server, move |s| s.abandon(&name, ticket)).await
+        let (name, session, ticket) = (self.name.clone(), self.session.clone(), self.ticket);
+        request(&self.link, &self.server, move |s| {
+            s.abandon(&name, &session, ticket)
+        })
+        .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A take sent before its claim's abandon but overtaken by it (two
+    /// requests in flight on their own connections) grants nothing: on a
+    /// session lease, that hold would outlive its claim until the session
+    /// ends (S5). Found by the read-write lock's claims on every permit.
+    #[tokio::test]
+    async fn a_take_after_its_abandon_grants_nothing() {
+        for backend in [MemoryBackend::new(), MemoryBackend::new().session_leases()] {
+            let raw = backend
+                .open(SessionId::generate(None), &SessionOptions::new())
+                .await
+                .unwrap();
+            let name = LockName::new("late/take").unwrap();
+            let mut claim = raw.claim(&name, None).await.unwrap();
+            claim.abandon().await.unwrap();
+            let late = claim.try_take().await;
+            assert!(late.is_err(), "{late:?}");
+            assert!(backend.inspect(&name).await.unwrap().is_none());
+            let mut fresh = raw.claim(&name, None).await.unwrap();
+            assert!(matches!(fresh.try_take().await, Ok(Take::Granted(_))));
+        }
     }
 }

@@ -74,6 +74,12 @@ struct State {
     next_ticket: u64,
     sessions: HashMap<Arc<str>, SessionRec>,
     locks: BTreeMap<LockName, Entry>,
+    /// Tickets whose claim was abandoned, with their session: a take of
+    /// one that arrives after the abandon (sent before it, but overtaken
+    /// on another connection) is refused, or it would grant a hold nobody
+    /// owns that lives as long as its session (etcd's tombstones do the
+    /// same). Forgotten with the session.
+    abandoned: HashMap<u64, Arc<str>>,
 }
 
 /// One in-memory lock service, shared by every backend handle that names it.
@@ -170,6 +176,12 @@ impl Server {
         let mut guard = self.state.lock().unwrap();
         let now = self.now();
         let st = &mut *guard;
+        if st.abandoned.contains_key(&ticket) {
+            return Err(Error::protocol(
+                BACKEND,
+                format!("a take of {name} arrived after its claim was abandoned"),
+            ));
+        }
         let rec = live_session_mut(&mut st.sessions, session, now)?;
         let ttl = rec.ttl;
         // Per-hold: a take proves the session alive as of now, and holds die
@@ -243,9 +255,13 @@ impl Server {
         }))
     }
 
-    /// Removes `ticket`'s queue entry and its hold, if any.
-    pub(crate) fn abandon(&self, name: &LockName, ticket: u64) {
+    /// Removes `ticket`'s queue entry and its hold, if any, and refuses
+    /// its takes from now on (a take still in flight may arrive later).
+    pub(crate) fn abandon(&self, name: &LockName, session: &Arc<str>, ticket: u64) {
         let mut st = self.state.lock().unwrap();
+        if st.sessions.contains_key(session) {
+            st.abandoned.insert(ticket, session.clone());
+        }
         if let Some(entry) = st.locks.get_mut(name) {
             entry.queue.retain(|w| w.ticket != ticket);
             if entry.holder.as_ref().is_some_and(|h| h.ticket == ticket) {
@@ -325,6 +341,7 @@ impl Server {
         let mut guard = self.state.lock().unwrap();
         let st = &mut *guard;
         st.sessions.remove(session);
+        st.abandoned.retain(|_, s| s != session);
         st.locks.retain(|_, entry| {
             entry.queue.retain(|w| &w.session != session);
             if entry.holder.as_ref().is_some_and(|h| &h.session == session) {
@@ -429,6 +446,7 @@ impl Server {
     pub(crate) fn restart(&self, durable: bool) {
         let mut st = self.state.lock().unwrap();
         st.sessions.clear();
+        st.abandoned.clear();
         for entry in st.locks.values() {
             for w in &entry.queue {
                 w.notify.notify_one();
@@ -484,13 +502,17 @@ fn purge(
 /// Expires everything that is due, and forgets dead sessions.
 fn sweep(st: &mut State, now: ServerTime) {
     let State {
-        sessions, locks, ..
+        sessions,
+        locks,
+        abandoned,
+        ..
     } = st;
     locks.retain(|name, entry| {
         purge(entry, sessions, now, name);
         !entry.is_empty()
     });
     sessions.retain(|_, s| s.expires_at > now);
+    abandoned.retain(|_, session| sessions.contains_key(session));
 }
 
 /// Wakes the first waiter (only it: no herd, invariant L6) if the lock is free.

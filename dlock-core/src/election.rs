@@ -285,15 +285,7 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-    use crate::memory::MemoryBackend;
-    use crate::options::SessionOptions;
-
-    async fn session(backend: &MemoryBackend) -> crate::Session {
-        backend
-            .session(SessionOptions::new().ttl(Duration::from_secs(2)))
-            .await
-            .unwrap()
-    }
+    use crate::memory::{MemoryBackend, test_session as session};
 
     #[tokio::test]
     async fn one_leader_and_a_larger_term_after_it() {

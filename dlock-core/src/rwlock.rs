@@ -335,16 +335,7 @@ impl std::fmt::Debug for WriteGuard {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::Backend;
-    use crate::memory::MemoryBackend;
-    use crate::options::SessionOptions;
-
-    async fn session(backend: &MemoryBackend) -> Session {
-        backend
-            .session(SessionOptions::new().ttl(Duration::from_secs(2)))
-            .await
-            .unwrap()
-    }
+    use crate::memory::{MemoryBackend, test_session as session};
 
     #[tokio::test]
     async fn readers_together_writers_alone() {

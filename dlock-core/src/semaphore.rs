@@ -313,15 +313,7 @@ pub async fn holders(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::memory::MemoryBackend;
-    use crate::options::SessionOptions;
-
-    async fn session(backend: &MemoryBackend) -> Session {
-        backend
-            .session(SessionOptions::new().ttl(Duration::from_secs(2)))
-            .await
-            .unwrap()
-    }
+    use crate::memory::{MemoryBackend, test_session as session};
 
     #[tokio::test]
     async fn n_permits_then_busy_then_one_back() {

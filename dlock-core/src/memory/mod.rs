@@ -444,6 +444,15 @@ impl Claim for MemoryClaim {
     }
 }
 
+/// A session with a 2 s TTL on `backend`, for the core's unit tests.
+#[cfg(test)]
+pub(crate) async fn test_session(backend: &MemoryBackend) -> crate::Session {
+    backend
+        .session(SessionOptions::new().ttl(std::time::Duration::from_secs(2)))
+        .await
+        .unwrap()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -50,13 +50,18 @@ If the lock is lost while COMMAND runs (the store expired it, or an admin ran
 SIGKILL after --grace, and exits with 76.
 
 With --leader, NAME is an election and COMMAND runs only while this dlock
-leads it: dlock campaigns (waiting as long as it takes), runs COMMAND with
-DLOCK_TOKEN set to the term (larger with every new leader), and if the
-leadership is lost, stops COMMAND as above and campaigns again, starting
-COMMAND anew when it leads again (a standby: run the same line on several
-machines). It exits only when COMMAND exits on its own or by a signal,
-with COMMAND's status; --why is what observers see as the leader's value
-(`dlock status NAME`).";
+leads it: dlock campaigns (waiting as long as it takes), runs COMMAND in a
+process group of its own with DLOCK_TOKEN set to the term (larger with every
+new leader), and if the leadership is lost, stops that group as above (and
+kills what is left of it once COMMAND is gone), waits out the rest of one
+TTL if the term was that short, and campaigns again, starting COMMAND anew
+when it leads again (a standby: run the same line on several machines). A
+deposed leader's COMMAND may still run for up to --grace while the next
+leader's runs: fence its writes with DLOCK_TOKEN. dlock exits when COMMAND
+exits on its own while leading (COMMAND's status), on a signal (128+N, or
+COMMAND's status if it was running), or on an error (69, 70, 77, 126,
+127); --why is what observers see as the leader's value (`dlock status
+NAME`). COMMAND cannot read the terminal (its own process group).";
 
 const BENCH_ABOUT: &str = "\
 Measures every backend given with --url (repeat it) in one run, with the

@@ -5,9 +5,10 @@
 //! and `DLOCK_NAME`, then wait for whichever comes first: the command's exit
 //! (release, close, exit with its status) or the lock's loss (SIGTERM, SIGKILL
 //! after the grace period, exit 76). Signals are forwarded to the command
-//! meanwhile. With `--leader` the name is an election: a loss stops the
-//! command and dlock campaigns again (each pass of [`hold_and_run`] is one
-//! term) instead of exiting 76.
+//! meanwhile. With `--leader` the name is an election: the command runs in
+//! a process group of its own, a loss stops that group (SIGKILL to what is
+//! left once the command is gone) and dlock campaigns again (each
+//! [`Run::hold`] is one term) instead of exiting 76.
 
 use std::ffi::OsStr;
 use std::future::Future;
@@ -17,7 +18,7 @@ use std::process::ExitStatus;
 use std::sync::Arc;
 use std::time::Duration;
 
-use dlocks::{Error, Lock, LockGuard, LockName, Session, SessionOptions};
+use dlocks::{Backend, Error, Lock, LockGuard, LockName, Session, SessionOptions};
 use nix::errno::Errno;
 use nix::sys::signal::Signal;
 use tokio::process::{Child, Command};
@@ -35,8 +36,9 @@ const FINISH_TIMEOUT: Duration = Duration::from_secs(5);
 enum Outcome {
     /// The command exited on its own (or after a forwarded signal).
     Exited(ExitStatus),
-    /// The lock was lost and the command was stopped.
-    Stopped,
+    /// The lock was lost and the command was stopped; a signal dlock got
+    /// meanwhile (forwarded to the command).
+    Stopped { signalled: Option<Signal> },
 }
 
 /// Runs `dlock run`; returns the exit status.
@@ -49,12 +51,27 @@ pub(crate) async fn run(url: &str, args: RunArgs) -> Result<u8, Failure> {
         .map_err(|e| Failure::new(FAILURE, format!("cannot catch signals: {e}")))?;
 
     // Once, or with --leader until COMMAND ends on its own: each pass is
-    // one term.
+    // one term. The backend is kept across terms (drivers reconnect).
+    let mut backend = None;
     loop {
-        match hold_and_run(url, &name, &args, program, program_args, &mut signals).await? {
+        let began = Instant::now();
+        let run = Run {
+            url,
+            name: &name,
+            args: &args,
+            program,
+            program_args,
+        };
+        match run.hold(&mut backend, &mut signals).await? {
             Held::Done(code) => return Ok(code),
             Held::Lost if args.leader => {
+                // A term lost at once (a TTL too short for the store, or
+                // repeated forced releases) must not become a tight loop.
+                let pause = args.ttl.saturating_sub(began.elapsed());
                 eprintln!("dlock: campaigning to lead {name} again");
+                if let Err(sig) = unless_signalled(&mut signals, sleep(pause)).await {
+                    return Err(interrupted(sig, &format!("waiting to lead {name} again")));
+                }
             }
             Held::Lost => return Ok(LOST),
         }
@@ -69,71 +86,103 @@ enum Held {
     Lost,
 }
 
-/// Waits for the lock, runs COMMAND under it and supervises it.
-async fn hold_and_run(
-    url: &str,
-    name: &LockName,
-    args: &RunArgs,
-    program: &OsStr,
-    program_args: &[std::ffi::OsString],
-    signals: &mut Signals,
-) -> Result<Held, Failure> {
-    let (session, guard) = match unless_signalled(signals, wait_for_lock(url, name, args)).await {
-        Ok(Ok(Some(held))) => held,
-        Ok(Ok(None)) => {
-            let message = match args.wait {
-                Some(wait) if !args.no_wait => format!(
-                    "lock {name} is still busy after {}",
-                    humantime::format_duration(wait)
-                ),
-                _ => format!("lock {name} is busy"),
-            };
-            return Err(Failure::new(args.conflict_exit_code, message));
-        }
-        Ok(Err(e)) => return Err(e),
-        Err(sig) => return Err(interrupted(sig, &format!("waiting for lock {name}"))),
-    };
-    tracing::debug!(lock = %name, token = %guard.token(), "acquired; starting the command");
-    if args.leader {
-        eprintln!("dlock: leading {name} in term {}", guard.token());
-    }
+/// What one hold of `dlock run` needs.
+struct Run<'a> {
+    url: &'a str,
+    name: &'a LockName,
+    args: &'a RunArgs,
+    program: &'a OsStr,
+    program_args: &'a [std::ffi::OsString],
+}
 
-    let mut child = match Command::new(program)
-        .args(program_args)
-        .env("DLOCK_TOKEN", guard.token().get().to_string())
-        .env("DLOCK_NAME", name.as_str())
-        .spawn()
-    {
-        Ok(child) => child,
-        Err(e) => {
-            finish(guard, &session, name).await;
-            return Err(spawn_failure(program, &e));
-        }
-    };
-
-    match supervise(&mut child, &guard, signals, name, args.grace).await {
-        Ok(Outcome::Exited(status)) => {
-            let code = status_code(status);
-            Ok(match finish(guard, &session, name).await {
-                Some(lost) => {
-                    eprintln!("dlock: lock {name} was lost before the command finished ({lost})");
-                    Held::Done(LOST)
+impl Run<'_> {
+    /// Waits for the lock, runs COMMAND under it and supervises it.
+    async fn hold(
+        &self,
+        backend: &mut Option<Arc<dyn Backend>>,
+        signals: &mut Signals,
+    ) -> Result<Held, Failure> {
+        let (url, name, args) = (self.url, self.name, self.args);
+        let (session, guard) =
+            match unless_signalled(signals, wait_for_lock(url, name, args, backend)).await {
+                Ok(Ok(Some(held))) => held,
+                Ok(Ok(None)) => {
+                    let message = match args.wait {
+                        Some(wait) if !args.no_wait => format!(
+                            "lock {name} is still busy after {}",
+                            humantime::format_duration(wait)
+                        ),
+                        _ => format!("lock {name} is busy"),
+                    };
+                    return Err(Failure::new(args.conflict_exit_code, message));
                 }
-                None => Held::Done(code),
-            })
+                Ok(Err(e)) => return Err(e),
+                Err(sig) => return Err(interrupted(sig, &format!("waiting for lock {name}"))),
+            };
+        tracing::debug!(lock = %name, token = %guard.token(), "acquired; starting the command");
+        if args.leader {
+            eprintln!("dlock: leading {name} in term {}", guard.token());
         }
-        Ok(Outcome::Stopped) => {
-            finish(guard, &session, name).await;
-            Ok(Held::Lost)
+
+        let mut command = Command::new(self.program);
+        command
+            .args(self.program_args)
+            .env("DLOCK_TOKEN", guard.token().get().to_string())
+            .env("DLOCK_NAME", name.as_str());
+        if args.leader {
+            // Its own process group, so that stopping a deposed leader's
+            // command stops what it started too (`sh -c 'a; b'`).
+            command.process_group(0);
         }
-        Err(e) => {
-            let _ = child.start_kill();
-            let _ = child.wait().await;
-            finish(guard, &session, name).await;
-            Err(Failure::new(
-                FAILURE,
-                format!("waiting for the command failed: {e}"),
-            ))
+        let mut child = match command.spawn() {
+            Ok(child) => child,
+            Err(e) => {
+                finish(guard, &session, name).await;
+                return Err(spawn_failure(self.program, &e));
+            }
+        };
+        let group = args.leader.then(|| child.id()).flatten();
+
+        let outcome = supervise(&mut child, &guard, signals, name, args.grace, group).await;
+        if let Some(pgid) = group {
+            // Whatever of the command outlived it (a child that ignored
+            // SIGTERM, a daemon it left) must not act for this term any more.
+            signals::send(pgid, Signal::SIGKILL, true);
+        }
+        match outcome {
+            Ok(Outcome::Exited(status)) => {
+                let code = status_code(status);
+                Ok(match finish(guard, &session, name).await {
+                    // With --leader a lost term is stood down from, whoever
+                    // noticed first.
+                    Some(_) if args.leader => Held::Lost,
+                    Some(lost) => {
+                        eprintln!(
+                            "dlock: lock {name} was lost before the command finished ({lost})"
+                        );
+                        Held::Done(LOST)
+                    }
+                    None => Held::Done(code),
+                })
+            }
+            Ok(Outcome::Stopped { signalled }) => {
+                finish(guard, &session, name).await;
+                match signalled {
+                    // Told to stop while stopping the command: stop, not
+                    // campaign again.
+                    Some(sig) if args.leader => Ok(Held::Done(signal_code(sig))),
+                    _ => Ok(Held::Lost),
+                }
+            }
+            Err(e) => {
+                let _ = child.start_kill();
+                let _ = child.wait().await;
+                finish(guard, &session, name).await;
+                Err(Failure::new(
+                    FAILURE,
+                    format!("waiting for the command failed: {e}"),
+                ))
+            }
         }
     }
 }
@@ -148,12 +197,12 @@ async fn wait_for_lock(
     url: &str,
     name: &LockName,
     args: &RunArgs,
+    backend: &mut Option<Arc<dyn Backend>>,
 ) -> Result<Option<(Session, LockGuard)>, Failure> {
     // None: try once; Some(None): no end; Some(Some(d)): until d (a wait
     // too long to count has no end).
     let deadline = (!args.no_wait).then(|| args.wait.and_then(|w| Instant::now().checked_add(w)));
     let mut backoff = Duration::from_millis(100);
-    let mut backend = None;
     loop {
         let left = deadline.map(|d| d.map(|d| d.saturating_duration_since(Instant::now())));
         // Connecting and opening a session spend the same budget.
@@ -162,13 +211,13 @@ async fn wait_for_lock(
             _ => Duration::MAX,
         };
         let attempt = async {
-            let b = match &backend {
+            let b = match backend.as_ref() {
                 Some(b) => Arc::clone(b),
                 None => {
                     let b = timeout(crate::CONNECT_TIMEOUT.min(budget), dlocks::connect(url))
                         .await
                         .map_err(|_| Error::unavailable("dlock", "no answer while connecting"))??;
-                    backend = Some(Arc::clone(&b));
+                    *backend = Some(Arc::clone(&b));
                     b
                 }
             };
@@ -234,56 +283,65 @@ async fn acquire(lock: &Lock, left: Option<Option<Duration>>) -> Result<Option<L
     }
 }
 
-/// Waits for the command while holding the lock: forwards signals, and stops
-/// the command if the lock is lost.
+/// Waits for the command while holding the lock: forwards signals (to its
+/// process group `group`, under `--leader`), and stops the command if the
+/// lock is lost.
 async fn supervise(
     child: &mut Child,
     guard: &LockGuard,
     signals: &mut Signals,
     name: &LockName,
     grace: Duration,
+    group: Option<u32>,
 ) -> io::Result<Outcome> {
     let lost = guard.lost();
     tokio::pin!(lost);
     let reason = loop {
         tokio::select! {
             biased;
-            sig = signals.recv() => forward(child, sig),
+            sig = signals.recv() => forward(child, sig, group),
             status = child.wait() => return Ok(Outcome::Exited(status?)),
             reason = &mut lost => break reason,
         }
     };
     eprintln!("dlock: lock {name} lost ({reason}); stopping the command");
-    forward(child, Signal::SIGTERM);
+    forward(child, Signal::SIGTERM, group);
     let kill_at = sleep(grace);
     tokio::pin!(kill_at);
-    let mut killed = false;
+    let (mut killed, mut signalled) = (false, None);
     loop {
         tokio::select! {
             biased;
-            sig = signals.recv() => forward(child, sig),
+            sig = signals.recv() => {
+                signalled = Some(sig);
+                forward(child, sig, group);
+            }
             status = child.wait() => {
                 let status = status?;
                 tracing::debug!(%status, "the command stopped after the loss");
-                return Ok(Outcome::Stopped);
+                return Ok(Outcome::Stopped { signalled });
             }
             () = &mut kill_at, if !killed => {
                 eprintln!(
                     "dlock: the command is still running {} after SIGTERM; killing it",
                     humantime::format_duration(grace)
                 );
-                child.start_kill()?;
+                match group {
+                    Some(pgid) => signals::send(pgid, Signal::SIGKILL, true),
+                    None => child.start_kill()?,
+                }
                 killed = true;
             }
         }
     }
 }
 
-/// Sends `sig` to the command if it has not been reaped yet.
-fn forward(child: &Child, sig: Signal) {
+/// Sends `sig` to the command (to its process group `group`, if it has its
+/// own) if it has not been reaped yet.
+fn forward(child: &Child, sig: Signal, group: Option<u32>) {
     if let Some(pid) = child.id() {
         tracing::debug!(pid, signal = %sig, "forwarding a signal to the command");
-        signals::send(pid, sig);
+        signals::send(group.unwrap_or(pid), sig, group.is_some());
     }
 }
 
@@ -340,8 +398,15 @@ async fn unless_signalled<T>(
 
 /// dlock got `sig` before the command started: exit 128 + signal number.
 fn interrupted(sig: Signal, doing: &str) -> Failure {
-    let code = u8::try_from(sig as i32).map_or(FAILURE, |n| SIGNAL_BASE.saturating_add(n));
-    Failure::new(code, format!("got {sig} while {doing}; giving up"))
+    Failure::new(
+        signal_code(sig),
+        format!("got {sig} while {doing}; giving up"),
+    )
+}
+
+/// 128 + the signal's number, as shells report a death by signal.
+fn signal_code(sig: Signal) -> u8 {
+    u8::try_from(sig as i32).map_or(FAILURE, |n| SIGNAL_BASE.saturating_add(n))
 }
 
 /// The exit status for a command's [`ExitStatus`]: its code, or 128 + signal

@@ -43,12 +43,19 @@ impl Signals {
     }
 }
 
-/// Sends `sig` to the process `pid`; a process already gone is not an error.
-pub(crate) fn send(pid: u32, sig: Signal) {
+/// Sends `sig` to the process `pid`, or with `group` to its process group
+/// (the command and everything it started, under `run --leader`); a
+/// process already gone is not an error.
+pub(crate) fn send(pid: u32, sig: Signal, group: bool) {
     let Ok(raw) = i32::try_from(pid) else {
         return;
     };
-    if let Err(e) = kill(Pid::from_raw(raw), sig) {
-        tracing::debug!(pid, signal = %sig, error = %e, "could not signal the command");
+    let target = if group {
+        Pid::from_raw(-raw)
+    } else {
+        Pid::from_raw(raw)
+    };
+    if let Err(e) = kill(target, sig) {
+        tracing::debug!(pid, group, signal = %sig, error = %e, "could not signal the command");
     }
 }

@@ -184,9 +184,19 @@ impl Running {
     }
 
     /// Waits for dlock to exit; `took` counts from now.
+    /// Waits (at most 60 s, then kills it and fails) for dlock to exit;
+    /// `took` counts from now.
     fn wait(mut self) -> Ran {
         let start = Instant::now();
-        let out = self.child.take().unwrap().wait_with_output().unwrap();
+        let mut child = self.child.take().unwrap();
+        while child.try_wait().unwrap().is_none() {
+            if start.elapsed() > Duration::from_secs(60) {
+                let _ = child.kill();
+                panic!("dlock did not exit: {:?}", child.wait_with_output());
+            }
+            thread::sleep(Duration::from_millis(10));
+        }
+        let out = child.wait_with_output().unwrap();
         Ran::from_output(out, start.elapsed())
     }
 }
@@ -392,36 +402,52 @@ fn hold_at_most_stops_a_hung_command(store: &Store) {
 }
 
 /// `--leader`: a leader whose leadership is lost (force-released) stops its
-/// command and campaigns again instead of exiting; the standby or the old
-/// leader leads the next term, with a larger `DLOCK_TOKEN`, and the command
-/// runs again. A signal then ends each dlock with the command's status.
+/// command's whole process group (a background child of the command too)
+/// and campaigns again instead of exiting; the other dlock leads the next
+/// term with a larger `DLOCK_TOKEN`. When that leader is stopped by a
+/// signal, the first one leads again (a third term): a deposed leader does
+/// come back. Each exits with its command's status on SIGTERM.
 fn leader_campaigns_again(store: &Store) {
     let dir = tempfile::tempdir().unwrap();
-    let terms = dir.path().join("terms");
+    let (terms, kids) = (dir.path().join("terms"), dir.path().join("kids"));
     let name = unique("leader");
-    let script = format!(r#"echo "$DLOCK_TOKEN" >> "{}"; {HOLD}"#, terms.display());
+    // The term and the leading dlock's pid, then a background child of the
+    // command (it must not outlive the term), then ready.
+    let script = format!(
+        r#"echo "$DLOCK_TOKEN $PPID" >> "{}"; sleep 1000 & echo $! >> "{}"
+        echo "$DLOCK_TOKEN" > "$READY.tmp" && mv "$READY.tmp" "$READY"; wait"#,
+        terms.display(),
+        kids.display()
+    );
     let args = ["--leader", "--ttl", "2s", "--grace", "1s", &name];
-    let leader = Running::start(store, dir.path(), &args, &script);
-    let standby = Running::start_standing_by(store, dir.path(), &args, &script);
-    let read_terms = || -> Vec<u64> {
+    let first = Running::start(store, dir.path(), &args, &script);
+    let second = Running::start_standing_by(store, dir.path(), &args, &script);
+    let read_terms = || -> Vec<(u64, i32)> {
         std::fs::read_to_string(&terms)
             .unwrap_or_default()
             .lines()
-            .map(|l| l.trim().parse().unwrap())
+            .map(|l| {
+                let (term, pid) = l.trim().split_once(' ').unwrap();
+                (term.parse().unwrap(), pid.parse().unwrap())
+            })
             .collect()
     };
-    assert_eq!(read_terms(), [leader.token]);
+    let terms_now = |n: usize| {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while read_terms().len() < n {
+            assert!(Instant::now() < deadline, "no term {n}: {:?}", read_terms());
+            thread::sleep(Duration::from_millis(20));
+        }
+        read_terms()
+    };
+    assert_eq!(read_terms(), [(first.token, first.pid().as_raw())]);
     let ran = store.run(&["release", "--force", &name]);
     assert_eq!(ran.code, Some(0), "{ran:#?}");
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while read_terms().len() < 2 {
-        assert!(Instant::now() < deadline, "no new term: {:?}", read_terms());
-        thread::sleep(Duration::from_millis(20));
-    }
-    let seen = read_terms();
-    assert!(seen[1] > seen[0], "terms {seen:?}");
-    // The old leader notices the loss at its next renewal (TTL/3), stops its
-    // command and stands by; nobody starts a third term meanwhile.
+    let seen = terms_now(2);
+    assert!(seen[1].0 > seen[0].0, "terms {seen:?}");
+    assert_eq!(seen[1].1, second.pid().as_raw(), "terms {seen:?}");
+    // The old leader notices the loss at its next renewal (TTL/3), stops
+    // its command's group and stands by; nobody starts a third term.
     thread::sleep(Duration::from_secs(2) / 3 + SLACK);
     assert_eq!(
         read_terms().len(),
@@ -429,16 +455,27 @@ fn leader_campaigns_again(store: &Store) {
         "a third term began: {:?}",
         read_terms()
     );
-    for mut running in [leader, standby] {
-        assert!(
-            running.is_running(),
-            "a dlock --leader exited after the leadership was lost"
-        );
-        running.signal(Signal::SIGTERM);
-        let ran = running.wait();
-        assert_eq!(ran.code, Some(143), "{ran:#?}");
-        assert!(!ran.stderr.contains("panicked"), "{ran:#?}");
-    }
+    let first_kid = std::fs::read_to_string(&kids).unwrap();
+    let first_kid: i32 = first_kid.lines().next().unwrap().parse().unwrap();
+    assert!(
+        kill(Pid::from_raw(first_kid), None).is_err(),
+        "the deposed leader's background child {first_kid} still runs"
+    );
+    let (mut first, second) = (first, second);
+    assert!(
+        first.is_running(),
+        "a dlock --leader exited after its term was lost"
+    );
+    second.signal(Signal::SIGTERM);
+    let ran = second.wait();
+    assert_eq!(ran.code, Some(143), "{ran:#?}");
+    let seen = terms_now(3);
+    assert!(seen[2].0 > seen[1].0, "terms {seen:?}");
+    assert_eq!(seen[2].1, first.pid().as_raw(), "terms {seen:?}");
+    first.signal(Signal::SIGTERM);
+    let ran = first.wait();
+    assert_eq!(ran.code, Some(143), "{ran:#?}");
+    assert!(!ran.stderr.contains("panicked"), "{ran:#?}");
 }
 
 /// The next `dlock run` of `name` gets a token larger than `token`.

@@ -1,8 +1,9 @@
 //! Leader election, written once on the lock contract for every store.
 //!
-//! To lead the election `name` is to hold the lock `name`: at most one
-//! leader at a time (S1 gives S7's "one leader"), and the **term** is that
-//! hold's fencing token, so every later term is larger (S2) and a deposed
+//! To lead the election `name` is to hold the lock `name`: no two valid
+//! leaderships at once (S7's "one leader" is the lock's S1, with the same
+//! exceptions: see the README's "What each backend survives"), and the
+//! **term** is that hold's fencing token, so every later term is larger (S2) and a deposed
 //! leader's writes are refused by the resource's fenced writer like a former
 //! holder's. A leader's *proclamation* (its address, say) is the lock's
 //! `why`, which observers read through [`Backend::inspect`]: observing needs
@@ -44,8 +45,11 @@ use crate::token::FencingToken;
 /// is acquiring the election's lock, with everything that says about
 /// waiting, fairness, timeouts and cancellation (see [`Lock`]).
 ///
-/// Each `Election` is one candidate: two of them (even of one session, even
-/// a clone) compete with each other.
+/// Each campaign is a candidacy of its own (a new owner of the lock, never
+/// a reentrant one): two campaigns, even through one `Election`, compete
+/// with each other, so a second campaign while this process leads waits
+/// until that leadership ends, and every [`Leadership`] is the only one of
+/// its term.
 #[derive(Clone)]
 pub struct Election {
     lock: Lock,
@@ -70,13 +74,13 @@ impl Election {
         self.lock.name()
     }
 
-    /// Waits until this candidate leads. [`Error::SessionLost`] if the
+    /// Waits until this campaign leads. [`Error::SessionLost`] if the
     /// session ends meanwhile.
     ///
     /// # Cancel safety
     /// As [`Lock::acquire`]: a dropped campaign leaves nothing behind.
     pub async fn campaign(&self) -> Result<Leadership, Error> {
-        self.lock.acquire().await.map(Leadership::new)
+        self.candidacy().acquire().await.map(Leadership::new)
     }
 
     /// Waits at most `wait` to lead; [`Error::Timeout`] after that (see
@@ -88,13 +92,19 @@ impl Election {
         self.lock.acquire_timeout(wait).await.map(Leadership::new)
     }
 
-    /// Leads if nobody does now; `Ok(None)` when another candidate leads
-    /// (or, on fair stores, others are in line).
+    /// Leads if nobody does now; `Ok(None)` when someone leads (another
+    /// candidate, or another campaign of this one) or, on fair stores,
+    /// others are in line.
     ///
     /// # Cancel safety
     /// As [`Lock::try_acquire`].
     pub async fn try_campaign(&self) -> Result<Option<Leadership>, Error> {
-        Ok(self.lock.try_acquire().await?.map(Leadership::new))
+        Ok(self.candidacy().try_acquire().await?.map(Leadership::new))
+    }
+
+    /// A new owner of the election's lock (a clone is one: see [`Lock`]).
+    fn candidacy(&self) -> Lock {
+        self.lock.clone()
     }
 }
 
@@ -146,7 +156,8 @@ impl Leadership {
         &self.guard
     }
 
-    /// Steps down: frees the election for the next candidate. Answers as
+    /// Steps down: frees the election for the next candidate (no other
+    /// `Leadership` shares this term). Answers as
     /// [`LockGuard::release`]: [`Error::Lost`] if the leadership had
     /// already ended (what was done as leader may not have been exclusive).
     ///
@@ -202,7 +213,9 @@ pub async fn leader(
 
 /// Follows an election from outside: each [`changed`](Self::changed)
 /// returns the leader once it differs from the one returned before (a new
-/// term, or no leader), asking the store every `every`.
+/// term, or no leader, or a leader again after none), asking the store
+/// every `every`. A term below one already returned is a stale read (a
+/// lagging replica) and is not reported.
 ///
 /// ```
 /// # async fn demo(backend: std::sync::Arc<dyn dlock_core::Backend>) -> Result<(), dlock_core::Error> {
@@ -223,6 +236,10 @@ pub struct LeaderWatch {
     every: Duration,
     /// What `changed` returned last; `None` before the first call.
     seen: Option<Option<Leader>>,
+    /// The highest term returned so far.
+    highest: Option<FencingToken>,
+    /// The last call returned a store error: the next waits `every` first.
+    errored: bool,
 }
 
 impl LeaderWatch {
@@ -238,29 +255,55 @@ impl LeaderWatch {
             name: election.into_lock_name()?,
             every: every.max(Duration::from_millis(1)),
             seen: None,
+            highest: None,
+            errored: false,
         })
     }
 
     /// The leader now, at once on the first call; on later calls, waits
-    /// until the store reports another term (or no leader, or a leader
-    /// again). A store error is returned as it comes; the next call goes on
-    /// from the leader returned last.
+    /// until the store reports a change. A store error is returned as it
+    /// comes (the next call asks again after `every`, so a caller that
+    /// retries at once does not spin); the next call goes on from the
+    /// leader returned last.
     ///
     /// # Cancel safety
     /// Cancel safe: a dropped call returned nothing and changes nothing.
     pub async fn changed(&mut self) -> Result<Option<Leader>, Error> {
+        if self.errored {
+            tokio::time::sleep(self.every).await;
+            self.errored = false;
+        }
         loop {
-            let now = leader(&*self.backend, &self.name).await?;
-            let new = match &self.seen {
-                None => true,
-                Some(seen) => seen.as_ref().map(|l| l.term) != now.as_ref().map(|l| l.term),
+            let now = match leader(&*self.backend, &self.name).await {
+                Ok(now) => now,
+                Err(e) => {
+                    self.errored = true;
+                    return Err(e);
+                }
             };
-            if new {
+            if self.is_news(now.as_ref()) {
+                if let Some(l) = &now {
+                    self.highest = self.highest.max(Some(l.term));
+                }
                 self.seen = Some(now.clone());
                 return Ok(now);
             }
             tokio::time::sleep(self.every).await;
         }
+    }
+
+    /// Whether `now` is to be reported after what was returned last.
+    fn is_news(&self, now: Option<&Leader>) -> bool {
+        let Some(seen) = &self.seen else {
+            return true;
+        };
+        if let Some(l) = now
+            && self.highest.is_some_and(|h| l.term < h)
+        {
+            return false;
+        }
+        let key = |l: Option<&Leader>| l.map(|l| (l.term, l.session.clone()));
+        key(seen.as_ref()) != key(now)
     }
 
     /// The leader `changed` returned last (`None` also before the first
@@ -311,6 +354,30 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn two_campaigns_of_one_candidate_never_share_a_term() {
+        let backend = MemoryBackend::new();
+        let a = session(&backend).await;
+        let candidate = a.election("e").unwrap();
+        let first = candidate.campaign().await.unwrap();
+        assert!(candidate.try_campaign().await.unwrap().is_none());
+        let second = {
+            let candidate = candidate.clone();
+            tokio::spawn(async move { candidate.campaign().await })
+        };
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(
+            !second.is_finished(),
+            "a second campaign joined the first's term"
+        );
+        let term = first.term();
+        first.resign().await.unwrap();
+        let next = second.await.unwrap().unwrap();
+        assert!(next.term() > term);
+        next.resign().await.unwrap();
+        assert_eq!(leader(&backend, "e").await.unwrap(), None);
+    }
+
+    #[tokio::test]
     async fn a_watch_reports_each_term_once() {
         let backend = MemoryBackend::new();
         let shared: Arc<dyn Backend> = Arc::new(backend.clone());
@@ -320,6 +387,9 @@ mod tests {
         let led = a.election("e").unwrap().campaign().await.unwrap();
         let seen = watch.changed().await.unwrap().unwrap();
         assert_eq!(seen.term, led.term());
+        // Unchanged: nothing to report.
+        let quiet = tokio::time::timeout(Duration::from_millis(30), watch.changed()).await;
+        assert!(quiet.is_err(), "reported again without a change: {quiet:?}");
         let term = led.term();
         led.resign().await.unwrap();
         assert_eq!(watch.changed().await.unwrap(), None);

@@ -171,6 +171,13 @@ pub(crate) struct RunArgs {
     #[arg(long, conflicts_with_all = ["no_wait", "wait"])]
     pub(crate) leader: bool,
 
+    /// Keep the lock at least D after it was acquired: when COMMAND is done
+    /// sooner, dlock waits (holding it) before releasing and exiting, so
+    /// that the same scheduled job started a little later elsewhere finds
+    /// it taken.
+    #[arg(long, value_name = "D", value_parser = parse_positive_duration)]
+    pub(crate) hold_at_least: Option<Duration>,
+
     /// After a lost lock, how long COMMAND has between SIGTERM and SIGKILL.
     #[arg(long, value_name = "D", default_value = "10s", value_parser = parse_duration)]
     pub(crate) grace: Duration,

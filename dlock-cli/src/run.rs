@@ -22,7 +22,7 @@ use dlocks::{Backend, Error, Lock, LockGuard, LockName, Session, SessionOptions}
 use nix::errno::Errno;
 use nix::sys::signal::Signal;
 use tokio::process::{Child, Command};
-use tokio::time::{Instant, sleep, timeout};
+use tokio::time::{Instant, sleep, sleep_until, timeout};
 
 use crate::cli::RunArgs;
 use crate::exit::{FAILURE, Failure, LOST, NOT_EXECUTABLE, NOT_FOUND, SIGNAL_BASE};
@@ -119,6 +119,7 @@ impl Run<'_> {
                 Ok(Err(e)) => return Err(e),
                 Err(sig) => return Err(interrupted(sig, &format!("waiting for lock {name}"))),
             };
+        let granted = Instant::now();
         tracing::debug!(lock = %name, token = %guard.token(), "acquired; starting the command");
         if args.leader {
             eprintln!("dlock: leading {name} in term {}", guard.token());
@@ -152,6 +153,15 @@ impl Run<'_> {
         match outcome {
             Ok(Outcome::Exited(status)) => {
                 let code = status_code(status);
+                if let Some(minimum) = args.hold_at_least {
+                    // Held until then (renewed), unless lost or told to stop.
+                    let until = sleep_until(granted + minimum);
+                    tokio::select! {
+                        () = until => {}
+                        _ = guard.lost() => {}
+                        _ = signals.recv() => {}
+                    }
+                }
                 Ok(match finish(guard, &session, name).await {
                     // With --leader a lost term is stood down from, whoever
                     // noticed first.

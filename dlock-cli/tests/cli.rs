@@ -478,6 +478,33 @@ fn leader_campaigns_again(store: &Store) {
     assert!(!ran.stderr.contains("panicked"), "{ran:#?}");
 }
 
+/// `--hold-at-least`: a command done at once leaves the lock held (dlock
+/// waits) until the minimum, then dlock exits with the command's status
+/// and the lock is free.
+fn hold_at_least_keeps_the_lock(store: &Store) {
+    let dir = tempfile::tempdir().unwrap();
+    let name = unique("hold-at-least");
+    let started = Instant::now();
+    let script = r#"echo "$DLOCK_TOKEN" > "$READY.tmp" && mv "$READY.tmp" "$READY"; exit 3"#;
+    let holder = Running::start(
+        store,
+        dir.path(),
+        &["--hold-at-least", "2s", "--ttl", "1s", &name],
+        script,
+    );
+    let ran = store.run(&["run", "--no-wait", &name, "--", "true"]);
+    ran.assert_error(75);
+    let ran = holder.wait();
+    assert_eq!(ran.code, Some(3), "{ran:#?}");
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_secs(2) && took < Duration::from_secs(2) + SLACK * 2,
+        "dlock held the lock for {took:?}: {ran:#?}"
+    );
+    let ran = store.run(&["run", "--no-wait", &name, "--", "true"]);
+    assert_eq!(ran.code, Some(0), "the lock stayed held: {ran:#?}");
+}
+
 /// The next `dlock run` of `name` gets a token larger than `token`.
 fn assert_next_token_above(store: &Store, name: &str, token: u64) {
     let ran = store.run(&["run", name, "--", "sh", "-c", "echo $DLOCK_TOKEN"]);
@@ -698,6 +725,7 @@ on_every_store!(
     force_release_stops_command,
     leader_campaigns_again,
     hold_at_most_stops_a_hung_command,
+    hold_at_least_keeps_the_lock,
     lost_lock_kills_stubborn_command,
     paused_holder_loses_lock,
     exit_statuses,

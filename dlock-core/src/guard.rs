@@ -107,6 +107,10 @@ impl LockGuard {
     /// retrying in the background (while it lives), so a hold its lease
     /// keeps does not block the lock until the session closes.
     ///
+    /// Under [`Lock::hold_at_least`](crate::Lock::hold_at_least), a release
+    /// before the minimum returns at once (`Ok` unless the hold had already
+    /// ended) and is carried out at the minimum.
+    ///
     /// # Cancel safety
     /// If the future is dropped, the release continues in the background.
     pub async fn release(mut self) -> Result<(), Error> {
@@ -116,6 +120,9 @@ impl LockGuard {
             return tenure.lost_error().map_or(Ok(()), Err);
         }
         let state = self.session.state.clone();
+        if release_later(&state, &tenure) {
+            return tenure.lost_error().map_or(Ok(()), Err);
+        }
         // Inline (no hop to another task); if this future is dropped part-way,
         // the guard below finishes the release as a session task.
         let mut finish = FinishOnDrop {
@@ -146,12 +153,41 @@ impl Drop for FinishOnDrop {
     }
 }
 
+/// Under [`Lock::hold_at_least`](crate::Lock::hold_at_least), a release
+/// before the hold's minimum: carried out then by a session task (sooner if
+/// the hold is lost; the session's close releases it if that comes first).
+/// Whether it was deferred.
+fn release_later(state: &Arc<SessionState>, tenure: &Arc<Tenure>) -> bool {
+    let Some(&at) = tenure.keep_until.get() else {
+        return false;
+    };
+    if crate::clock::now() >= at {
+        return false;
+    }
+    let (session, tenure) = (state.clone(), tenure.clone());
+    let (ended, lost) = (state.ended_owned(), tenure.clone().lost());
+    state.spawn(async move {
+        tokio::select! {
+            _ = crate::clock::sleep_until(at) => {}
+            _ = lost => {}
+            _ = ended => return,
+        }
+        if let Err(e) = session.release(tenure).await {
+            tracing::debug!(error = %e, "release after the hold's minimum failed");
+        }
+    });
+    true
+}
+
 impl Drop for LockGuard {
     fn drop(&mut self) {
         if self.done || !self.tenure.leave() {
             return;
         }
         let state = self.session.state.clone();
+        if release_later(&state, &self.tenure) {
+            return;
+        }
         let tenure = self.tenure.clone();
         self.session.state.spawn(async move {
             if let Err(e) = state.release(tenure).await {

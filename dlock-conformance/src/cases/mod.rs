@@ -52,6 +52,7 @@ macro_rules! __with_cases {
             multi_lock_all_or_nothing: shared, "S1, L5 (lock_all takes none or all)", "–";
             multi_lock_no_deadlock: shared, "S1, S2, L1 (overlapping lock_all in any order)", "–";
             hold_at_most_ends_the_hold: shared, "S4, L1 (hold_at_most)", "–";
+            hold_at_least_keeps_the_hold: shared, "S1, L1 (hold_at_least: renewed past a TTL after an early release)", "–";
             election_one_leader_per_term: shared, "S7, S2 (4 candidates, fenced register, history check, observers)", "–";
             semaphore_bounds_holders: shared, "S7, S2 (exactly N permits; 6 clients, per-permit fenced register and history check)", "–";
             semaphore_permit_expiry: shared, "L1, S7 (a crashed holder's permit comes back, the others stay)", "in-process crash";

@@ -204,3 +204,51 @@ pub async fn hold_at_most_ends_the_hold(h: &dyn Harness) -> Outcome {
     next.release().await?;
     passed()
 }
+
+/// S1, L1 for scheduled jobs (issue 17 item 5): a hold taken with
+/// `hold_at_least(minimum)` and released at once stays taken until its
+/// minimum (the release returns at once; the session renews the hold
+/// meanwhile, past a TTL; the store validates it), and is given back then:
+/// the next client gets it promptly after the minimum, with a larger
+/// token.
+pub async fn hold_at_least_keeps_the_hold(h: &dyn Harness) -> Outcome {
+    let ctx = Ctx::new(h, "hold_at_least_keeps_the_hold");
+    let name = ctx.name("job");
+    let (a, b) = (ctx.client().await?, ctx.client().await?);
+    let admin = ctx.admin().await?;
+    // Longer than a TTL, so that only renewals keep it.
+    let minimum = ctx.caps.ttl * 2;
+    let held = a.lock(&name)?.hold_at_least(minimum).acquire().await?;
+    let granted = tokio::time::Instant::now();
+    let token = held.token();
+    held.release().await?;
+    let returned = granted.elapsed();
+    ensure!(
+        returned < minimum / 2,
+        "the release waited {returned:?} for the minimum of {minimum:?}"
+    );
+    let lock_b = b.lock(&name)?;
+    ensure!(
+        lock_b.try_acquire().await?.is_none(),
+        "the lock was free right after a release before its minimum"
+    );
+    tokio::time::sleep(ctx.caps.ttl * 3 / 2).await;
+    ensure!(
+        admin.validate(&name, token).await?,
+        "the store dropped the hold before its minimum (not renewed after the release?)"
+    );
+    let next = lock_b.acquire_timeout(minimum + ctx.caps.ttl * 4).await?;
+    let took = granted.elapsed();
+    ensure!(
+        took >= minimum,
+        "the lock was free {took:?} after its grant, before its minimum {minimum:?}"
+    );
+    let late = took - minimum;
+    ensure!(
+        late <= ctx.caps.ttl / 2 + ctx.caps.wakeup_bound,
+        "the lock was given back {late:?} after its minimum"
+    );
+    super::increased(next.token(), token, " after a hold's minimum")?;
+    next.release().await?;
+    passed()
+}

@@ -56,6 +56,8 @@ pub struct Lock {
     why: Option<Arc<str>>,
     /// [`Lock::hold_at_most`]'s limit.
     hold_limit: Option<Duration>,
+    /// [`Lock::hold_at_least`]'s minimum.
+    hold_min: Option<Duration>,
     handle: Arc<HandleState>,
 }
 
@@ -68,6 +70,7 @@ impl Clone for Lock {
             name: self.name.clone(),
             why: self.why.clone(),
             hold_limit: self.hold_limit,
+            hold_min: self.hold_min,
             handle: Arc::default(),
         }
     }
@@ -107,6 +110,7 @@ impl Lock {
             name,
             why: None,
             hold_limit: None,
+            hold_min: None,
             handle: Arc::default(),
         }
     }
@@ -146,6 +150,30 @@ impl Lock {
     /// ```
     pub fn hold_at_most(mut self, limit: Duration) -> Self {
         self.hold_limit = Some(limit);
+        self
+    }
+
+    /// Keeps every hold taken through this handle at least `minimum` after
+    /// its grant: a release (or a dropped guard) before then returns at once
+    /// and gives the lock back at that time, while the session goes on
+    /// renewing it (ShedLock's "lock at least for": a scheduled job that
+    /// finishes quickly is not run again by another node whose clock fires
+    /// a little later). The hold still ends early if it is lost, or when the
+    /// session closes or the process ends (the store's lease then expires
+    /// it); `dlock run --hold-at-least` waits for it before exiting.
+    ///
+    /// ```
+    /// # async fn demo(session: dlock_core::Session) -> Result<(), dlock_core::Error> {
+    /// use std::time::Duration;
+    /// let job = session.lock("jobs/hourly")?.hold_at_least(Duration::from_secs(60));
+    /// if let Some(guard) = job.try_acquire().await? {
+    ///     // ... a job that may take a second ...
+    ///     guard.release().await?; // returns now; the lock is free 60 s after the grant
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn hold_at_least(mut self, minimum: Duration) -> Self {
+        self.hold_min = Some(minimum);
         self
     }
 
@@ -261,6 +289,9 @@ impl Lock {
         *self.handle.current.lock().unwrap() = Arc::downgrade(&tenure);
         if let Some(limit) = self.hold_limit {
             end_at_limit(state, &tenure, limit);
+        }
+        if let Some(minimum) = self.hold_min {
+            let _ = tenure.keep_until.set(crate::clock::now() + minimum);
         }
         tracing::debug!(token = %tenure.hold.token, "acquired");
         Ok(LockGuard {

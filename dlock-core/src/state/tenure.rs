@@ -27,6 +27,9 @@ pub(crate) struct Tenure {
     reason: OnceLock<LostReason>,
     /// Live guards of this tenure (reentrancy count).
     guards: AtomicUsize,
+    /// [`Lock::hold_at_least`](crate::Lock::hold_at_least): a release
+    /// before this instant (deadline clock) is carried out at it.
+    pub(crate) keep_until: OnceLock<Instant>,
 }
 
 impl Tenure {
@@ -39,6 +42,7 @@ impl Tenure {
             lost: CancellationToken::new(),
             reason: OnceLock::new(),
             guards: AtomicUsize::new(1),
+            keep_until: OnceLock::new(),
         }
     }
 

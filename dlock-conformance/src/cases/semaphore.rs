@@ -180,3 +180,93 @@ pub async fn semaphore_permit_expiry(h: &dyn Harness) -> Outcome {
     held_b.release().await?;
     passed()
 }
+
+/// L1, S7, S8 (wire): the semaphore's head of line is blackholed while it
+/// keeps the line and claims the only permit. When the permit is given
+/// back, the client behind it still gets it within the store's expiry of
+/// what the partitioned one held (its place in line, and the permit if its
+/// claim was granted unseen), and never while another holds it: after the
+/// partition heals, the partitioned client is granted only once the permit
+/// is free again, with a larger token.
+pub async fn semaphore_head_of_line_partitioned(h: &dyn Harness) -> Outcome {
+    let ctx = Ctx::new(h, "semaphore_head_of_line_partitioned");
+    let Some((a, link)) = ctx.linked_client().await? else {
+        return super::skipped(super::NO_LINK);
+    };
+    let t = ctx.caps.ttl;
+    let name = ctx.name("pool");
+    let (b, c) = (ctx.client().await?, ctx.client().await?);
+    let admin = ctx.admin().await?;
+    let held_c = c.semaphore(&name, 1)?.acquire().await?;
+    let pool_a = a.semaphore(&name, 1)?;
+    let waiting_a = tokio::spawn(async move { pool_a.acquire_timeout(t * 30).await });
+    // A reaches the head of the line (it takes the queue lock) before B.
+    let queue = dlock_core::LockName::new(format!("{name}/queue"))?;
+    super::eventually(t * 2, "A to be at the head of the semaphore's line", || {
+        let (admin, queue) = (admin.clone(), queue.clone());
+        async move { Ok(admin.inspect(&queue).await?.is_some()) }
+    })
+    .await?;
+    let pool_b = b.semaphore(&name, 1)?;
+    let waiting_b = tokio::spawn(async move { pool_b.acquire_timeout(t * 30).await });
+    tokio::time::sleep(t / 10).await;
+    link.set_all(crate::wire::Fault::BLACKHOLE);
+    let released = Instant::now();
+    let token_c = held_c.token();
+    held_c.release().await?;
+    let bound = (t + ctx.caps.recovery_bound) * 2 + ctx.caps.wakeup_bound + t;
+    let got_b = joined(
+        bound + t * 4,
+        "B's wait behind a partitioned head of line",
+        waiting_b,
+    )
+    .await?
+    .map_err(|e| Failure(format!("B never got the permit: {e}")))?;
+    let took = released.elapsed();
+    ensure!(
+        took <= bound,
+        "B got the permit {took:?} after it was given back (bound {bound:?})"
+    );
+    increased(got_b.token(), token_c, " (B's permit after C's)")?;
+    link.heal();
+    // A is granted, if ever, only after B gives the permit back.
+    tokio::time::sleep(t).await;
+    ensure!(
+        got_b.is_held(),
+        "B lost its permit when A's partition healed"
+    );
+    let listed = semaphore::holders(&*admin, &name).await?.len();
+    ensure!(listed <= 1, "{listed} holders of the only permit");
+    let (early, waiting_a) = if waiting_a.is_finished() {
+        (Some(joined(t, "A's finished wait", waiting_a).await?), None)
+    } else {
+        (None, Some(waiting_a))
+    };
+    if let Some(Ok(got_a)) = &early {
+        ensure!(
+            !got_a.is_held(),
+            "A holds the only permit (token {}) while B does (token {})",
+            got_a.token(),
+            got_b.token()
+        );
+    }
+    let token_b = got_b.token();
+    got_b.release().await?;
+    let a_result = match (early, waiting_a) {
+        (Some(result), _) => result,
+        (None, Some(waiting)) => {
+            joined(t * 40, "A's wait after the partition healed", waiting).await?
+        }
+        (None, None) => unreachable!("A's wait is either finished or not"),
+    };
+    match a_result {
+        Ok(got_a) => {
+            increased(got_a.token(), token_b, " (A's permit after B's)")?;
+            got_a.release().await?;
+        }
+        // Its session may have ended during the partition (session leases).
+        Err(dlock_core::Error::SessionLost { .. } | dlock_core::Error::Timeout { .. }) => {}
+        Err(e) => return Err(Failure(format!("A's wait failed: {e:?}"))),
+    }
+    passed()
+}

@@ -86,10 +86,17 @@ session (TTL --ttl). Phases, run phase by phase across the backends:
   5. safety: the register's refusals and the history check (overlapping
      holds, grant order) over phase 3;
   6. many holds: one session holds --holds locks; one renewal round of
-     all of them against a round of one, and memory per held lock.
+     all of them against a round of one, and memory per held lock;
+  7. fenced writes: a plain write of the data against the same write
+     through the store's fenced writer;
+  8. primitives: all clients take and give back permits of a semaphore
+     of half as many permits for --duration (grants/s, the most held at
+     once), then --failovers planned leader failovers (resign -> the
+     waiting candidate's grant).
 Lock names are under a fresh bench/<random>/ prefix. The table goes to
 stdout (the JSON with --json); DIR/bench.md, DIR/bench.json and
-DIR/bench.svg are written. Exits 70 if the safety check fails.";
+DIR/bench.svg are written. Exits 70 if the safety check fails (or a
+semaphore held more permits than it has).";
 
 /// `dlock`: run a command under a distributed lock, or inspect and break locks.
 #[derive(Debug, Parser)]
@@ -301,6 +308,12 @@ pub(crate) struct BenchArgs {
     #[arg(long, value_name = "N", default_value_t = 10_000,
           value_parser = clap::value_parser!(u64).range(0..=1_000_000))]
     pub(crate) holds: u64,
+
+    /// Planned leader failovers timed per backend in the primitives phase;
+    /// 0 skips them.
+    #[arg(long, value_name = "N", default_value_t = 50,
+          value_parser = clap::value_parser!(u64).range(0..=100_000))]
+    pub(crate) failovers: u64,
 
     /// Where bench.md, bench.json and bench.svg are written (created if missing).
     #[arg(long, value_name = "DIR", default_value = "target/bench")]

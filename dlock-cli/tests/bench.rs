@@ -22,6 +22,8 @@ const TINY: &[&str] = &[
     "3",
     "--holds",
     "40",
+    "--failovers",
+    "4",
 ];
 
 /// A finished `dlock bench`.
@@ -165,6 +167,16 @@ fn check_backend(b: &Value) {
         assert!((ratio - expected).abs() < 1e-6 && ratio > 0.0, "{b:#}");
         assert!(!fenced["operations"].as_str().unwrap().is_empty());
     }
+
+    // Primitives: the semaphore (1 permit of 3 clients) granted permits
+    // and never more than it has; 4 planned failovers timed.
+    let primitives = &b["primitives"];
+    assert!(primitives["error"].is_null(), "{b:#}");
+    assert_eq!(primitives["permits"], 1, "{b:#}");
+    assert!(num(&primitives["permit_grants_per_s"]) > 0.0, "{b:#}");
+    assert_eq!(primitives["most_held"], 1, "{b:#}");
+    assert_eq!(primitives["failover"]["samples"], 4, "{b:#}");
+    assert!(num(&primitives["failover"]["p50_us"]) > 0.0, "{b:#}");
 
     let safety = &b["safety"];
     assert_eq!(safety["verdict"], "ok", "{b:#}");
@@ -339,13 +351,16 @@ fn table_on_stdout_by_default() {
     let lines: Vec<_> = ran.stdout.lines().collect();
     assert_eq!(
         lines.len(),
-        9,
-        "header, rule, two rows; a blank line, the many-holds table: {ran:#?}"
+        14,
+        "header, rule, two rows; a blank line, the many-holds table; a blank line, \
+         the primitives table: {ran:#?}"
     );
     assert!(lines[2].starts_with("| memory |"), "{ran:#?}");
     assert!(lines[3].starts_with("| memory#2 |"), "{ran:#?}");
     assert!(lines[5].contains("locks held by one session"), "{ran:#?}");
     assert!(lines[7].starts_with("| memory | 40 |"), "{ran:#?}");
+    assert!(lines[10].contains("semaphore permits"), "{ran:#?}");
+    assert!(lines[12].starts_with("| memory | 1 / 3 |"), "{ran:#?}");
     // stderr is not a terminal here: no progress bars, only where the files went.
     assert_eq!(ran.stderr.lines().count(), 1, "{ran:#?}");
     assert!(ran.stderr.contains("bench.{md,json,svg}"), "{ran:#?}");

@@ -13,6 +13,7 @@ mod chart;
 mod fencing;
 mod holds;
 mod phases;
+mod primitives;
 mod report;
 mod stats;
 
@@ -97,6 +98,13 @@ async fn measure(urls: &[String], args: BenchArgs) -> Result<u8, Failure> {
         independent.push(phases::independent(t, args.duration, &bar).await?);
         bar.finish();
     }
+    let mut primitives = Vec::with_capacity(targets.len());
+    for t in &targets {
+        let bar = progress.bar(phase_ms, "primitives", &contended(t));
+        let p = primitives::primitives(t, args.duration, args.failovers, &bar).await?;
+        bar.finish();
+        primitives.push(p);
+    }
     let mut many = Vec::with_capacity(targets.len());
     for t in &targets {
         if args.holds == 0 {
@@ -114,11 +122,11 @@ async fn measure(urls: &[String], args: BenchArgs) -> Result<u8, Failure> {
 
     let backends = targets
         .iter()
-        .zip(latency.into_iter().zip(fenced_writes))
+        .zip(latency.into_iter().zip(fenced_writes).zip(primitives))
         .zip(hot.into_iter().zip(independent).zip(many))
         .map(
             |(
-                (t, (latency, fenced_writes)),
+                (t, ((latency, fenced_writes), primitives)),
                 ((((hot_lock, safety), native_lock), independent), many_holds),
             )| {
                 let ratio = |a: Option<f64>, b: Option<f64>| match (a, b) {
@@ -151,6 +159,7 @@ async fn measure(urls: &[String], args: BenchArgs) -> Result<u8, Failure> {
                     independent,
                     many_holds,
                     fenced_writes,
+                    primitives,
                     safety,
                 }
             },
@@ -190,6 +199,9 @@ async fn measure(urls: &[String], args: BenchArgs) -> Result<u8, Failure> {
         );
     }
 
+    for b in &report.backends {
+        primitives::check(&b.backend, &b.primitives)?;
+    }
     let failed: Vec<_> = (report.backends.iter())
         .filter(|b| !b.safety.ok())
         .map(|b| format!("{}: {}", b.backend, b.safety.verdict))

@@ -106,6 +106,11 @@ impl Target {
         Ok(LockName::new(format!("{}/{suffix}", self.prefix))?)
     }
 
+    /// Client `i`'s session (`i` below [`clients`](Self::clients)).
+    pub(crate) fn session(&self, i: usize) -> &Session {
+        &self.clients[i].session
+    }
+
     /// [`Target::name`], for the other phase modules.
     pub(crate) fn lock_name(&self, suffix: &str) -> Result<LockName, Failure> {
         self.name(suffix)

@@ -67,6 +67,8 @@ pub(crate) struct BackendReport {
     /// Phase 7: a plain write against the fenced writer's (`None`: the
     /// adapter has no fenced writer).
     pub(crate) fenced_writes: Option<FencedWrites>,
+    /// Phase 8: a semaphore's throughput and planned leader failovers.
+    pub(crate) primitives: super::primitives::Primitives,
     /// Phase 5: the checker's verdict over phase 3.
     pub(crate) safety: Safety,
 }
@@ -282,6 +284,23 @@ pub(crate) fn table(report: &Report) -> String {
             );
         }
     }
+    out.push_str(
+        "\n| backend | semaphore permits / clients | permit grants/s | most held at once \
+         | planned failover (resign → next leader) p50 / p99 |\n|---|--:|--:|--:|--:|\n",
+    );
+    for b in &report.backends {
+        let p = &b.primitives;
+        let _ = writeln!(
+            out,
+            "| {} | {} / {} | {:.0} | {} | {} |",
+            b.backend,
+            p.permits,
+            report.settings.clients,
+            p.permit_grants_per_s,
+            p.most_held,
+            p.failover.as_ref().map_or_else(|| "-".to_owned(), p50_p99),
+        );
+    }
     out
 }
 
@@ -332,6 +351,11 @@ pub(crate) fn notes(report: &Report) -> String {
                 "fenced writes",
                 u64::from(b.fenced_writes.as_ref().is_some_and(|f| f.error.is_some())),
                 &b.fenced_writes.as_ref().and_then(|f| f.error.clone()),
+            ),
+            (
+                "primitives",
+                u64::from(b.primitives.error.is_some()),
+                &b.primitives.error,
             ),
         ] {
             if errors > 0 {
@@ -389,7 +413,13 @@ pub(crate) fn markdown(report: &Report) -> String {
          lock. fenced writes: one small write of the protected data as a user would send it, \
          and the same write through the store's fenced writer (SqlFence, RedisFence, \
          EtcdFence, ZkFence, MongoFence) with an increasing token, alternating; the ratio \
-         of their medians is what fencing the data adds.\n",
+         of their medians is what fencing the data adds. \
+         primitives: every client takes and gives back permits of one semaphore with half as \
+         many permits as clients (the most held at once must not exceed the permits), then \
+         planned leader failovers between two clients: the time from the leader's `resign()` \
+         call to the waiting candidate's grant (a crashed leader's failover is bounded by \
+         the TTL plus the store's recovery bound instead: conformance case \
+         `election_failover`).\n",
     );
     out
 }

@@ -56,6 +56,8 @@ macro_rules! __with_cases {
             election_one_leader_per_term: shared, "S7, S2 (4 candidates, fenced register, history check, observers)", "–";
             semaphore_bounds_holders: shared, "S7, S2 (exactly N permits; 6 clients, per-permit fenced register and history check)", "–";
             semaphore_head_of_line_partitioned: shared, "L1, S7 (a blackholed head of the semaphore's line holds nobody up past the store's expiry)", "wire: head of line blackholed";
+            semaphore_fifo: shared, "L4 (permits in arrival order where declared fair)", "–";
+            primitives_cancellation_sweep: shared, "S5, L1 (dropped semaphore and read-write lock waits leave nothing)", "dropped futures";
             semaphore_permit_expiry: shared, "L1, S7 (a crashed holder's permit comes back, the others stay)", "in-process crash";
             rwlock_excludes_writers: shared, "S7, S2 (4 readers, 2 writers, fenced register and history of the writes)", "–";
             rwlock_writer_preference: shared, "S7, L1 (a waiting writer goes before later readers)", "–";

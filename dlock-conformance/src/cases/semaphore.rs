@@ -270,3 +270,129 @@ pub async fn semaphore_head_of_line_partitioned(h: &dyn Harness) -> Outcome {
     }
     passed()
 }
+
+/// L4 for semaphores (where the store declares `fair`): waiters for the
+/// only permit get it in the order they came, one after another.
+pub async fn semaphore_fifo(h: &dyn Harness) -> Outcome {
+    let ctx = Ctx::new(h, "semaphore_fifo");
+    super::or_skip!(super::declares(ctx.caps.fair, "fair (FIFO) ordering"));
+    let t = ctx.caps.ttl;
+    let name = ctx.name("pool");
+    let queue = dlock_core::LockName::new(format!("{name}/queue"))?;
+    let permit = dlock_core::LockName::new(format!("{name}/permits/0"))?;
+    let admin = ctx.admin().await?;
+    let a = ctx.client().await?;
+    let held = a.semaphore(&name, 1)?.acquire().await?;
+    let order = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut waiters = Vec::new();
+    for w in 1..=3usize {
+        let session = ctx.client().await?;
+        let pool = session.semaphore(&name, 1)?;
+        let order = order.clone();
+        waiters.push(tokio::spawn(async move {
+            let got = pool.acquire_timeout(t * 30).await?;
+            order.lock().unwrap().push(w);
+            got.release().await?;
+            drop(session);
+            Ok::<_, Failure>(())
+        }));
+        // The first is at the head of the line (waiting for the permit),
+        // the others wait in line behind it.
+        if w == 1 {
+            super::queued(&*admin, &permit, 1, t / 3).await?;
+        } else {
+            super::queued(&*admin, &queue, w - 1, t / 3).await?;
+        }
+    }
+    held.release().await?;
+    for (i, waiter) in waiters.into_iter().enumerate() {
+        joined(t * 30, &format!("waiter {}", i + 1), waiter).await??;
+    }
+    let order = order.lock().unwrap().clone();
+    ensure!(
+        order == [1, 2, 3],
+        "permits granted in the order {order:?}, not [1, 2, 3]"
+    );
+    passed()
+}
+
+/// S5, L1 for semaphores and read-write locks: waits dropped at any point
+/// (in line, at the head of the line claiming every permit, a writer that
+/// took some permits and waits for the rest) leave nothing held: once the
+/// holders give back, the next acquire is prompt, and the store lists no
+/// permit and no place in line.
+pub async fn primitives_cancellation_sweep(h: &dyn Harness) -> Outcome {
+    let ctx = Ctx::new(h, "primitives_cancellation_sweep");
+    let t = ctx.caps.ttl;
+    let (a, b, c) = (
+        ctx.client().await?,
+        ctx.client().await?,
+        ctx.client().await?,
+    );
+    let admin = ctx.admin().await?;
+    let rtt = super::round_trip(&c, &ctx.name("rtt")).await?;
+    for (i, delay) in [Duration::ZERO, rtt / 2, rtt, rtt * 2, rtt * 4]
+        .into_iter()
+        .enumerate()
+    {
+        // A semaphore whose two permits A holds: C's wait is dropped.
+        let name = ctx.name(&format!("sem-{i}"));
+        let pool_a = a.semaphore(&name, 2)?;
+        let held = [pool_a.acquire().await?, pool_a.acquire().await?];
+        let dropped = tokio::time::timeout(delay, c.semaphore(&name, 2)?.acquire()).await;
+        ensure!(dropped.is_err(), "a third permit of two was granted");
+        let released = Instant::now();
+        for p in held {
+            p.release().await?;
+        }
+        let pool_b = b.semaphore(&name, 2)?;
+        let next = [
+            pool_b.acquire_timeout(t * 2).await?,
+            pool_b.acquire_timeout(t * 2).await?,
+        ];
+        let what = format!("a dropped semaphore wait (after {delay:?}) delayed the next holder by");
+        super::prompt(&ctx, released.elapsed(), &what)?;
+        for p in next {
+            p.release().await?;
+        }
+        nothing_left(&ctx, &*admin, &name).await?;
+
+        // A read-write lock A reads: C's write is dropped (it may hold the
+        // other permits by then).
+        let name = ctx.name(&format!("rw-{i}"));
+        let read = a.rwlock_with(&name, 3)?.read().await?;
+        let dropped = tokio::time::timeout(delay, c.rwlock_with(&name, 3)?.write()).await;
+        ensure!(dropped.is_err(), "a write was granted while A read");
+        let released = Instant::now();
+        read.release().await?;
+        let write = b.rwlock_with(&name, 3)?.write_timeout(t * 2).await?;
+        let what = format!("a dropped write (after {delay:?}) delayed the next writer by");
+        super::prompt(&ctx, released.elapsed(), &what)?;
+        write.release().await?;
+        nothing_left(&ctx, &*admin, &name).await?;
+    }
+    passed()
+}
+
+/// The store soon lists neither a permit of `name` nor its line's lock.
+async fn nothing_left(
+    ctx: &Ctx<'_>,
+    admin: &dyn dlock_core::Backend,
+    name: &dlock_core::LockName,
+) -> Result<(), Failure> {
+    let queue = dlock_core::LockName::new(format!("{name}/queue"))?;
+    let limit = ctx.caps.ttl / 2 + ctx.caps.wakeup_bound;
+    let deadline = Instant::now() + limit;
+    loop {
+        let permits = semaphore::holders(admin, name).await?;
+        let line = admin.inspect(&queue).await?;
+        if permits.is_empty() && line.is_none() {
+            return Ok(());
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "{limit:?} after the last release, {name} still has {permits:?} and its line {line:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}

@@ -187,12 +187,23 @@ impl MultiLock {
     }
 }
 
-/// Releases `guards` (all of them, whatever fails); the first error.
+/// Releases `guards` (all of them at once, whatever fails: one round trip,
+/// not one per guard); the first error. Dropped part-way, the releases not
+/// yet done go on in the background (as each guard's release does).
 pub(crate) async fn release_all(guards: Vec<LockGuard>) -> Result<(), Error> {
+    let mut releases = tokio::task::JoinSet::new();
+    for guard in guards {
+        releases.spawn(guard.release());
+    }
     let mut first = Ok(());
-    for guard in guards.into_iter().rev() {
+    while let Some(released) = releases.join_next().await {
+        let released = released.unwrap_or_else(|e| {
+            Err(Error::protocol(
+                "dlock",
+                format!("a release task failed: {e}"),
+            ))
+        });
         // (every guard is released; the first error is kept)
-        let released = guard.release().await;
         if first.is_ok() {
             first = released;
         }

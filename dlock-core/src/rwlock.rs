@@ -5,10 +5,17 @@
 //! most readers at once, [`DEFAULT_MAX_READERS`] unless set); a writer holds
 //! **every** permit. Readers and writers line up on one queue lock
 //! (`name/queue`): a writer at the head of the line claims all permits and
-//! keeps the line until it has them, so readers that come after it wait
-//! (writer preference: a stream of readers cannot starve a writer), and the
-//! readers before it finish. On stores that declare `fair`, the line is
-//! first come, first served.
+//! keeps the line until it has them, so readers that come after it wait,
+//! and the readers before it finish. On stores that declare `fair` the line
+//! is first come, first served, so a stream of readers cannot starve a
+//! writer; on the others (Redis, SQLite, MongoDB) the line's lock goes to
+//! whoever asks when it is free, and a writer may wait behind many readers.
+//! Every client of one lock must admit the same number of readers: a
+//! writer excludes only the readers' places it knows of.
+//!
+//! A read's token orders it only against writes on its own permit: do not
+//! check reads with the writers' fence. A read whose hold was lost (see
+//! [`ReadGuard::lost`]) may have overlapped a write.
 //!
 //! Tokens: a reader's is its permit's; a writer's is the largest of its R
 //! permits' tokens. Each permit's tokens grow with every grant, so a
@@ -19,7 +26,9 @@
 //! There is no upgradeable read lock: a reader that claims the other
 //! permits while a writer at the head of the line waits for the reader's
 //! own permit would wait for each other forever, and going through the line
-//! means giving up the read first. Read, release, then write.
+//! means giving up the read first. Read, release, then write. For the same
+//! reason a second read while holding one waits forever behind a writer at
+//! the head of the line: do not nest reads.
 
 use std::future::Future;
 use std::time::Duration;
@@ -93,7 +102,9 @@ impl RwLock {
     }
 
     /// Reads if no writer holds the lock and a reader's place is free now;
-    /// never waits, and may pass clients in line (a waiting writer too).
+    /// never waits, and may pass clients in line (a waiting writer that has
+    /// not claimed every place yet too). Tries the places one after
+    /// another: up to R round trips.
     ///
     /// # Cancel safety
     /// As [`Lock::try_acquire`](crate::Lock::try_acquire).
@@ -128,12 +139,12 @@ impl RwLock {
             match self.readers.permit_lock(slot)?.try_acquire().await {
                 Ok(Some(guard)) => guards.push(guard),
                 other => {
-                    self.give_back(guards).await;
+                    self.give_back(guards, None).await;
                     return other.map(|_| None);
                 }
             }
         }
-        self.held_or_given_back(guards).await
+        Ok(self.held_or_given_back(guards, None).await)
     }
 
     /// Waits in line to write: once at the head of the line, keeps later
@@ -165,28 +176,40 @@ impl RwLock {
 
     async fn write_until(&self, until: Option<Instant>) -> Result<WriteGuard, Error> {
         let left = || until.map(|d| d.saturating_duration_since(Instant::now()));
-        let place = self.readers.line_up(left()).await?;
-        let written = loop {
-            match self.claim_every_permit(left()).await {
-                Ok(guards) => {
-                    if let Some(guard) = self.held_or_given_back(guards).await? {
-                        break Ok(guard);
+        loop {
+            let place = self.readers.line_up(left()).await?;
+            // Only the head of the line claims every permit: a writer whose
+            // place was lost (expired, force-released) stops claiming, or
+            // two writers could split the permits and wait for each other.
+            let claimed = tokio::select! {
+                claimed = self.claim_every_permit(until) => Some(claimed),
+                _ = place.lost() => None,
+            };
+            // (the queue lock guards nothing: its release is not waited for)
+            drop(place);
+            match claimed {
+                Some(Ok(guards)) => {
+                    if let Some(guard) = self.held_or_given_back(guards, until).await {
+                        return Ok(guard);
                     }
                     // A permit was lost while another was waited for: again.
                 }
-                Err(e) => break Err(e),
+                Some(Err(e)) => return Err(e),
+                // (what it had claimed is withdrawn or given back in the
+                // background as the claims drop)
+                None => {
+                    tracing::debug!(lock = %self.name(), "rwlock: a writer lost its place in line; lining up again")
+                }
             }
-        };
-        // (the queue lock guards nothing: its release is not waited for)
-        drop(place);
-        written
+        }
     }
 
     /// Claims every permit at once (no other writer does: this one is at
     /// the head of the line); all of them, or the first error with what
     /// was taken given back.
-    async fn claim_every_permit(&self, wait: Option<Duration>) -> Result<Vec<LockGuard>, Error> {
+    async fn claim_every_permit(&self, until: Option<Instant>) -> Result<Vec<LockGuard>, Error> {
         let mut claims = JoinSet::new();
+        let wait = until.map(|d| d.saturating_duration_since(Instant::now()));
         for slot in 0..self.max_readers() {
             let lock = self.readers.permit_lock(slot)?;
             claims.spawn(async move {
@@ -212,32 +235,37 @@ impl RwLock {
             // The others are withdrawn (a late grant given back) as the
             // set drops, in the background.
             drop(claims);
-            self.give_back(guards).await;
+            self.give_back(guards, until).await;
             return Err(failed);
         }
         Ok(guards)
     }
 
     /// One write guard over `guards` if each is still held; else all given
-    /// back and `None`.
+    /// back (within the caller's deadline `until`) and `None`.
     async fn held_or_given_back(
         &self,
         guards: Vec<LockGuard>,
-    ) -> Result<Option<WriteGuard>, Error> {
+        until: Option<Instant>,
+    ) -> Option<WriteGuard> {
         if guards.iter().all(LockGuard::is_held) {
-            return Ok(Some(WriteGuard {
+            return Some(WriteGuard {
                 all: MultiGuard::from_guards(guards),
-            }));
+            });
         }
-        self.give_back(guards).await;
-        Ok(None)
+        self.give_back(guards, until).await;
+        None
     }
 
-    /// Releases `guards`, waiting at most one request timeout (the rest in
-    /// the background); failures are logged, since the answer is about the
+    /// Releases `guards`, waiting at most one request timeout and never
+    /// past the caller's deadline `until` (the rest goes on in the
+    /// background); failures are logged, since the answer is about the
     /// acquire.
-    async fn give_back(&self, guards: Vec<LockGuard>) {
-        let limit = self.readers.request_timeout();
+    async fn give_back(&self, guards: Vec<LockGuard>, until: Option<Instant>) {
+        let mut limit = self.readers.request_timeout();
+        if let Some(until) = until {
+            limit = limit.min(until.saturating_duration_since(Instant::now()));
+        }
         match tokio::time::timeout(limit, release_all(guards)).await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => tracing::debug!(error = %e, "rwlock: giving back a permit"),

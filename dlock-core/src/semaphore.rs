@@ -10,8 +10,13 @@
 //! first one granted, so it wakes as soon as any permit is freed.
 //!
 //! Every client of one semaphore must give the same number of permits: the
-//! bound is the number of permit locks, and clients that count differently
-//! share only the permits they both know.
+//! bound is the number of permit locks, and a client that counts more
+//! permits can hold the others' and its own extra ones at once.
+//!
+//! Cost: a wait takes the queue lock, claims every permit at once (one
+//! round trip for a free one; N requests), withdraws the N - 1 claims it
+//! does not keep and gives the queue lock back; `try_acquire` skips the
+//! line and tries the permits one after another.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -171,13 +176,12 @@ impl Semaphore {
         self.session.state().timing.request_timeout
     }
 
-    /// At the head of the line: a free permit at once, else a claim on
-    /// every permit, keeping the first granted (the others are withdrawn,
-    /// a permit granted meanwhile is given back, both in the background).
+    /// At the head of the line: a claim on every permit at once (a free
+    /// one is granted in one round trip), keeping the first granted (the
+    /// others are withdrawn, a permit granted meanwhile is given back, both
+    /// in the background). Each claim retries transient errors as
+    /// [`Lock::acquire`](crate::Lock::acquire) does.
     async fn claim_all(&self, wait: Option<Duration>) -> Result<Permit, Error> {
-        if let Some(permit) = self.try_acquire().await? {
-            return Ok(permit);
-        }
         let mut claims = JoinSet::new();
         for i in 0..self.slots.len() {
             let lock = self.permit_lock(i)?;

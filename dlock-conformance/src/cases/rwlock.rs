@@ -112,14 +112,29 @@ pub async fn rwlock_excludes_writers(h: &dyn Harness) -> Outcome {
         "expected {} writes, the history has {writes}",
         WRITERS * ROUNDS
     );
-    // Readers do share: one client's two reads at once, and the others'.
-    let session = ctx.client().await?;
-    let lock = session.rwlock_with(&name, READERS)?;
-    let (one, two) = (lock.try_read().await?, lock.try_read().await?);
-    ensure!(
-        one.is_some() && two.is_some(),
-        "two reads of a free read-write lock were not granted together"
-    );
+    // Readers do share: two reads through the line, each waiting for the
+    // other to be granted before it gives back.
+    let together = Arc::new(tokio::sync::Barrier::new(2));
+    let mut pair = JoinSet::new();
+    for _ in 0..2 {
+        let session = ctx.client().await?;
+        let (lock, together) = (session.rwlock_with(&name, READERS)?, together.clone());
+        let t = ctx.caps.ttl;
+        pair.spawn(async move {
+            let read = lock.read_timeout(t * 10).await?;
+            let met = tokio::time::timeout(t * 4, together.wait()).await;
+            read.release().await?;
+            drop(session);
+            ensure!(
+                met.is_ok(),
+                "two reads of a free read-write lock were not held together"
+            );
+            Ok::<_, Failure>(())
+        });
+    }
+    while let Some(done) = pair.join_next().await {
+        done.map_err(|e| Failure(format!("reader task failed: {e}")))??;
+    }
     passed()
 }
 
@@ -149,8 +164,21 @@ pub async fn rwlock_writer_preference(h: &dyn Harness) -> Outcome {
         probe.ok_or_else(|| Failure("a timed-out writer left the readers' places taken".into()))?;
     probe.release().await?;
     let writer = tokio::spawn(async move { lock_w.write_timeout(t * 4).await });
-    // Let W reach the head of the line and claim the free places.
-    tokio::time::sleep(t / 4).await;
+    // W reaches the head of the line (it holds the line's lock) and claims
+    // the free places.
+    let (admin, queue) = (ctx.admin().await?, LockName::new(format!("{name}/queue"))?);
+    let w_id = w.id().as_str().to_owned();
+    super::eventually(t, "W to hold the line", || {
+        let (admin, queue, w_id) = (admin.clone(), queue.clone(), w_id.clone());
+        async move {
+            Ok(admin
+                .inspect(&queue)
+                .await?
+                .is_some_and(|i| i.holder.starts_with(&w_id)))
+        }
+    })
+    .await?;
+    tokio::time::sleep(t / 10).await;
     ensure!(
         lock_b.read_timeout(t / 4).await.is_err(),
         "B read while a writer waited ahead of it"
@@ -161,6 +189,13 @@ pub async fn rwlock_writer_preference(h: &dyn Harness) -> Outcome {
     });
     tokio::time::sleep(t / 10).await;
     ensure!(!writer.is_finished(), "W wrote while A read");
+    ensure!(
+        admin
+            .inspect(&queue)
+            .await?
+            .is_some_and(|i| i.holder.starts_with(&w_id)),
+        "W left the line while it waited for A's place"
+    );
     let read_token = read_a.token();
     read_a.release().await?;
     let write = joined(t * 4, "W's write after A's read", writer)

@@ -287,6 +287,7 @@ impl Backend for MemoryBackend {
             ttl,
             fair: self.fair,
             leases: self.leases,
+            doubtful: Arc::default(),
         }))
     }
 
@@ -320,6 +321,12 @@ struct MemorySession {
     ttl: Duration,
     fair: bool,
     leases: Leases,
+    /// Tickets of this session's claims with a take that was sent and not
+    /// answered (a lost reply, a dropped future): such a take may still
+    /// reach the server, so ending the claim or its hold must also refuse
+    /// it there (a tombstone). Only those: a tombstone per claim would
+    /// grow without bound.
+    doubtful: Arc<std::sync::Mutex<std::collections::HashSet<u64>>>,
 }
 
 /// Hold keys are `session#ticket`; the ticket identifies the attempt.
@@ -351,6 +358,8 @@ impl RawSession for MemorySession {
             notify: Arc::new(Notify::new()),
             fair: self.fair,
             leases: self.leases,
+            unanswered: 0,
+            doubtful: self.doubtful.clone(),
         }))
     }
 
@@ -368,8 +377,9 @@ impl RawSession for MemorySession {
             name: hold.name.to_string(),
         })?;
         let (id, hold) = (self.id.clone(), hold.clone());
+        let doubtful = self.doubtful.lock().unwrap().remove(&ticket);
         request(&self.link, &self.server, move |s| {
-            s.release(&id, &hold, ticket)
+            s.release(&id, &hold, ticket, doubtful)
         })
         .await?
     }
@@ -391,6 +401,22 @@ struct MemoryClaim {
     notify: Arc<Notify>,
     fair: bool,
     leases: Leases,
+    /// Takes sent whose reply has not come back.
+    unanswered: u32,
+    /// The session's doubtful tickets (see [`MemorySession::doubtful`]).
+    doubtful: Arc<std::sync::Mutex<std::collections::HashSet<u64>>>,
+}
+
+impl MemoryClaim {
+    /// Records whether a take of this claim may still be on its way.
+    fn mark(&self) {
+        let mut doubtful = self.doubtful.lock().unwrap();
+        if self.unanswered > 0 {
+            doubtful.insert(self.ticket);
+        } else {
+            doubtful.remove(&self.ticket);
+        }
+    }
 }
 
 #[async_trait]
@@ -403,7 +429,11 @@ impl Claim for MemoryClaim {
             self.notify.clone(),
         );
         let (ticket, fair, leases) = (self.ticket, self.fair, self.leases);
-        request(&self.link, &self.server, move |s| {
+        // Doubtful until answered: if this future is dropped or the reply
+        // is lost, the take may still arrive.
+        self.unanswered += 1;
+        self.mark();
+        let answer = request(&self.link, &self.server, move |s| {
             s.try_take(TakeArgs {
                 name: &name,
                 session: &session,
@@ -414,7 +444,12 @@ impl Claim for MemoryClaim {
                 leases,
             })
         })
-        .await?
+        .await;
+        if answer.is_ok() {
+            self.unanswered -= 1;
+            self.mark();
+        }
+        answer?
     }
 
     async fn wait(&mut self, until: Instant) -> Result<(), Error> {
@@ -437,8 +472,9 @@ impl Claim for MemoryClaim {
 
     async fn abandon(&mut self) -> Result<(), Error> {
         let (name, session, ticket) = (self.name.clone(), self.session.clone(), self.ticket);
+        let doubtful = self.doubtful.lock().unwrap().remove(&ticket);
         request(&self.link, &self.server, move |s| {
-            s.abandon(&name, &session, ticket)
+            s.abandon(&name, &session, ticket, doubtful)
         })
         .await
     }
@@ -457,25 +493,64 @@ pub(crate) async fn test_session(backend: &MemoryBackend) -> crate::Session {
 mod tests {
     use super::*;
 
-    /// A take sent before its claim's abandon but overtaken by it (two
-    /// requests in flight on their own connections) grants nothing: on a
-    /// session lease, that hold would outlive its claim until the session
-    /// ends (S5). Found by the read-write lock's claims on every permit.
+    /// A take sent before its claim's abandon but overtaken by it (held on
+    /// the way to the server, its future dropped) grants nothing when it
+    /// arrives: on a session lease that hold would outlive its claim until
+    /// the session ends (S5). Found by the read-write lock's claims on
+    /// every permit. The same for a late first try of a take whose retry
+    /// was granted and released.
     #[tokio::test]
-    async fn a_take_after_its_abandon_grants_nothing() {
-        for backend in [MemoryBackend::new(), MemoryBackend::new().session_leases()] {
+    async fn a_take_after_its_abandon_or_release_grants_nothing() {
+        for server in [MemoryBackend::new(), MemoryBackend::new().session_leases()] {
+            let (backend, link) = server.linked();
             let raw = backend
                 .open(SessionId::generate(None), &SessionOptions::new())
                 .await
                 .unwrap();
             let name = LockName::new("late/take").unwrap();
+            let held_to_server = Fault::Flows {
+                to_server: link::Flow::Hold,
+                to_client: link::Flow::Pass,
+            };
+            // Abandoned while its take is held on the way.
             let mut claim = raw.claim(&name, None).await.unwrap();
+            link.set(held_to_server);
+            let take = tokio::time::timeout(Duration::from_millis(20), claim.try_take()).await;
+            assert!(take.is_err(), "the held take was answered");
+            link.set(Fault::Pass);
             claim.abandon().await.unwrap();
-            let late = claim.try_take().await;
-            assert!(late.is_err(), "{late:?}");
-            assert!(backend.inspect(&name).await.unwrap().is_none());
-            let mut fresh = raw.claim(&name, None).await.unwrap();
-            assert!(matches!(fresh.try_take().await, Ok(Take::Granted(_))));
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            assert!(
+                server.inspect(&name).await.unwrap().is_none(),
+                "a late take held the lock"
+            );
+
+            // Released after a retried take was granted; the first try,
+            // delayed on the way, lands after the release.
+            let name = LockName::new("late/retry").unwrap();
+            let mut claim = raw.claim(&name, None).await.unwrap();
+            link.set(Fault::Flows {
+                to_server: link::Flow::Delay(Duration::from_millis(200)),
+                to_client: link::Flow::Pass,
+            });
+            let first = tokio::time::timeout(Duration::from_millis(20), claim.try_take()).await;
+            assert!(first.is_err(), "the delayed take was answered");
+            link.set(Fault::Pass);
+            let Ok(Take::Granted(hold)) = claim.try_take().await else {
+                panic!("the retried take was not granted");
+            };
+            raw.release(&hold).await.unwrap();
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let (other, _) = server.linked();
+            let other = other
+                .open(SessionId::generate(None), &SessionOptions::new())
+                .await
+                .unwrap();
+            let mut probe = other.claim(&name, None).await.unwrap();
+            assert!(
+                matches!(probe.try_take().await, Ok(Take::Granted(_))),
+                "the late first try took the lock again after its release"
+            );
         }
     }
 }

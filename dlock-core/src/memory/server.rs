@@ -74,11 +74,12 @@ struct State {
     next_ticket: u64,
     sessions: HashMap<Arc<str>, SessionRec>,
     locks: BTreeMap<LockName, Entry>,
-    /// Tickets whose claim was abandoned, with their session: a take of
-    /// one that arrives after the abandon (sent before it, but overtaken
-    /// on another connection) is refused, or it would grant a hold nobody
-    /// owns that lives as long as its session (etcd's tombstones do the
-    /// same). Forgotten with the session.
+    /// Tickets whose claim or hold ended while a take of it may still be
+    /// in flight (abandoned, released or force-released), with their
+    /// session: such a take arriving later (sent before, overtaken on
+    /// another connection) is refused, or it would grant a hold nobody
+    /// owns, which on session leases lives as long as its session (etcd's
+    /// tombstones do the same). Forgotten with the session.
     abandoned: HashMap<u64, Arc<str>>,
 }
 
@@ -255,11 +256,11 @@ impl Server {
         }))
     }
 
-    /// Removes `ticket`'s queue entry and its hold, if any, and refuses
-    /// its takes from now on (a take still in flight may arrive later).
-    pub(crate) fn abandon(&self, name: &LockName, session: &Arc<str>, ticket: u64) {
+    /// Removes `ticket`'s queue entry and its hold, if any; with `doubtful`
+    /// (a take of it may still be in flight) refuses its takes from now on.
+    pub(crate) fn abandon(&self, name: &LockName, session: &Arc<str>, ticket: u64, doubtful: bool) {
         let mut st = self.state.lock().unwrap();
-        if st.sessions.contains_key(session) {
+        if doubtful && st.sessions.contains_key(session) {
             st.abandoned.insert(ticket, session.clone());
         }
         if let Some(entry) = st.locks.get_mut(name) {
@@ -274,15 +275,23 @@ impl Server {
         }
     }
 
+    /// Frees `hold` if `session` holds it with `ticket`; with `doubtful` (a
+    /// take of its claim may still be in flight: a retried take's first
+    /// try) refuses that ticket's takes from now on, or the late take would
+    /// grant the lock again to nobody.
     pub(crate) fn release(
         &self,
         session: &Arc<str>,
         hold: &Hold,
         ticket: u64,
+        doubtful: bool,
     ) -> Result<(), Error> {
         let mut guard = self.state.lock().unwrap();
         let now = self.now();
         let st = &mut *guard;
+        if doubtful && st.sessions.contains_key(session) {
+            st.abandoned.insert(ticket, session.clone());
+        }
         let Some(entry) = st.locks.get_mut(&hold.name) else {
             return Err(not_held(&hold.name));
         };
@@ -422,6 +431,9 @@ impl Server {
         let held = entry.holder.take();
         if let Some(h) = &held {
             tracing::info!(lock = %name, holder = %h.session, token = h.token, "force-released");
+            // The holder's client cannot be asked whether a take of it is
+            // still in flight; force releases are rare: refuse it.
+            st.abandoned.insert(h.ticket, h.session.clone());
         }
         wake_next(entry);
         if entry.is_empty() {

@@ -139,12 +139,12 @@ impl RwLock {
             match self.readers.permit_lock(slot)?.try_acquire().await {
                 Ok(Some(guard)) => guards.push(guard),
                 other => {
-                    self.give_back(guards, None).await;
+                    self.give_back(guards).await;
                     return other.map(|_| None);
                 }
             }
         }
-        Ok(self.held_or_given_back(guards, None).await)
+        Ok(self.held_or_given_back(guards).await)
     }
 
     /// Waits in line to write: once at the head of the line, keeps later
@@ -158,7 +158,8 @@ impl RwLock {
     }
 
     /// Waits at most `wait` to write; [`Error::Timeout`] (naming the lock)
-    /// after that, having given back what it took.
+    /// after that, having given back what it took (one more round trip; at
+    /// most a request timeout when the store does not answer).
     ///
     /// # Cancel safety
     /// As [`write`](Self::write).
@@ -189,7 +190,7 @@ impl RwLock {
             drop(place);
             match claimed {
                 Some(Ok(guards)) => {
-                    if let Some(guard) = self.held_or_given_back(guards, until).await {
+                    if let Some(guard) = self.held_or_given_back(guards).await {
                         return Ok(guard);
                     }
                     // A permit was lost while another was waited for: again.
@@ -235,37 +236,30 @@ impl RwLock {
             // The others are withdrawn (a late grant given back) as the
             // set drops, in the background.
             drop(claims);
-            self.give_back(guards, until).await;
+            self.give_back(guards).await;
             return Err(failed);
         }
         Ok(guards)
     }
 
     /// One write guard over `guards` if each is still held; else all given
-    /// back (within the caller's deadline `until`) and `None`.
-    async fn held_or_given_back(
-        &self,
-        guards: Vec<LockGuard>,
-        until: Option<Instant>,
-    ) -> Option<WriteGuard> {
+    /// back and `None`.
+    async fn held_or_given_back(&self, guards: Vec<LockGuard>) -> Option<WriteGuard> {
         if guards.iter().all(LockGuard::is_held) {
             return Some(WriteGuard {
                 all: MultiGuard::from_guards(guards),
             });
         }
-        self.give_back(guards, until).await;
+        self.give_back(guards).await;
         None
     }
 
-    /// Releases `guards`, waiting at most one request timeout and never
-    /// past the caller's deadline `until` (the rest goes on in the
-    /// background); failures are logged, since the answer is about the
-    /// acquire.
-    async fn give_back(&self, guards: Vec<LockGuard>, until: Option<Instant>) {
-        let mut limit = self.readers.request_timeout();
-        if let Some(until) = until {
-            limit = limit.min(until.saturating_duration_since(Instant::now()));
-        }
+    /// Releases `guards` (all at once: one round trip), waiting at most one
+    /// request timeout when the store does not answer (the rest goes on in
+    /// the background), so that a timed-out write has given back what it
+    /// took; failures are logged, since the answer is about the acquire.
+    async fn give_back(&self, guards: Vec<LockGuard>) {
+        let limit = self.readers.request_timeout();
         match tokio::time::timeout(limit, release_all(guards)).await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => tracing::debug!(error = %e, "rwlock: giving back a permit"),

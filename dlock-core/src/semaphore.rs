@@ -16,7 +16,11 @@
 //! Cost: a wait takes the queue lock, claims every permit at once (one
 //! round trip for a free one; N requests), withdraws the N - 1 claims it
 //! does not keep and gives the queue lock back; `try_acquire` skips the
-//! line and tries the permits one after another.
+//! line and tries the permits one after another. On a free semaphore those
+//! claims may be granted several permits for a moment: until they are
+//! given back (in the background) other clients' tries may find them
+//! taken, and on stores without notifications the next waiter may wait for
+//! its poll.
 
 use std::future::Future;
 use std::sync::Arc;

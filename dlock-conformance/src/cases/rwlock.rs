@@ -163,10 +163,20 @@ pub async fn rwlock_writer_preference(h: &dyn Harness) -> Outcome {
     let probe =
         probe.ok_or_else(|| Failure("a timed-out writer left the readers' places taken".into()))?;
     probe.release().await?;
+    // (the timed-out attempt's place in line is given back in the background)
+    let (admin, queue) = (ctx.admin().await?, LockName::new(format!("{name}/queue"))?);
+    super::eventually(
+        t * 2,
+        "the timed-out writer's place in line to be free",
+        || {
+            let (admin, queue) = (admin.clone(), queue.clone());
+            async move { Ok(admin.inspect(&queue).await?.is_none()) }
+        },
+    )
+    .await?;
     let writer = tokio::spawn(async move { lock_w.write_timeout(t * 4).await });
     // W reaches the head of the line (it holds the line's lock) and claims
     // the free places.
-    let (admin, queue) = (ctx.admin().await?, LockName::new(format!("{name}/queue"))?);
     let w_id = w.id().as_str().to_owned();
     super::eventually(t, "W to hold the line", || {
         let (admin, queue, w_id) = (admin.clone(), queue.clone(), w_id.clone());

@@ -178,12 +178,19 @@ impl MultiLock {
     /// then is released in the background, as for dropped guards); a
     /// failure is logged, since the caller's answer is about the acquire.
     async fn give_back(&self, guards: Vec<LockGuard>) {
-        let limit = self.locks[0].request_timeout();
-        match tokio::time::timeout(limit, release_all(guards)).await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => tracing::debug!(error = %e, "lock_all: giving back a taken lock"),
-            Err(_) => tracing::debug!("lock_all: giving back continues in the background"),
-        }
+        give_back(guards, self.locks[0].request_timeout(), "lock_all").await;
+    }
+}
+
+/// Gives back what an acquire of `what` took and will not keep: waits at
+/// most `limit` (a request timeout) for the releases, the rest going on in
+/// the background; a failure is only logged, since the caller's answer is
+/// about the acquire. Shared by [`MultiLock`] and the read-write lock.
+pub(crate) async fn give_back(guards: Vec<LockGuard>, limit: Duration, what: &str) {
+    match tokio::time::timeout(limit, release_all(guards)).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::debug!(error = %e, "{what}: giving back what was taken"),
+        Err(_) => tracing::debug!("{what}: giving back continues in the background"),
     }
 }
 

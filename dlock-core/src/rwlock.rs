@@ -39,7 +39,7 @@ use tokio::time::Instant;
 use crate::error::Error;
 use crate::guard::LockGuard;
 use crate::lost::LostReason;
-use crate::multi::{MultiGuard, release_all};
+use crate::multi::MultiGuard;
 use crate::name::{IntoLockName, LockName};
 use crate::semaphore::{Permit, Semaphore};
 use crate::session::Session;
@@ -259,12 +259,7 @@ impl RwLock {
     /// the background), so that a timed-out write has given back what it
     /// took; failures are logged, since the answer is about the acquire.
     async fn give_back(&self, guards: Vec<LockGuard>) {
-        let limit = self.readers.request_timeout();
-        match tokio::time::timeout(limit, release_all(guards)).await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => tracing::debug!(error = %e, "rwlock: giving back a permit"),
-            Err(_) => tracing::debug!("rwlock: giving back continues in the background"),
-        }
+        crate::multi::give_back(guards, self.readers.request_timeout(), "rwlock").await;
     }
 }
 

@@ -75,9 +75,7 @@ pub async fn election_one_leader_per_term(h: &dyn Harness) -> Outcome {
             Ok::<_, Failure>(())
         });
     }
-    while let Some(done) = tasks.join_next().await {
-        done.map_err(|e| Failure(format!("candidate task failed: {e}")))??;
-    }
+    super::join_all(tasks, "candidate task").await?;
     register.check()?;
     let terms = history.check()?.holds;
     ensure!(

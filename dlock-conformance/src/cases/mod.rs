@@ -180,6 +180,18 @@ pub(crate) fn skipped(why: impl Into<String>) -> Outcome {
     Ok(Verdict::Skipped(why.into()))
 }
 
+/// Awaits every task of `tasks` (clients of a contended case): the first
+/// failure, naming `what` if a task panicked.
+pub(crate) async fn join_all(
+    mut tasks: tokio::task::JoinSet<Result<(), Failure>>,
+    what: &str,
+) -> Result<(), Failure> {
+    while let Some(done) = tasks.join_next().await {
+        done.map_err(|e| Failure(format!("{what} failed: {e}")))??;
+    }
+    Ok(())
+}
+
 /// Awaits `fut` for at most `limit`, failing with `what` otherwise.
 pub(crate) async fn within<T>(
     limit: Duration,

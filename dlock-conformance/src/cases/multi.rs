@@ -132,9 +132,7 @@ pub async fn multi_lock_no_deadlock(h: &dyn Harness) -> Outcome {
             Ok::<_, Failure>(())
         });
     }
-    while let Some(done) = tasks.join_next().await {
-        done.map_err(|e| Failure(format!("client task failed: {e}")))??;
-    }
+    super::join_all(tasks, "client task").await?;
     let mut holds = 0;
     for (register, history) in per_name.iter() {
         register.check()?;

@@ -43,9 +43,7 @@ pub async fn contention(h: &dyn Harness) -> Outcome {
             Ok::<_, Failure>(())
         });
     }
-    while let Some(done) = tasks.join_next().await {
-        done.map_err(|e| Failure(format!("client task failed: {e}")))??;
-    }
+    super::join_all(tasks, "client task").await?;
     register.check()?;
     let summary = history.check()?;
     ensure!(

@@ -102,9 +102,7 @@ pub async fn rwlock_excludes_writers(h: &dyn Harness) -> Outcome {
             Ok::<_, Failure>(())
         });
     }
-    while let Some(done) = tasks.join_next().await {
-        done.map_err(|e| Failure(format!("client task failed: {e}")))??;
-    }
+    super::join_all(tasks, "client task").await?;
     register.check()?;
     let writes = history.check()?.holds;
     ensure!(
@@ -132,9 +130,7 @@ pub async fn rwlock_excludes_writers(h: &dyn Harness) -> Outcome {
             Ok::<_, Failure>(())
         });
     }
-    while let Some(done) = pair.join_next().await {
-        done.map_err(|e| Failure(format!("reader task failed: {e}")))??;
-    }
+    super::join_all(pair, "reader task").await?;
     passed()
 }
 

@@ -99,9 +99,7 @@ pub async fn semaphore_bounds_holders(h: &dyn Harness) -> Outcome {
             Ok::<_, Failure>(())
         });
     }
-    while let Some(done) = tasks.join_next().await {
-        done.map_err(|e| Failure(format!("client task failed: {e}")))??;
-    }
+    super::join_all(tasks, "client task").await?;
     let most = most.load(Ordering::SeqCst);
     ensure!(
         most <= PERMITS,

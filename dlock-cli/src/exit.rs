@@ -98,9 +98,7 @@ mod tests {
         );
         assert_eq!(code_for(&Error::Config("x".into())), USAGE);
         assert_eq!(code_for(&Error::protocol("sql", "garbage")), FAILURE);
-        let lost = Error::SessionLost {
-            session: "s".into(),
-        };
+        let lost = Error::session_lost("s", "expired");
         assert_eq!(code_for(&lost), UNAVAILABLE);
         // An error never shares a status with `status`'s answer "free".
         for e in [

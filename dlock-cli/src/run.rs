@@ -220,6 +220,8 @@ async fn wait_for_lock(
             Some(Some(left)) => left,
             _ => Duration::MAX,
         };
+        // Set when the store cannot grant within the budget (final, not retried).
+        let mut not_ready = false;
         let attempt = async {
             let b = match backend.as_ref() {
                 Some(b) => Arc::clone(b),
@@ -227,6 +229,15 @@ async fn wait_for_lock(
                     let b = timeout(crate::CONNECT_TIMEOUT.min(budget), dlocks::connect(url))
                         .await
                         .map_err(|_| Error::unavailable("dlock", "no answer while connecting"))??;
+                    let may_wait = if left.is_none() {
+                        Duration::ZERO
+                    } else {
+                        budget
+                    };
+                    if let Err(e) = ready(&*b, args.ttl, may_wait).await {
+                        not_ready = true;
+                        return Err(e);
+                    }
                     *backend = Some(Arc::clone(&b));
                     b
                 }
@@ -258,7 +269,8 @@ async fn wait_for_lock(
             }
             Err(e) => e,
         };
-        let transient = matches!(error, Error::Unavailable { .. } | Error::SessionLost { .. });
+        let transient =
+            !not_ready && matches!(error, Error::Unavailable { .. } | Error::SessionLost { .. });
         let left = match deadline {
             None => Duration::ZERO,
             Some(None) => Duration::MAX,
@@ -273,6 +285,43 @@ async fn wait_for_lock(
         sleep(backoff.min(left)).await;
         backoff = (backoff * 2).min(Duration::from_secs(2));
     }
+}
+
+/// Waits out a store that cannot grant yet (a Redis restart guard after
+/// dlock first sees its nodes), saying so on stderr; an error naming the
+/// wait if it is longer than `may_wait`. A `ttl` the backend cannot honour
+/// is refused first (not after the wait).
+async fn ready(backend: &dyn Backend, ttl: Duration, may_wait: Duration) -> Result<(), Error> {
+    if ttl > backend.max_ttl() {
+        return Err(Error::InvalidTtl {
+            ttl,
+            min: backend.min_ttl(),
+            max: backend.max_ttl(),
+        });
+    }
+    let wait = backend.ready_in().await?;
+    if wait.is_zero() {
+        return Ok(());
+    }
+    let why = format!(
+        "its nodes refuse grants for {} more: the restart guard (a node dlock has not seen \
+         since its start grants only after max_ttl = {}; a smaller ?max_ttl= shortens it)",
+        humantime::format_duration(round_up(wait)),
+        humantime::format_duration(backend.max_ttl()),
+    );
+    if wait > may_wait {
+        return Err(Error::unavailable(
+            backend.scheme(),
+            format!("{why}; not waiting past --wait"),
+        ));
+    }
+    eprintln!("dlock: {}: waiting: {why}", backend.scheme());
+    backend.wait_ready(wait + Duration::from_secs(1)).await
+}
+
+/// `d` rounded up to whole seconds (for messages).
+fn round_up(d: Duration) -> Duration {
+    Duration::from_secs(d.as_secs() + u64::from(d.subsec_nanos() > 0))
 }
 
 /// One acquire: `left` is `None` for `--no-wait`, `Some(None)` to wait

@@ -781,3 +781,81 @@ fn unreachable_backend_exits_69() {
     assert!(!ran.stderr.contains("hunter2"), "{ran:#?}");
     assert!(ran.stderr.contains("dlock:***@127.0.0.1:1"), "{ran:#?}");
 }
+
+#[test]
+fn sqlite_file_in_a_missing_directory_is_a_usage_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}/missing/x.db", dir.path().display());
+    for args in [&["status", "x"][..], &["run", "x", "--", "true"][..]] {
+        let ran = Ran::of(Command::new(BIN).args(["--url", &url]).args(args));
+        // Never 1: that is `status`'s answer "free".
+        ran.assert_error(2);
+        assert!(
+            ran.stderr.contains("missing does not exist"),
+            "{args:?}: {ran:#?}"
+        );
+    }
+}
+
+/// A closed port is named as such, in one line, at once: no driver dump, no
+/// wait for a time-out.
+#[cfg(any(feature = "etcd", feature = "zk", feature = "mongo"))]
+#[test]
+fn closed_ports_are_named_at_once() {
+    let urls: &[&str] = &[
+        #[cfg(feature = "etcd")]
+        "etcd://127.0.0.1:1",
+        #[cfg(feature = "zk")]
+        "zk://127.0.0.1:1",
+        #[cfg(feature = "mongo")]
+        "mongodb://127.0.0.1:1/",
+    ];
+    for url in urls {
+        let ran = Ran::of(Command::new(BIN).args(["status", "x", "--url", url]));
+        ran.assert_error(69);
+        assert!(ran.stderr.contains("cannot connect"), "{url}: {ran:#?}");
+        for dump in ["tonic::", "Topology", "Kind:", "labels:", "Os {"] {
+            assert!(!ran.stderr.contains(dump), "{url}: {dump} in {ran:#?}");
+        }
+        // (a bound, not a speed target: the driver's own time-outs are 10 s
+        // for ZooKeeper and 30 s for MongoDB when left alone)
+        assert!(ran.took < Duration::from_secs(8), "{url}: {ran:#?}");
+    }
+}
+
+/// Issue 18 (first run): Redlock's restart guard is named, not taken for a
+/// busy lock: `--wait` shorter than the guard fails at once (69) saying so,
+/// a longer one prints the wait and then runs the command, and a TTL above
+/// `max_ttl` is refused (2) before any wait. Red before: "lock … is still
+/// busy after 1s" (75), and the TTL error only after the wait.
+#[cfg(feature = "redis")]
+#[test]
+fn redlock_names_its_restart_guard() {
+    let Ok(url) = std::env::var("DLOCK_TEST_REDLOCK_URL") else {
+        println!("SKIPPED redlock_names_its_restart_guard: DLOCK_TEST_REDLOCK_URL is not set");
+        return;
+    };
+    // A prefix of its own: the guard's clock starts on first sight.
+    let url = format!(
+        "{url}?dlock_prefix=cli{:08x}&max_ttl=3s",
+        rand::random::<u32>()
+    );
+    let name = unique("guard");
+    let dlock = |args: &[&str]| Ran::of(Command::new(BIN).args(["--url", &url]).args(args));
+
+    let ran = dlock(&["run", &name, "--ttl", "1s", "--wait", "1s", "--", "true"]);
+    ran.assert_error(69);
+    assert!(ran.stderr.contains("restart guard"), "{ran:#?}");
+    assert!(ran.took < Duration::from_secs(3), "{ran:#?}");
+
+    let ran = dlock(&["run", &name, "--ttl", "10s", "--", "true"]);
+    ran.assert_error(2);
+    assert!(ran.stderr.contains("max_ttl"), "{ran:#?}");
+
+    let ran = dlock(&[
+        "run", &name, "--ttl", "1s", "--wait", "10s", "--", "echo", "ran",
+    ]);
+    assert_eq!(ran.code, Some(0), "{ran:#?}");
+    assert_eq!(ran.stdout, "ran\n", "{ran:#?}");
+    assert!(ran.stderr.contains("waiting"), "{ran:#?}");
+}

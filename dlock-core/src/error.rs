@@ -28,7 +28,10 @@ pub enum Error {
     },
 
     /// A session TTL outside the bounds this backend can honour.
-    #[error("invalid TTL {ttl:?}: must be between {min:?} and {max:?}")]
+    #[error(
+        "invalid TTL {ttl:?}: must be between {min:?} and {max:?}{}",
+        if *max < crate::MAX_TTL { " (the backend's max_ttl: its URL's ?max_ttl= option sets it)" } else { "" }
+    )]
     InvalidTtl {
         /// The TTL asked for.
         ttl: Duration,
@@ -95,10 +98,13 @@ pub enum Error {
     },
 
     /// The session has ended (expired on the server, or closed); open a new one.
-    #[error("session {session} is no longer alive")]
+    #[error("{} is no longer alive: {reason}", session_label(session))]
     SessionLost {
-        /// The session id.
+        /// The session id; empty where the driver's error does not say which
+        /// session (the text then reads "the session").
         session: String,
+        /// Why, in the store's terms ("its lease expired on the server").
+        reason: String,
     },
 
     /// The store could not be reached or did not answer in time. Retryable.
@@ -142,6 +148,15 @@ pub enum Error {
     },
 }
 
+/// "session ID", or "the session" when the id is not known where the error was made.
+fn session_label(session: &str) -> String {
+    if session.is_empty() {
+        "the session".to_owned()
+    } else {
+        format!("session {session}")
+    }
+}
+
 impl Error {
     /// Whether the same call may succeed if tried again later.
     ///
@@ -164,6 +179,34 @@ impl Error {
         Error::Unavailable {
             backend,
             source: source.into(),
+        }
+    }
+
+    /// Shorthand for an [`Error::SessionLost`].
+    ///
+    /// ```
+    /// use dlock_core::Error;
+    /// let e = Error::session_lost("7f3a", "its lease expired on the server");
+    /// assert_eq!(e.to_string(), "session 7f3a is no longer alive: its lease expired on the server");
+    /// let e = Error::session_lost("", "the client was closed");
+    /// assert_eq!(e.to_string(), "the session is no longer alive: the client was closed");
+    /// ```
+    pub fn session_lost(session: impl Into<String>, reason: impl Into<String>) -> Self {
+        Error::SessionLost {
+            session: session.into(),
+            reason: reason.into(),
+        }
+    }
+
+    /// The same error, naming `session` if it names no session yet (a
+    /// driver's error mapped where the session id is not at hand).
+    pub fn in_session(self, id: &str) -> Self {
+        match self {
+            Error::SessionLost { session, reason } if session.is_empty() => Error::SessionLost {
+                session: id.to_owned(),
+                reason,
+            },
+            other => other,
         }
     }
 

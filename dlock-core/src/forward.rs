@@ -4,7 +4,8 @@
 /// Implements [`Backend`](crate::Backend) for a wrapper type: each method
 /// named after `forward:` calls the same method of the field named after
 /// `=>`; the methods written after the list are the wrapper's own (and
-/// methods in neither keep the trait's default).
+/// methods in neither keep the trait's default). `wait_ready` forwards
+/// `ready_in` too.
 ///
 /// ```
 /// use std::sync::Arc;
@@ -89,6 +90,14 @@ macro_rules! forward_backend {
             ) -> ::std::result::Result<(), $crate::Error> {
                 use $crate::Backend as _;
                 self.$inner.wait_ready(limit).await
+            }
+            // (the two go together: a wrapper that forwards the wait also
+            // tells how long it would be)
+            async fn ready_in(
+                &self,
+            ) -> ::std::result::Result<::std::time::Duration, $crate::Error> {
+                use $crate::Backend as _;
+                self.$inner.ready_in().await
             }
         ]);
     };

@@ -327,6 +327,27 @@ fn chain_text(e: &(dyn std::error::Error + 'static)) -> String {
     text
 }
 
+/// "cannot connect: <the OS's words>" when a connection could not be opened
+/// (instead of tonic's whole debug chain), else `None`.
+fn connect_failure(e: &etcd_client::Error) -> Option<String> {
+    // (etcd_client::Error names no source: start from what it wraps)
+    let root: &(dyn std::error::Error + 'static) = match e {
+        etcd_client::Error::GRpcStatus(s) => s,
+        etcd_client::Error::TransportError(t) => t,
+        other => other,
+    };
+    let mut next = Some(root);
+    let mut connecting = false;
+    while let Some(source) = next {
+        connecting |= source.to_string().contains("connect error");
+        if let Some(io) = source.downcast_ref::<std::io::Error>() {
+            return connecting.then(|| format!("cannot connect: {io}"));
+        }
+        next = source.source();
+    }
+    None
+}
+
 /// Whether the request certainly never reached etcd: the connection to the
 /// member it was routed to could not be opened. Repeating such a request is
 /// always safe, whatever it does.
@@ -378,12 +399,14 @@ pub(crate) fn map_err(e: etcd_client::Error) -> Error {
     match e {
         // A put on a lease etcd no longer knows, or a keep-alive stream
         // opened for one (etcd-client reports its TTL 0 answer so).
-        E::GRpcStatus(ref s) if s.message().contains("lease not found") => Error::SessionLost {
-            session: format!("etcd lease ({})", s.message()),
-        },
-        E::LeaseKeepAliveError(ref m) if m.contains("lease not found") => Error::SessionLost {
-            session: format!("etcd lease ({m})"),
-        },
+        E::GRpcStatus(ref s) if s.message().contains("lease not found") => Error::session_lost(
+            "",
+            "etcd no longer knows its lease (it expired, or was revoked)",
+        ),
+        E::LeaseKeepAliveError(ref m) if m.contains("lease not found") => Error::session_lost(
+            "",
+            "etcd no longer knows its lease (it expired, or was revoked)",
+        ),
         E::GRpcStatus(ref s) if s.message().contains("authentication failed") => Error::Auth {
             backend: BACKEND,
             reason: "wrong user name or password".into(),
@@ -426,10 +449,16 @@ pub(crate) fn map_err(e: etcd_client::Error) -> Error {
                     | Code::Unknown
             ) =>
         {
-            Error::unavailable(BACKEND, e)
+            match connect_failure(&e) {
+                Some(text) => Error::unavailable(BACKEND, text),
+                None => Error::unavailable(BACKEND, e),
+            }
         }
         E::TransportError(_) | E::IoError(_) | E::LeaseKeepAliveError(_) | E::WatchError(_) => {
-            Error::unavailable(BACKEND, e)
+            match connect_failure(&e) {
+                Some(text) => Error::unavailable(BACKEND, text),
+                None => Error::unavailable(BACKEND, e),
+            }
         }
         E::InvalidUri(_) | E::InvalidArgs(_) => Error::Config(format!("{BACKEND}: {e}")),
         E::Utf8Error(_) => Error::protocol(BACKEND, e.to_string()),
@@ -713,11 +742,29 @@ impl Backend for EtcdBackend {
         ))
     }
 
+    /// With `expires_at` from the holder's lease (its time to live, in
+    /// etcd's whole seconds, from when the answer arrived): one more request.
     async fn inspect(&self, name: &LockName) -> Result<Option<LockInfo>, Error> {
-        Ok(self
-            .head(name)
-            .await?
-            .map(|(kv, count)| info_of(name.clone(), &kv, count)))
+        let Some((kv, count)) = self.head(name).await? else {
+            return Ok(None);
+        };
+        let mut info = info_of(name.clone(), &kv, count);
+        if kv.lease() != 0 {
+            let lease = kv.lease();
+            let ttl = self
+                .inner
+                .call(Repeat::Idempotent, |client| {
+                    let mut leases = client.lease_client();
+                    async move { leases.time_to_live(lease, None).await }
+                })
+                .await?
+                .ttl();
+            // (-1: the lease is gone, the key with it: the hold just ended)
+            info.expires_at = u64::try_from(ttl)
+                .ok()
+                .map(|s| std::time::SystemTime::now() + Duration::from_secs(s));
+        }
+        Ok(Some(info))
     }
 
     async fn list(&self, prefix: &str) -> Result<Vec<LockInfo>, Error> {

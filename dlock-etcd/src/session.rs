@@ -109,9 +109,10 @@ impl EtcdSession {
     }
 
     fn lost(&self) -> Error {
-        Error::SessionLost {
-            session: self.id.to_string(),
-        }
+        Error::session_lost(
+            self.id.to_string(),
+            "its lease expired on the server, or the session was closed",
+        )
     }
 
     /// Whether each hold's key is still there with its token, on this lease.
@@ -179,8 +180,9 @@ impl EtcdSession {
                 return Ok(());
             }
         };
-        keeper.keep_alive().await.map_err(crate::map_err)?;
-        match stream.message().await.map_err(crate::map_err)? {
+        let named = |e| crate::map_err(e).in_session(&self.id.to_string());
+        keeper.keep_alive().await.map_err(named)?;
+        match stream.message().await.map_err(named)? {
             Some(resp) if resp.ttl() > 0 => {
                 *slot = Some((keeper, stream));
                 Ok(())

@@ -49,3 +49,35 @@ async fn connects_while_a_minority_is_unreachable() {
         }
     }
 }
+
+/// Issue 18: `inspect` (what `dlock status` shows) tells when a hold
+/// expires unless renewed, from the holder's lease; red before: `None`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inspect_tells_when_the_hold_expires() {
+    if dlock_conformance::skip_requested("etcd", "adapter tests") {
+        return;
+    }
+    let url =
+        std::env::var("DLOCK_TEST_ETCD_URL").unwrap_or_else(|_| "etcd://127.0.0.1:12379".into());
+    let backend = EtcdBackend::connect(&url).await.unwrap();
+    let ttl = Duration::from_secs(5);
+    let session = backend
+        .session(SessionOptions::new().ttl(ttl))
+        .await
+        .unwrap();
+    let name =
+        dlock_core::LockName::new(format!("adapter/expiry-{:08x}", rand::random::<u32>())).unwrap();
+    let guard = session.lock(&name).unwrap().acquire().await.unwrap();
+    let asked = std::time::SystemTime::now();
+    let info = backend.inspect(&name).await.unwrap().expect("held");
+    assert_eq!(info.token, guard.token());
+    let expires = info.expires_at.expect("an expiry from the lease");
+    // etcd counts whole seconds; the lease was renewed within the last TTL.
+    let left = expires.duration_since(asked).unwrap_or_default();
+    assert!(
+        left > Duration::ZERO && left <= ttl + Duration::from_secs(1),
+        "{left:?}"
+    );
+    guard.release().await.unwrap();
+    session.close().await.unwrap();
+}

@@ -162,10 +162,40 @@ pub(crate) fn classify(e: &mongodb::error::Error) -> Class {
     }
 }
 
+/// What a failed server selection or connection says, without the driver's
+/// topology dump: the first server's own error where it gives one.
+fn unreachable_text(e: &mongodb::error::Error) -> Option<String> {
+    match e.kind.as_ref() {
+        ErrorKind::ServerSelection { message, .. } => {
+            // "... Servers: [ { Address: h:p, Type: Unknown, Error: Kind: I/O error: ..., labels: ..."
+            let server = message.split("Address: ").nth(1).map(|rest| {
+                let address = rest.split([',', ' ']).next().unwrap_or_default();
+                let error = rest
+                    .split_once("Error: Kind: ")
+                    .map(|(_, why)| why.split(", labels").next().unwrap_or(why));
+                (address, error)
+            });
+            Some(match server {
+                Some((address, Some(why))) => format!("cannot connect to {address}: {why}"),
+                Some((address, None)) => format!(
+                    "no answer from {address} within the server selection timeout                      (serverSelectionTimeoutMS)"
+                ),
+                None => "no server could be selected within the server selection timeout                          (serverSelectionTimeoutMS)"
+                    .to_owned(),
+            })
+        }
+        ErrorKind::Io(io) => Some(format!("connection failed: {io}")),
+        _ => None,
+    }
+}
+
 /// Maps a driver error to the meaning-based core error.
 pub(crate) fn map_err(e: mongodb::error::Error) -> Error {
     match classify(&e) {
-        Class::Transient => Error::unavailable(SCHEME, e),
+        Class::Transient => match unreachable_text(&e) {
+            Some(text) => Error::unavailable(SCHEME, text),
+            None => Error::unavailable(SCHEME, e),
+        },
         Class::Auth => Error::Auth {
             backend: SCHEME,
             reason: match (e.kind.as_ref(), tls_failure(&e)) {

@@ -437,6 +437,35 @@ impl RedisBackend {
         Ok(total)
     }
 
+    /// [`Backend::ready_in`]: how long until a majority of the nodes may
+    /// grant (starting the guard's clock on a node dlock has not seen).
+    async fn guards_out_in(&self) -> Result<Duration, Error> {
+        let min_uptime = self.inner.min_uptime();
+        if min_uptime.is_zero() {
+            return Ok(Duration::ZERO);
+        }
+        let answers = join_all(
+            self.inner
+                .nodes
+                .iter()
+                .map(|n| n.ready_in(min_uptime, ADMIN_TIMEOUT)),
+        )
+        .await;
+        let mut waits: Vec<Duration> = answers.into_iter().filter_map(Result::ok).collect();
+        waits.sort();
+        let quorum = self.inner.quorum();
+        waits.get(quorum - 1).copied().ok_or_else(|| {
+            Error::unavailable(
+                "redis",
+                format!(
+                    "only {} of {} Redis nodes answered, {quorum} needed",
+                    waits.len(),
+                    self.inner.nodes.len()
+                ),
+            )
+        })
+    }
+
     /// [`Backend::wait_ready`]: waits until a majority of the nodes may
     /// grant, at most `limit`.
     ///
@@ -448,32 +477,9 @@ impl RedisBackend {
     /// # Cancel safety
     /// Cancel safe.
     async fn wait_guards_out(&self, limit: Duration) -> Result<(), Error> {
-        let min_uptime = self.inner.min_uptime();
-        if min_uptime.is_zero() {
-            return Ok(());
-        }
         let deadline = tokio::time::Instant::now() + limit;
         loop {
-            let answers = join_all(
-                self.inner
-                    .nodes
-                    .iter()
-                    .map(|n| n.ready_in(min_uptime, ADMIN_TIMEOUT)),
-            )
-            .await;
-            let mut waits: Vec<Duration> = answers.into_iter().filter_map(Result::ok).collect();
-            waits.sort();
-            let quorum = self.inner.quorum();
-            let Some(wait) = waits.get(quorum - 1).copied() else {
-                return Err(Error::unavailable(
-                    "redis",
-                    format!(
-                        "only {} of {} Redis nodes answered, {quorum} needed",
-                        waits.len(),
-                        self.inner.nodes.len()
-                    ),
-                ));
-            };
+            let wait = self.guards_out_in().await?;
             if wait.is_zero() {
                 return Ok(());
             }
@@ -536,6 +542,10 @@ impl Backend for RedisBackend {
 
     async fn wait_ready(&self, limit: Duration) -> Result<(), Error> {
         self.wait_guards_out(limit).await
+    }
+
+    async fn ready_in(&self) -> Result<Duration, Error> {
+        self.guards_out_in().await
     }
 
     fn capabilities(&self) -> Capabilities {

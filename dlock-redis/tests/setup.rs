@@ -376,3 +376,32 @@ async fn redlock_refuses_one_server_listed_twice() {
     let distinct = url.with_hosts(&url.hosts()[..3]).unwrap();
     RedisBackend::connect(&distinct).await.unwrap();
 }
+
+/// Issue 18 (readiness): a Redlock deployment that dlock has just met says
+/// how long its restart guard still refuses grants (`ready_in`), instead of
+/// a first acquire that looks like a busy lock; after `wait_ready` it is
+/// zero and a lock is granted at once. Red before: `ready_in` was the
+/// trait's default, zero.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redlock_says_how_long_its_guard_refuses() {
+    if skipped("redlock", "redlock_says_how_long_its_guard_refuses") {
+        return;
+    }
+    // A prefix of its own: the guard's clock starts on first sight.
+    let prefix = format!("ready{:08x}", rand::random::<u32>());
+    let url = with_options(&redlock_url(), &format!("dlock_prefix={prefix}&max_ttl=2s"));
+    let backend = RedisBackend::connect(&url).await.unwrap();
+    let first = backend.ready_in().await.unwrap();
+    assert!(
+        first > Duration::ZERO && first <= Duration::from_secs(2),
+        "{first:?}"
+    );
+    backend.wait_ready(Duration::from_secs(10)).await.unwrap();
+    assert_eq!(backend.ready_in().await.unwrap(), Duration::ZERO);
+    let session = backend
+        .session(SessionOptions::new().ttl(Duration::from_secs(1)))
+        .await
+        .unwrap();
+    let guard = session.lock(unique("ready")).unwrap().try_acquire().await;
+    assert!(matches!(guard, Ok(Some(_))), "{guard:?}");
+}

@@ -540,6 +540,9 @@ async fn first_connection(
         Err(sqlx::Error::Io(e)) if is_tls_failure(&e) => {
             return Err(Error::Config(format!("{scheme}: TLS with {options}: {e}")));
         }
+        Err(e) if options.dialect == Dialect::Sqlite && cannot_open(&e) => {
+            return Err(sqlite_cannot_open(options));
+        }
         Err(e) => {
             return Err(match store::map_err(scheme, e) {
                 Error::Unavailable { source, .. } => {
@@ -555,6 +558,40 @@ async fn first_connection(
             .map_err(|e| store::map_err(scheme, e))?;
     }
     Ok(conn)
+}
+
+/// SQLite's SQLITE_CANTOPEN (14): the file cannot be opened or created.
+fn cannot_open(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(d) if d.code().as_deref() == Some("14"))
+}
+
+/// Why SQLite cannot open the URL's file, as a configuration error naming
+/// the path: most often a directory that does not exist (SQLite creates
+/// the file, never its directory).
+fn sqlite_cannot_open(options: &SqlOptions) -> Error {
+    let url = options.driver_url();
+    let path = url
+        .strip_prefix("sqlite://")
+        .unwrap_or(url)
+        .split('?')
+        .next()
+        .unwrap_or_default();
+    let dir = match std::path::Path::new(path).parent() {
+        Some(d) if d.as_os_str().is_empty() => std::path::Path::new("."),
+        Some(d) => d,
+        None => std::path::Path::new("/"),
+    };
+    let why = if !dir.is_dir() {
+        format!(
+            "the directory {} does not exist (SQLite creates the database file, not its directory)",
+            dir.display()
+        )
+    } else {
+        "SQLite cannot open or create it (permissions? a directory of that name? mode=ro on a \
+         missing file?)"
+            .to_owned()
+    };
+    Error::Config(format!("sqlite: cannot open {path}: {why}"))
 }
 
 /// Prepares `statements` on a new connection (PostgreSQL, MySQL). A

@@ -162,9 +162,8 @@ const IN_FLIGHT: Duration = Duration::from_millis(20);
 pub(crate) fn map_err(e: zk::Error) -> Error {
     use zk::Error as E;
     match e {
-        E::SessionExpired | E::ClientClosed => Error::SessionLost {
-            session: format!("zookeeper session ({e})"),
-        },
+        E::SessionExpired => Error::session_lost("", "ZooKeeper expired it"),
+        E::ClientClosed => Error::session_lost("", "its ZooKeeper client was closed"),
         E::AuthFailed => Error::Auth {
             backend: BACKEND,
             reason: "authentication failed".into(),
@@ -267,16 +266,30 @@ impl Config {
 
     /// A new ZooKeeper session.
     pub(crate) async fn connect(&self, timeout: Duration) -> Result<zk::Client, Error> {
+        // Fail eagerly: once every host refused, say so (a closed port is
+        // known at once; without it the driver tried for the whole bound).
+        // Callers that wait for the ensemble retry this error.
         let mut connector = zk::Client::connector()
             .with_session_timeout(timeout)
-            .with_connection_timeout(CONNECTION_TIMEOUT);
+            .with_connection_timeout(CONNECTION_TIMEOUT)
+            .with_fail_eagerly();
         if let Some((user, password)) = &self.auth {
             connector = connector.with_auth("digest", format!("{user}:{password}").as_bytes());
         }
-        tokio::time::timeout(Duration::from_secs(10), connector.connect(&self.hosts))
-            .await
-            .map_err(|_| Error::unavailable(BACKEND, "connect timed out"))?
-            .map_err(map_err)
+        match tokio::time::timeout(Duration::from_secs(10), connector.connect(&self.hosts)).await {
+            Err(_) => Err(Error::unavailable(
+                BACKEND,
+                format!("no answer from {} within 10s", self.hosts),
+            )),
+            Ok(Err(zk::Error::NoHosts)) => Err(Error::unavailable(
+                BACKEND,
+                format!(
+                    "cannot connect to {}: every host refused or failed",
+                    self.hosts
+                ),
+            )),
+            Ok(result) => result.map_err(map_err),
+        }
     }
 
     /// Why a read of `path` was refused, naming the user but never the

@@ -105,6 +105,33 @@ pub trait Backend: Send + Sync + Debug {
         Ok(())
     }
 
+    /// How long until this deployment may grant locks: zero when it may now
+    /// (the default, and every store but a guarded Redis). A Redis
+    /// deployment with the restart guard (Redlock by default) answers how
+    /// long a majority of its nodes still refuse grants after dlock first
+    /// saw their server processes: up to its `max_ttl`. A program shows this
+    /// wait (the CLI prints a line) instead of letting a first acquire look
+    /// like a busy lock.
+    ///
+    /// ```
+    /// # async fn demo() -> Result<(), dlock_core::Error> {
+    /// use dlock_core::Backend;
+    /// let backend = dlock_core::memory::MemoryBackend::new();
+    /// assert!(backend.ready_in().await?.is_zero());
+    /// # Ok(()) }
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(demo()).unwrap();
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::Unavailable`] if the deployment cannot tell (too few nodes
+    /// answer).
+    ///
+    /// # Cancel safety
+    /// Cancel safe.
+    async fn ready_in(&self) -> Result<Duration, Error> {
+        Ok(Duration::ZERO)
+    }
+
     /// The largest TTL this deployment can honour: [`MAX_TTL`](crate::MAX_TTL)
     /// unless the store bounds it (a Redis restart guard refuses grants for
     /// its `max_ttl` after a restart, so no session may outlive that).

@@ -478,9 +478,10 @@ fn live_session_mut<'a>(
 ) -> Result<&'a mut SessionRec, Error> {
     match sessions.get_mut(id) {
         Some(rec) if rec.expires_at > now => Ok(rec),
-        _ => Err(Error::SessionLost {
-            session: id.to_string(),
-        }),
+        _ => Err(Error::session_lost(
+            id.to_string(),
+            "it expired on the server, or was closed",
+        )),
     }
 }
 

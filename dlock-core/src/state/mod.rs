@@ -169,9 +169,10 @@ impl SessionState {
 
     /// The error for work on a session that has ended.
     pub(crate) fn lost_error(&self) -> Error {
-        Error::SessionLost {
-            session: self.id.to_string(),
-        }
+        Error::session_lost(
+            self.id.to_string(),
+            "it expired on the server, could not be renewed in time, or was closed",
+        )
     }
 
     /// Resolves when the session is lost or closed.

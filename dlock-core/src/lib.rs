@@ -74,6 +74,7 @@ pub mod rwlock;
 pub mod semaphore;
 mod session;
 mod state;
+pub mod telemetry;
 mod token;
 pub mod url;
 pub mod wake;

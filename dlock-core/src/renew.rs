@@ -9,11 +9,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::timeout;
+use tracing::Instrument;
 
 use crate::clock::{self, sleep_until};
 use crate::error::Error;
 use crate::lost::LostReason;
 use crate::state::{SessionState, Stats};
+use crate::telemetry;
 
 /// Renews `state` every period until it shuts down; expires overdue holds
 /// locally in between.
@@ -36,13 +38,22 @@ pub(crate) async fn run(state: Arc<SessionState>) {
         let tenures = state.tenures();
         let request: Vec<_> = tenures.iter().map(|t| t.hold.clone()).collect();
         let sent = clock::now();
+        let span = tracing::debug_span!("dlock.renew", backend = state.scheme, session = %state.id(), holds = request.len());
         let result = tokio::select! {
             _ = state.shutdown.cancelled() => return,
-            r = timeout(timing.request_timeout, state.raw.renew(&request)) => r,
+            r = timeout(timing.request_timeout, state.raw.renew(&request)).instrument(span) => r,
         };
+        if !matches!(result, Ok(Ok(ref still_held)) if still_held.len() == tenures.len()) {
+            telemetry::renewal_failed(state.scheme);
+        }
         match result {
             Ok(Ok(still_held)) if still_held.len() == tenures.len() => {
                 Stats::bump(&state.stats.renewals);
+                let landed = clock::now();
+                let lag = state
+                    .earliest_deadline()
+                    .map(|deadline| deadline.saturating_duration_since(landed));
+                telemetry::renewed(state.scheme, landed - sent, lag);
                 let until = timing.valid_until(sent);
                 state.extend_session(until);
                 for (tenure, ok) in tenures.iter().zip(still_held) {

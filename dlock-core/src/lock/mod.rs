@@ -22,6 +22,7 @@ use crate::guard::LockGuard;
 use crate::lost::LostReason;
 use crate::name::LockName;
 use crate::state::{KeepOpen, SessionState, Tenure};
+use crate::telemetry::{self, Outcome};
 use pending::PendingClaim;
 
 /// The longest reason ([`Lock::why`]) kept, in bytes.
@@ -249,8 +250,18 @@ impl Lock {
     }
 
     async fn acquire_with(&self, wait: Wait) -> Result<Option<LockGuard>, Error> {
-        let span = tracing::debug_span!("dlock.acquire", lock = %self.name, session = %self.session_state().id());
-        self.acquire_inner(wait).instrument(span).await
+        let state = self.session_state();
+        let span = tracing::debug_span!("dlock.acquire", lock = %self.name, backend = state.scheme, session = %state.id());
+        let started = Instant::now();
+        let result = self.acquire_inner(wait).instrument(span).await;
+        let outcome = match &result {
+            Ok(Some(_)) => Outcome::Granted,
+            Ok(None) => Outcome::Busy,
+            Err(Error::Timeout { .. }) => Outcome::Timeout,
+            Err(_) => Outcome::Error,
+        };
+        telemetry::acquired(state.scheme, outcome, started.elapsed());
+        result
     }
 
     /// One claim per handle at a time: waits for this handle's other

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::{Instant, sleep, sleep_until, timeout};
+use tracing::Instrument;
 
 use super::{SessionState, Tenure};
 use crate::backend::primitives::Hold;
@@ -71,8 +72,10 @@ impl SessionState {
         let lost_before = tenure.lost_error();
         tenure.lose(LostReason::Released);
         let give_up_at = tenure.deadline() + self.timing.drift;
+        let span = tracing::debug_span!("dlock.release", lock = %tenure.hold.name, backend = self.scheme, session = %self.id);
         let result = self
             .release_in_store(&tenure.hold, tenure.deadline(), give_up_at)
+            .instrument(span)
             .await;
         if result.as_ref().is_err_and(Error::is_retryable) {
             // Not confirmed, and the session no longer renews the hold by name;

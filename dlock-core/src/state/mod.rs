@@ -117,6 +117,7 @@ impl SessionState {
         sent: Instant,
     ) -> Arc<Self> {
         let epoch = sent;
+        crate::telemetry::sessions_open(scheme, 1.0);
         Arc::new(Self {
             session_deadline: AtomicU64::new(nanos_since(epoch, timing.valid_until(sent))),
             expiry: raw.expiry(),
@@ -219,7 +220,7 @@ impl SessionState {
     /// Records a grant as a new tenure of this session.
     pub(crate) fn register(self: &Arc<Self>, hold: Hold, deadline: Instant) -> Arc<Tenure> {
         let id = self.next_tenure.fetch_add(1, Ordering::Relaxed);
-        let tenure = Arc::new(Tenure::new(id, hold, self.epoch, deadline));
+        let tenure = Arc::new(Tenure::new(id, hold, self.epoch, deadline, self.scheme));
         self.tenures.lock().unwrap().insert(id, tenure.clone());
         Stats::bump(&self.stats.grants);
         tenure
@@ -318,6 +319,7 @@ impl SessionState {
             .compare_exchange(ALIVE, LOST, Ordering::AcqRel, Ordering::Acquire)
             .is_ok()
         {
+            crate::telemetry::sessions_open(self.scheme, -1.0);
             tracing::warn!(target: crate::state::LOG_TARGET, session = %self.id, "session lost");
         }
         for tenure in self.tenures() {
@@ -332,6 +334,9 @@ impl SessionState {
     /// background tasks. See [`Session::close`](crate::Session::close).
     pub(crate) async fn close(self: &Arc<Self>) -> Result<(), Error> {
         let was = self.lifecycle.swap(CLOSED, Ordering::AcqRel);
+        if was == ALIVE {
+            crate::telemetry::sessions_open(self.scheme, -1.0);
+        }
         self.shutdown.cancel();
         let holds = self.take_holds(LostReason::Closed);
         let result = if was == CLOSED {
@@ -351,8 +356,10 @@ impl SessionState {
 
     /// Ends the session in the background, once its last [`KeepOpen`] is gone.
     fn close_in_background(self: &Arc<Self>) {
-        if self.lifecycle.swap(CLOSED, Ordering::AcqRel) == CLOSED {
-            return;
+        match self.lifecycle.swap(CLOSED, Ordering::AcqRel) {
+            CLOSED => return,
+            ALIVE => crate::telemetry::sessions_open(self.scheme, -1.0),
+            _ => {}
         }
         self.shutdown.cancel();
         let holds = self.take_holds(LostReason::Closed);

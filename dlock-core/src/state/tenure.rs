@@ -30,11 +30,23 @@ pub(crate) struct Tenure {
     /// [`Lock::hold_at_least`](crate::Lock::hold_at_least): a release
     /// before this instant (deadline clock) is carried out at it.
     pub(crate) keep_until: OnceLock<Instant>,
+    /// The backend's scheme and the grant's local time, for the metrics
+    /// recorded once when the hold ends.
+    scheme: &'static str,
+    granted_at: Instant,
 }
 
 impl Tenure {
-    pub(crate) fn new(id: u64, hold: Hold, epoch: Instant, deadline: Instant) -> Self {
+    pub(crate) fn new(
+        id: u64,
+        hold: Hold,
+        epoch: Instant,
+        deadline: Instant,
+        scheme: &'static str,
+    ) -> Self {
         Self {
+            scheme,
+            granted_at: Instant::now(),
             id,
             hold,
             epoch,
@@ -74,6 +86,7 @@ impl Tenure {
         let first = self.reason.set(reason).is_ok();
         if first {
             self.lost.cancel();
+            crate::telemetry::hold_ended(self.scheme, reason, self.granted_at.elapsed());
         }
         first
     }

@@ -74,6 +74,7 @@ pub use dlock_zk as zk;
 #[doc(inline)]
 pub use dlock_mongo as mongo;
 
+pub mod blocking;
 #[cfg(feature = "tower")]
 pub mod fence_layer;
 

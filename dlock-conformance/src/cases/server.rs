@@ -227,10 +227,21 @@ pub async fn server_restart_while_held(h: &dyn Harness) -> Outcome {
     let waiter = wait_for(&b, &name)?;
     servers.kill_all().await?;
     servers.start_all().await?;
-    let kept = keeps_or_knows(&ctx, &ga, "after a restart").await?;
+    let mut kept = keeps_or_knows(&ctx, &ga, "after a restart").await?;
     let (a_deadline, a_token) = (ga.deadline(), ga.token());
     if kept {
-        ga.release().await?;
+        match ga.release().await {
+            Ok(()) => {}
+            // A's own client did not get through to the restarted server
+            // before A's hold lapsed (a slow reconnect on a loaded machine:
+            // CI saw ZooKeeper's "release timed out" once). The release gives
+            // up only past A's local deadline; the hold then ended by expiry,
+            // and B must not have it before that deadline (checked below).
+            Err(e) if e.is_retryable() && tokio::time::Instant::now() >= a_deadline => {
+                kept = false;
+            }
+            Err(e) => return Err(e.into()),
+        }
     } else {
         drop(ga);
     }

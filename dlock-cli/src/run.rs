@@ -234,13 +234,18 @@ async fn wait_for_lock(
                     } else {
                         budget
                     };
-                    if let Err(e) = ready(&*b, args.ttl, may_wait).await {
-                        not_ready = true;
+                    if let Err((e, last)) = ready(&*b, args.ttl, may_wait, args.no_wait).await {
+                        not_ready = last;
                         return Err(e);
                     }
                     *backend = Some(Arc::clone(&b));
                     b
                 }
+            };
+            // (what is left of the budget after a wait for readiness)
+            let budget = match deadline {
+                Some(Some(d)) => d.saturating_duration_since(Instant::now()),
+                _ => budget,
             };
             let options = SessionOptions::new().ttl(args.ttl).label("dlock");
             let session = timeout(budget, b.session(options))
@@ -290,16 +295,24 @@ async fn wait_for_lock(
 /// Waits out a store that cannot grant yet (a Redis restart guard after
 /// dlock first sees its nodes), saying so on stderr; an error naming the
 /// wait if it is longer than `may_wait`. A `ttl` the backend cannot honour
-/// is refused first (not after the wait).
-async fn ready(backend: &dyn Backend, ttl: Duration, may_wait: Duration) -> Result<(), Error> {
+/// is refused first (not after the wait). The flag with an error: whether
+/// it is final (the TTL, a wait longer than the budget) rather than a
+/// failure to ask, which the caller retries within its budget.
+async fn ready(
+    backend: &dyn Backend,
+    ttl: Duration,
+    may_wait: Duration,
+    no_wait: bool,
+) -> Result<(), (Error, bool)> {
     if ttl > backend.max_ttl() {
-        return Err(Error::InvalidTtl {
+        let refused = Error::InvalidTtl {
             ttl,
             min: backend.min_ttl(),
             max: backend.max_ttl(),
-        });
+        };
+        return Err((refused, true));
     }
-    let wait = backend.ready_in().await?;
+    let wait = backend.ready_in().await.map_err(|e| (e, false))?;
     if wait.is_zero() {
         return Ok(());
     }
@@ -310,13 +323,15 @@ async fn ready(backend: &dyn Backend, ttl: Duration, may_wait: Duration) -> Resu
         humantime::format_duration(backend.max_ttl()),
     );
     if wait > may_wait {
-        return Err(Error::unavailable(
-            backend.scheme(),
-            format!("{why}; not waiting past --wait"),
-        ));
+        let flag = if no_wait { "--no-wait" } else { "--wait" };
+        let refused = Error::unavailable(backend.scheme(), format!("{why}; not waiting ({flag})"));
+        return Err((refused, true));
     }
     eprintln!("dlock: {}: waiting: {why}", backend.scheme());
-    backend.wait_ready(wait + Duration::from_secs(1)).await
+    backend
+        .wait_ready(wait + Duration::from_secs(1))
+        .await
+        .map_err(|e| (e, false))
 }
 
 /// `d` rounded up to whole seconds (for messages).

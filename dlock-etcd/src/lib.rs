@@ -751,14 +751,16 @@ impl Backend for EtcdBackend {
         let mut info = info_of(name.clone(), &kv, count);
         if kv.lease() != 0 {
             let lease = kv.lease();
+            // (an expiry is extra: a failure to read it leaves it unknown)
             let ttl = self
                 .inner
                 .call(Repeat::Idempotent, |client| {
                     let mut leases = client.lease_client();
                     async move { leases.time_to_live(lease, None).await }
                 })
-                .await?
-                .ttl();
+                .await
+                .map(|r| r.ttl())
+                .unwrap_or(-1);
             // (-1: the lease is gone, the key with it: the hold just ended)
             info.expires_at = u64::try_from(ttl)
                 .ok()

@@ -178,9 +178,9 @@ fn unreachable_text(e: &mongodb::error::Error) -> Option<String> {
             Some(match server {
                 Some((address, Some(why))) => format!("cannot connect to {address}: {why}"),
                 Some((address, None)) => format!(
-                    "no answer from {address} within the server selection timeout                      (serverSelectionTimeoutMS)"
+                    "no answer from {address} within the server selection timeout (serverSelectionTimeoutMS)"
                 ),
-                None => "no server could be selected within the server selection timeout                          (serverSelectionTimeoutMS)"
+                None => "no server could be selected within the server selection timeout (serverSelectionTimeoutMS)"
                     .to_owned(),
             })
         }

@@ -266,30 +266,66 @@ impl Config {
 
     /// A new ZooKeeper session.
     pub(crate) async fn connect(&self, timeout: Duration) -> Result<zk::Client, Error> {
-        // Fail eagerly: once every host refused, say so (a closed port is
-        // known at once; without it the driver tried for the whole bound).
-        // Callers that wait for the ensemble retry this error.
-        let mut connector = zk::Client::connector()
-            .with_session_timeout(timeout)
-            .with_connection_timeout(CONNECTION_TIMEOUT)
-            .with_fail_eagerly();
-        if let Some((user, password)) = &self.auth {
-            connector = connector.with_auth("digest", format!("{user}:{password}").as_bytes());
+        // One pass over the hosts at a time (fail eagerly), passes repeated
+        // within the bound: a member that refuses clients during an election,
+        // or a name behind a load balancer, gets its retries; but when every
+        // host refuses the TCP connection, that is known at once and said.
+        let bound = Duration::from_secs(10);
+        let deadline = tokio::time::Instant::now() + bound;
+        let mut pause = Duration::from_millis(50);
+        loop {
+            let mut connector = zk::Client::connector()
+                .with_session_timeout(timeout)
+                .with_connection_timeout(CONNECTION_TIMEOUT)
+                .with_fail_eagerly();
+            if let Some((user, password)) = &self.auth {
+                connector = connector.with_auth("digest", format!("{user}:{password}").as_bytes());
+            }
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            match tokio::time::timeout(left, connector.connect(&self.hosts)).await {
+                Ok(Err(zk::Error::NoHosts)) => {
+                    if self.every_host_refuses().await {
+                        return Err(Error::unavailable(
+                            BACKEND,
+                            format!("cannot connect to {}: connection refused", self.hosts),
+                        ));
+                    }
+                    if tokio::time::Instant::now() + pause >= deadline {
+                        return Err(Error::unavailable(
+                            BACKEND,
+                            format!("no session from {} within {bound:?}", self.hosts),
+                        ));
+                    }
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_millis(500));
+                }
+                Err(_) => {
+                    return Err(Error::unavailable(
+                        BACKEND,
+                        format!("no answer from {} within {bound:?}", self.hosts),
+                    ));
+                }
+                Ok(result) => return result.map_err(map_err),
+            }
         }
-        match tokio::time::timeout(Duration::from_secs(10), connector.connect(&self.hosts)).await {
-            Err(_) => Err(Error::unavailable(
-                BACKEND,
-                format!("no answer from {} within 10s", self.hosts),
-            )),
-            Ok(Err(zk::Error::NoHosts)) => Err(Error::unavailable(
-                BACKEND,
-                format!(
-                    "cannot connect to {}: every host refused or failed",
-                    self.hosts
-                ),
-            )),
-            Ok(result) => result.map_err(map_err),
-        }
+    }
+
+    /// Whether every host refuses a TCP connection now (nothing listens).
+    async fn every_host_refuses(&self) -> bool {
+        let probes = self.hosts.split(',').map(|host| async move {
+            matches!(
+                tokio::time::timeout(
+                    Duration::from_millis(500),
+                    tokio::net::TcpStream::connect(host)
+                )
+                .await,
+                Ok(Err(ref e)) if e.kind() == std::io::ErrorKind::ConnectionRefused
+            )
+        });
+        futures::future::join_all(probes)
+            .await
+            .into_iter()
+            .all(|refused| refused)
     }
 
     /// Why a read of `path` was refused, naming the user but never the

@@ -27,10 +27,11 @@
 //!   session closes in the foreground when its last [`Session`], [`Lock`]
 //!   or [`LockGuard`] is dropped: nothing is left to a runtime that is about
 //!   to stop.
-//! - These types must not be used from inside an async runtime (blocking
-//!   there would stall it): [`connect`] then refuses with
-//!   [`Error::Config`], and a drop there falls back to the async
-//!   background release.
+//! - Called from a thread that is inside a runtime already (a
+//!   `spawn_blocking` thread), each call runs on a helper thread and waits
+//!   for it: it works, drops included. From an async task it works too,
+//!   but blocks that task's worker thread as any blocking call does: use
+//!   the async API there.
 
 use std::sync::Arc;
 use std::sync::mpsc;
@@ -46,7 +47,6 @@ struct Runtime(Option<tokio::runtime::Runtime>);
 
 impl Runtime {
     fn new() -> Result<Arc<Self>> {
-        refuse_inside_a_runtime()?;
         tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("dlock-blocking")
@@ -56,12 +56,31 @@ impl Runtime {
             .map_err(|e| Error::Config(format!("cannot start the blocking API's runtime: {e}")))
     }
 
-    /// Runs `fut` to completion on this runtime, blocking the thread.
-    fn block_on<F: Future>(&self, fut: F) -> F::Output {
-        self.0
-            .as_ref()
-            .expect("runtime present until drop")
-            .block_on(fut)
+    /// Runs `fut` to completion on this runtime, blocking the thread. A
+    /// thread that is inside a runtime already (a `spawn_blocking` thread,
+    /// or an async task that calls this API anyway) cannot `block_on`
+    /// there: the future then runs on a helper thread, which this one waits
+    /// for.
+    fn block_on<F>(&self, fut: F) -> F::Output
+    where
+        F: Future + Send,
+        F::Output: Send,
+    {
+        let rt = self.0.as_ref().expect("runtime present until drop");
+        if tokio::runtime::Handle::try_current().is_err() {
+            return rt.block_on(fut);
+        }
+        std::thread::scope(|s| {
+            match std::thread::Builder::new()
+                .name("dlock-blocking-call".into())
+                .spawn_scoped(s, || rt.block_on(fut))
+                .expect("spawn a helper thread")
+                .join()
+            {
+                Ok(output) => output,
+                Err(panic) => std::panic::resume_unwind(panic),
+            }
+        })
     }
 
     fn handle(&self) -> &tokio::runtime::Handle {
@@ -82,22 +101,10 @@ impl Drop for Runtime {
     }
 }
 
-fn refuse_inside_a_runtime() -> Result<()> {
-    if tokio::runtime::Handle::try_current().is_ok() {
-        return Err(Error::Config(
-            "dlocks::blocking cannot be used inside an async runtime (it would block it); \
-             use the async API there"
-                .into(),
-        ));
-    }
-    Ok(())
-}
-
 /// Opens the backend a URL names, as [`crate::connect`] does.
 ///
 /// # Errors
-/// As [`crate::connect`]; [`Error::Config`] when called inside an async
-/// runtime.
+/// As [`crate::connect`].
 pub fn connect(url: &str) -> Result<Backend> {
     let rt = Runtime::new()?;
     let inner = rt.block_on(crate::connect(url))?;
@@ -133,7 +140,6 @@ impl Backend {
     /// # Errors
     /// As [`crate::Backend::session`].
     pub fn session(&self, options: SessionOptions) -> Result<Session> {
-        refuse_inside_a_runtime()?;
         let session = self.rt.block_on(self.inner().session(options))?;
         Ok(Session {
             core: Arc::new(SessionCore {
@@ -204,9 +210,6 @@ impl Drop for SessionCore {
         let Some(session) = self.session.take() else {
             return;
         };
-        if tokio::runtime::Handle::try_current().is_ok() {
-            return; // the async session closes itself in the background
-        }
         let _ = self.rt.block_on(session.close());
         let _enter = self.rt.handle().enter();
         drop(session);
@@ -393,10 +396,6 @@ impl Drop for LockGuard {
         let Some(guard) = self.inner.take() else {
             return;
         };
-        if tokio::runtime::Handle::try_current().is_ok() {
-            drop(guard); // inside a runtime: the async guard's background release
-            return;
-        }
         if let Err(e) = self.core.rt.block_on(guard.release()) {
             tracing::debug!(error = %e, "release on drop");
         }

@@ -142,14 +142,45 @@ fn on_every_reachable_backend() {
     }
 }
 
+/// From a thread inside a runtime (a `spawn_blocking` thread, and an
+/// async task that calls it anyway) the API works, and dropping a guard
+/// (and the last handles, which stops the API's runtime) still releases in
+/// the foreground. Red before: `block_on` panicked ("Cannot start a runtime
+/// from within a runtime"), and a drop there left the lock to its TTL.
 #[test]
-fn refused_inside_a_runtime() {
-    let rt = tokio::runtime::Builder::new_current_thread()
+fn works_from_inside_a_runtime() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
         .build()
         .unwrap();
-    let r = rt.block_on(async { blocking::connect("memory://inside") });
-    assert!(
-        matches!(r, Err(Error::Config(ref m)) if m.contains("inside an async runtime")),
-        "{r:?}"
-    );
+    let name = unique("inside");
+    let url = "memory://blocking-inside";
+    let other = blocking::connect(url).unwrap();
+    let long = SessionOptions::new().ttl(Duration::from_secs(30));
+    let watcher = other.session(long.clone()).unwrap();
+    for in_task in [false, true] {
+        let (theirs, long) = (name.clone(), long.clone());
+        let work = move || {
+            let backend = blocking::connect(url).unwrap();
+            let session = backend.session(long).unwrap();
+            let guard = session.lock(theirs.as_str()).unwrap().acquire().unwrap();
+            let token = guard.token();
+            // Backend and session first: the guard's drop is the last.
+            drop(backend);
+            drop(session);
+            drop(guard);
+            token
+        };
+        let token = if in_task {
+            rt.block_on(async move { work() })
+        } else {
+            rt.block_on(rt.spawn_blocking(work)).unwrap()
+        };
+        // Free at once (a TTL of 30 s would show a release left undone).
+        let next = watcher.lock(name.as_str()).unwrap().try_acquire().unwrap();
+        let next = next.expect("released by the drop");
+        assert!(next.token() > token);
+        next.release().unwrap();
+    }
 }

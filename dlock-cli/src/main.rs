@@ -144,6 +144,17 @@ fn main() -> ExitCode {
             failure.code
         }
     };
+    // The drivers' clean-ups spawned as the backends were dropped (MongoDB
+    // ends its server sessions) get a moment to finish: stopping the runtime
+    // under them made the MongoDB driver panic in a task once (its pool's
+    // worker was gone first).
+    runtime.block_on(async {
+        let deadline = tokio::time::Instant::now() + Duration::from_millis(500);
+        let metrics = tokio::runtime::Handle::current().metrics();
+        while metrics.num_alive_tasks() > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    });
     runtime.shutdown_timeout(Duration::from_secs(1));
     ExitCode::from(code)
 }

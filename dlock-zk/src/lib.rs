@@ -266,47 +266,34 @@ impl Config {
 
     /// A new ZooKeeper session.
     pub(crate) async fn connect(&self, timeout: Duration) -> Result<zk::Client, Error> {
-        // One pass over the hosts at a time (fail eagerly), passes repeated
-        // within the bound: a member that refuses clients during an election,
-        // or a name behind a load balancer, gets its retries; but when every
-        // host refuses the TCP connection, that is known at once and said.
+        let mut connector = zk::Client::connector()
+            .with_session_timeout(timeout)
+            .with_connection_timeout(CONNECTION_TIMEOUT);
+        if let Some((user, password)) = &self.auth {
+            connector = connector.with_auth("digest", format!("{user}:{password}").as_bytes());
+        }
         let bound = Duration::from_secs(10);
-        let deadline = tokio::time::Instant::now() + bound;
-        let mut pause = Duration::from_millis(50);
-        loop {
-            let mut connector = zk::Client::connector()
-                .with_session_timeout(timeout)
-                .with_connection_timeout(CONNECTION_TIMEOUT)
-                .with_fail_eagerly();
-            if let Some((user, password)) = &self.auth {
-                connector = connector.with_auth("digest", format!("{user}:{password}").as_bytes());
+        // The driver tries the hosts in turn until one gives a session, for
+        // up to the bound (members refuse clients during an election). When
+        // every host refuses the TCP connection, nothing listens: that is
+        // said at once instead of after the bound.
+        let nothing_listens = async {
+            if !self.every_host_refuses().await {
+                std::future::pending::<()>().await;
             }
-            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-            match tokio::time::timeout(left, connector.connect(&self.hosts)).await {
-                Ok(Err(zk::Error::NoHosts)) => {
-                    if self.every_host_refuses().await {
-                        return Err(Error::unavailable(
-                            BACKEND,
-                            format!("cannot connect to {}: connection refused", self.hosts),
-                        ));
-                    }
-                    if tokio::time::Instant::now() + pause >= deadline {
-                        return Err(Error::unavailable(
-                            BACKEND,
-                            format!("no session from {} within {bound:?}", self.hosts),
-                        ));
-                    }
-                    tokio::time::sleep(pause).await;
-                    pause = (pause * 2).min(Duration::from_millis(500));
-                }
-                Err(_) => {
-                    return Err(Error::unavailable(
-                        BACKEND,
-                        format!("no answer from {} within {bound:?}", self.hosts),
-                    ));
-                }
-                Ok(result) => return result.map_err(map_err),
-            }
+        };
+        tokio::select! {
+            connected = tokio::time::timeout(bound, connector.connect(&self.hosts)) => match connected {
+                Ok(result) => result.map_err(map_err),
+                Err(_) => Err(Error::unavailable(
+                    BACKEND,
+                    format!("no answer from {} within {bound:?}", self.hosts),
+                )),
+            },
+            () = nothing_listens => Err(Error::unavailable(
+                BACKEND,
+                format!("cannot connect to {}: connection refused", self.hosts),
+            )),
         }
     }
 

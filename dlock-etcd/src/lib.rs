@@ -327,6 +327,15 @@ fn chain_text(e: &(dyn std::error::Error + 'static)) -> String {
     text
 }
 
+/// A transient failure as [`Error::Unavailable`], in the OS's words when a
+/// connection could not be opened.
+fn unreachable(e: etcd_client::Error) -> Error {
+    match connect_failure(&e) {
+        Some(text) => Error::unavailable(BACKEND, text),
+        None => Error::unavailable(BACKEND, e),
+    }
+}
+
 /// "cannot connect: <the OS's words>" when a connection could not be opened
 /// (instead of tonic's whole debug chain), else `None`.
 fn connect_failure(e: &etcd_client::Error) -> Option<String> {
@@ -449,16 +458,10 @@ pub(crate) fn map_err(e: etcd_client::Error) -> Error {
                     | Code::Unknown
             ) =>
         {
-            match connect_failure(&e) {
-                Some(text) => Error::unavailable(BACKEND, text),
-                None => Error::unavailable(BACKEND, e),
-            }
+            unreachable(e)
         }
         E::TransportError(_) | E::IoError(_) | E::LeaseKeepAliveError(_) | E::WatchError(_) => {
-            match connect_failure(&e) {
-                Some(text) => Error::unavailable(BACKEND, text),
-                None => Error::unavailable(BACKEND, e),
-            }
+            unreachable(e)
         }
         E::InvalidUri(_) | E::InvalidArgs(_) => Error::Config(format!("{BACKEND}: {e}")),
         E::Utf8Error(_) => Error::protocol(BACKEND, e.to_string()),

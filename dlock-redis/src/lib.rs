@@ -452,18 +452,10 @@ impl RedisBackend {
         )
         .await;
         let mut waits: Vec<Duration> = answers.into_iter().filter_map(Result::ok).collect();
+        check_answered(&self.inner, waits.len())?;
         waits.sort();
-        let quorum = self.inner.quorum();
-        waits.get(quorum - 1).copied().ok_or_else(|| {
-            Error::unavailable(
-                "redis",
-                format!(
-                    "only {} of {} Redis nodes answered, {quorum} needed",
-                    waits.len(),
-                    self.inner.nodes.len()
-                ),
-            )
-        })
+        // (the wait after which a majority may grant)
+        Ok(waits[self.inner.quorum() - 1])
     }
 
     /// [`Backend::wait_ready`]: waits until a majority of the nodes may

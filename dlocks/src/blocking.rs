@@ -66,7 +66,7 @@ impl Runtime {
         F: Future + Send,
         F::Output: Send,
     {
-        let rt = self.0.as_ref().expect("runtime present until drop");
+        let rt = self.runtime();
         if tokio::runtime::Handle::try_current().is_err() {
             return rt.block_on(fut);
         }
@@ -84,10 +84,11 @@ impl Runtime {
     }
 
     fn handle(&self) -> &tokio::runtime::Handle {
-        self.0
-            .as_ref()
-            .expect("runtime present until drop")
-            .handle()
+        self.runtime().handle()
+    }
+
+    fn runtime(&self) -> &tokio::runtime::Runtime {
+        self.0.as_ref().expect("runtime present until drop")
     }
 }
 

@@ -56,3 +56,45 @@ fn every_profile_on_memory() {
     assert!(out_dir.path().join("torture.md").exists());
     assert!(out_dir.path().join("torture.json").exists());
 }
+
+/// A store that never answers: every profile gets a failed row saying why
+/// its clients could not start (the run goes on to the next profile and
+/// still writes its report), within the profile's time limit, and the
+/// password stays out of it.
+#[cfg(feature = "redis")]
+#[test]
+fn unreachable_store_fails_each_profile_in_the_report() {
+    let out_dir = tempfile::tempdir().unwrap();
+    // (port 1: nothing listens there)
+    let started = std::time::Instant::now();
+    let out = Command::new(env!("CARGO_BIN_EXE_dlock"))
+        .args(["torture", "--url", "redis://:s3cret@127.0.0.1:1"])
+        .args(["--profiles", "none,delays", "--max-time", "1s", "--json"])
+        .arg("--out")
+        .arg(out_dir.path())
+        .output()
+        .expect("run dlock torture");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(70), "{stderr}");
+    assert!(started.elapsed() < std::time::Duration::from_secs(30));
+    assert!(
+        !stdout.contains("s3cret") && !stderr.contains("s3cret"),
+        "{stdout}{stderr}"
+    );
+    let report: Value = serde_json::from_slice(&out.stdout).expect("JSON report");
+    let rows = report["rows"].as_array().expect("rows");
+    assert_eq!(rows.len(), 2, "{report:#}");
+    for row in rows {
+        let why = row["not_started"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{row:#}"));
+        assert!(why.contains("127.0.0.1"), "{row:#}");
+        assert!(
+            row["verdict"].as_str().unwrap().starts_with("FAILED"),
+            "{row:#}"
+        );
+    }
+    assert!(stderr.contains("delays: could not start"), "{stderr}");
+    assert!(out_dir.path().join("torture.md").exists());
+}

@@ -34,7 +34,7 @@ use tokio::time::{Instant, sleep, timeout};
 pub(crate) use self::nemesis::Profile;
 use self::report::{Row, Table};
 use crate::cli::TortureArgs;
-use crate::exit::{FAILURE, Failure, USAGE};
+use crate::exit::{AUTH, FAILURE, Failure, USAGE};
 
 /// How long a client keeps trying to open its first session while the
 /// deployment is unavailable (a ZooKeeper ensemble re-electing after the
@@ -73,11 +73,25 @@ async fn soak(urls: &[String], args: TortureArgs) -> Result<u8, Failure> {
                     if !args.quiet {
                         eprintln!("dlock torture: {shown}: {} ...", profile.name());
                     }
-                    run_profile(&deployment, profile, &args, i).await?
+                    match run_profile(&deployment, profile, &args, i).await {
+                        Ok(row) => row,
+                        // (the deployment stayed unavailable: the next
+                        // profile may still run, and the report says which)
+                        Err(e) if !matches!(e.code, USAGE | AUTH) => {
+                            Row::not_started(&shown, profile, deployment.through_links(e.message))
+                        }
+                        Err(e) => return Err(e),
+                    }
                 }
             };
             if !args.quiet {
                 eprintln!("{}", row.summary());
+            }
+            if row.verdict(args.acquisitions).is_err()
+                && let Some(said) = describe_servers(&deployment).await
+            {
+                // (the servers' state and logs, to tell a stalled store from a stalled client)
+                eprintln!("  {}: the servers now:\n{said}", profile.name());
             }
             table.push(row);
         }
@@ -94,6 +108,11 @@ async fn soak(urls: &[String], args: TortureArgs) -> Result<u8, Failure> {
         print!("{}", table.markdown());
     }
     Ok(if table.failed() { FAILURE } else { 0 })
+}
+
+/// What the supervisor says of the deployment's servers, if it can.
+async fn describe_servers(deployment: &Deployment) -> Option<String> {
+    deployment.servers()?.describe().await
 }
 
 /// One store deployment under test: how to reach it through links, and how
@@ -153,6 +172,19 @@ impl Deployment {
             endpoints,
             servers,
         })
+    }
+
+    /// `message` about a client's store, saying which store the address in
+    /// it stands for (a client reaches it through a fault proxy of its own).
+    fn through_links(&self, message: String) -> String {
+        if self.endpoints.is_empty() {
+            message
+        } else {
+            format!(
+                "{message} (a fault proxy of this run, in front of {})",
+                self.endpoints.join(",")
+            )
+        }
     }
 
     /// Whether clients can be put behind links.
@@ -238,7 +270,7 @@ async fn run_profile(
             link: link.clone(),
             ttl: args.ttl,
         };
-        let session = reopen.first(&process)?;
+        let session = reopen.first(&process, OPEN_BOUND.min(args.max_time))?;
         let plan = Plan {
             name: name.clone(),
             ttl: args.ttl,
@@ -283,6 +315,7 @@ async fn run_profile(
         first_error: shared.first_error.lock().unwrap().clone(),
         first_server_error: shared.first_server_error.lock().unwrap().clone(),
         servers_left_down,
+        not_started: None,
     })
 }
 
@@ -325,11 +358,12 @@ impl ReOpen {
     ///
     /// The previous profile may have left the deployment recovering (an
     /// ensemble electing a leader after a restart), so an open that may
-    /// succeed later is retried for up to [`OPEN_BOUND`]; a configuration
+    /// succeed later is retried for up to `bound` ([`OPEN_BOUND`], or the
+    /// profile's time limit if shorter); a configuration
     /// error is not.
-    fn first(&self, process: &Process) -> Result<Session, Failure> {
+    fn first(&self, process: &Process, bound: Duration) -> Result<Session, Failure> {
         process.enter(async {
-            let deadline = Instant::now() + OPEN_BOUND;
+            let deadline = Instant::now() + bound;
             let mut backoff = Duration::from_millis(50);
             loop {
                 match self.open().await {

@@ -32,6 +32,8 @@ pub(crate) struct Row {
     pub(crate) first_server_error: Option<String>,
     /// Why the servers could not be brought back after the profile.
     pub(crate) servers_left_down: Option<String>,
+    /// Why the profile could not start (its clients' first sessions).
+    pub(crate) not_started: Option<String>,
 }
 
 impl Row {
@@ -54,6 +56,17 @@ impl Row {
             first_error: None,
             first_server_error: None,
             servers_left_down: None,
+            not_started: None,
+        }
+    }
+
+    /// A profile whose clients could not open their first sessions: a
+    /// failed row, so that the other profiles' rows are still reported.
+    pub(crate) fn not_started(backend: &str, profile: Profile, why: String) -> Self {
+        Self {
+            skipped: None,
+            not_started: Some(why),
+            ..Self::skipped(backend, profile, "")
         }
     }
 
@@ -67,6 +80,9 @@ impl Row {
     pub(crate) fn verdict(&self, target: u64) -> Result<&'static str, String> {
         if let Some(why) = self.skipped {
             return Ok(why);
+        }
+        if let Some(why) = &self.not_started {
+            return Err(format!("the clients could not start: {why}"));
         }
         if let Some(why) = &self.servers_left_down {
             return Err(format!("the servers could not be brought back: {why}"));
@@ -94,7 +110,10 @@ impl Row {
 
     /// One progress line.
     pub(crate) fn summary(&self) -> String {
-        match self.skipped {
+        if let Some(why) = &self.not_started {
+            return format!("  {}: could not start: {why}", self.profile.name());
+        }
+        let line = match self.skipped {
             Some(why) => format!("  {}: skipped ({why})", self.profile.name()),
             None => format!(
                 "  {}: {} acquisitions in {:.1} s, {} faults, {} overlaps, {} register violations, \
@@ -109,6 +128,13 @@ impl Row {
                 self.lost_signals,
                 self.max_unavailable
             ),
+        };
+        // (what a profile cut short by the time limit saw first)
+        match &self.first_error {
+            Some(e) if self.skipped.is_none() => {
+                format!("{line}, {} errors (first: {e})", self.errors)
+            }
+            _ => line,
         }
     }
 }
@@ -211,6 +237,7 @@ impl Table {
                     "first_error": r.first_error,
                     "first_server_error": r.first_server_error,
                     "servers_left_down": r.servers_left_down,
+                    "not_started": r.not_started,
                     "sessions_replaced": r.sessions_replaced,
                     "max_unavailable_ms": r.max_unavailable.as_secs_f64() * 1e3,
                     "p50_unavailable_ms": r.p50_unavailable.as_secs_f64() * 1e3,

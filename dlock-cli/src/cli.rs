@@ -388,7 +388,9 @@ pub(crate) struct TortureArgs {
     #[arg(long, value_name = "D", default_value = "1s", value_parser = parse_positive_duration)]
     pub(crate) ttl: Duration,
 
-    /// Give up a profile after this long (its row then fails).
+    /// Give up a profile after this long (its row then fails); also bounds
+    /// how long its clients try to open their first sessions (at most 60 s),
+    /// after which the row fails naming why and the next profile runs.
     #[arg(long, value_name = "D", default_value = "20m", value_parser = parse_positive_duration)]
     pub(crate) max_time: Duration,
 

@@ -87,11 +87,15 @@ async fn soak(urls: &[String], args: TortureArgs) -> Result<u8, Failure> {
             if !args.quiet {
                 eprintln!("{}", row.summary());
             }
-            if row.verdict(args.acquisitions).is_err()
-                && let Some(said) = describe_servers(&deployment).await
-            {
-                // (the servers' state and logs, to tell a stalled store from a stalled client)
-                eprintln!("  {}: the servers now:\n{said}", profile.name());
+            if row.verdict(args.acquisitions).is_err() {
+                // (to tell a stalled store from a stalled client: the servers'
+                // state and logs, and this process's open files)
+                if let Some(said) = describe_servers(&deployment).await {
+                    eprintln!("  {}: the servers now:\n{said}", profile.name());
+                }
+                if let Some(open) = open_files() {
+                    eprintln!("  {}: this process has {open}", profile.name());
+                }
             }
             table.push(row);
         }
@@ -108,6 +112,19 @@ async fn soak(urls: &[String], args: TortureArgs) -> Result<u8, Failure> {
         print!("{}", table.markdown());
     }
     Ok(if table.failed() { FAILURE } else { 0 })
+}
+
+/// This process's open files and their limit, where `/proc` tells.
+fn open_files() -> Option<String> {
+    let open = std::fs::read_dir("/proc/self/fd").ok()?.count();
+    let limits = std::fs::read_to_string("/proc/self/limits").ok()?;
+    let limit = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))?
+        .split_whitespace()
+        .nth(3)?
+        .to_owned();
+    Some(format!("{open} open files (soft limit {limit})"))
 }
 
 /// What the supervisor says of the deployment's servers, if it can.

@@ -1,6 +1,7 @@
 //! CI's short soak: `dlock torture` against every real server `scripts/services`
 //! runs, a few hundred fenced acquisitions per fault profile, all backends at
-//! once (each on its own servers, so one's restarts never touch another's).
+//! once (each on its own servers, so one's restarts never touch another's),
+//! then MongoDB alone (see [`RUN_LAST`]).
 //! The long run with ≥ 10,000 acquisitions per profile is in FAULTS.md.
 //!
 //! A backend whose `DLOCK_TEST_<NAME>_URL` is unset prints a SKIPPED line
@@ -14,6 +15,13 @@ use serde_json::Value;
 
 /// Fenced acquisitions per backend and fault profile.
 const ACQUISITIONS: &str = "200";
+
+/// Run after the others, alone: the Mongo-wire server (PostgreSQL under a
+/// gateway) is the heaviest here, and CI's soak twice saw one of its early
+/// profiles stall for the whole time limit while eight other backends ran
+/// beside it on two cores (never reproduced here; a stall now fails its row
+/// after `MAX_TIME` with what the servers said).
+const RUN_LAST: &[&str] = &["mongo"];
 
 /// The longest one profile may take.
 const MAX_TIME: &str = "4m";
@@ -122,16 +130,28 @@ fn check(name: &str, report: &Value, failures: &mut Vec<String>) {
 #[test]
 fn every_profile_on_every_server() {
     let dir = tempfile::tempdir().unwrap();
-    let mut runs: Vec<(&str, Child, PathBuf)> = Vec::new();
-    for &(name, var, servers, extra) in BACKENDS {
-        let Ok(url) = std::env::var(var) else {
-            println!("SKIPPED torture::{name}: {var} is not set (scripts/services env sets it)");
-            continue;
-        };
-        let out = dir.path().join(name);
-        runs.push((name, spawn(&with_options(&url, extra), servers, &out), out));
-    }
     let mut failures = Vec::new();
+    for last in [false, true] {
+        let mut runs: Vec<(&str, Child, PathBuf)> = Vec::new();
+        for &(name, var, servers, extra) in
+            BACKENDS.iter().filter(|b| RUN_LAST.contains(&b.0) == last)
+        {
+            let Ok(url) = std::env::var(var) else {
+                println!(
+                    "SKIPPED torture::{name}: {var} is not set (scripts/services env sets it)"
+                );
+                continue;
+            };
+            let out = dir.path().join(name);
+            runs.push((name, spawn(&with_options(&url, extra), servers, &out), out));
+        }
+        collect(runs, &mut failures);
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Waits for each run and checks its report.
+fn collect(runs: Vec<(&str, Child, PathBuf)>, failures: &mut Vec<String>) {
     for (name, child, out) in runs {
         let output = child.wait_with_output().expect("wait for dlock torture");
         // (its progress: one line per profile, so a failure shows which one)
@@ -139,7 +159,7 @@ fn every_profile_on_every_server() {
         let before = failures.len();
         match serde_json::from_slice::<Value>(&output.stdout) {
             Ok(report) => {
-                check(name, &report, &mut failures);
+                check(name, &report, failures);
                 if output.status.code() != Some(0) {
                     failures.push(format!("{name}: exit {:?}", output.status.code()));
                 }
@@ -155,5 +175,4 @@ fn every_profile_on_every_server() {
             eprintln!("== {name}: dlock torture's progress\n{stderr}");
         }
     }
-    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }

@@ -1,0 +1,748 @@
+//! dlock on NATS JetStream KV: `nats://host:port[,host:port...][/bucket][?max_age=30s]`.
+//!
+//! Written from `docs/writing-an-adapter.md` as an outside adapter author
+//! would (issue 18): the store mapping is this file; the core does the rest.
+//!
+//! | primitive | NATS KV |
+//! |---|---|
+//! | take | `create` of the lock's key (only if absent, or deleted): one atomic step judged by the server |
+//! | token | the stream sequence of that create (the key's revision), increasing over every key of the bucket, kept across restarts with the stream's file storage |
+//! | expiry | the bucket's `max_age`: the server drops a value `max_age` after its last write, by its own clock |
+//! | renew | `update` on the key's last revision with the same owner and token (resets its age) |
+//! | release | `delete` on the last revision, after checking owner and token |
+//! | wake-up | a KV watch of the key: a release (delete marker) wakes the waiter; an expiry sends nothing, so waiters also re-check at the holder's expiry |
+//!
+//! **`max_age` is the bucket's, not the session's.** NATS 2.9 has no TTL per
+//! message, and a lock name must mean one key, so all clients of a bucket
+//! share one `max_age` (the URL's `max_age`, default 30 s; a bucket that
+//! exists with another one is refused, not changed). A session's TTL may be
+//! at most `max_age`: its holds are renewed every TTL/3, but a crashed
+//! holder's lock is free only `max_age` after its last renewal. Give
+//! sessions `max_age` as their TTL.
+//!
+//! Value of a held key: `owner\ntoken\nsession\nwhy` (`token` empty until the
+//! first renewal: the take's own sequence is the token, and the take cannot
+//! know it before the server answers).
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use async_nats::jetstream::kv::{self, Operation, Store};
+use async_trait::async_trait;
+use bytes::Bytes;
+use dlock_core::backend::{Busy, Claim, ExpiryModel, Hold, RawSession, Take};
+use dlock_core::url::StoreUrl;
+use dlock_core::{
+    Backend, Capabilities, Error, FencingToken, LockInfo, LockName, SessionId, SessionOptions,
+};
+use futures::StreamExt;
+use tokio::time::Instant;
+
+const SCHEME: &str = "nats";
+const DEFAULT_BUCKET: &str = "dlock";
+const DEFAULT_MAX_AGE: Duration = Duration::from_secs(30);
+const MIN_TTL: Duration = Duration::from_millis(500);
+/// How many times a conditional write is tried again when the key moved
+/// between the read and the write.
+const RACES: usize = 4;
+/// How long one request may take before it counts as unanswered.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The `nats://` adapter.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NatsAdapter;
+
+dlock_core::impl_adapter!(NatsAdapter, name: SCHEME, schemes: &["nats"], connect: NatsBackend::connect);
+
+/// A lock service on one NATS JetStream KV bucket.
+#[derive(Clone)]
+pub struct NatsBackend {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    /// The connection, reconnected when a request goes unanswered.
+    client: async_nats::Client,
+    reconnecting: Arc<std::sync::atomic::AtomicBool>,
+    kv: Store,
+    bucket: String,
+    max_age: Duration,
+    shown: String,
+}
+
+impl fmt::Debug for NatsBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("NatsBackend")
+            .field("url", &self.inner.shown)
+            .field("bucket", &self.inner.bucket)
+            .finish()
+    }
+}
+
+impl NatsBackend {
+    /// Connects and opens (or creates) the URL's bucket.
+    ///
+    /// # Errors
+    /// [`Error::InvalidUrl`] for a URL this adapter cannot use,
+    /// [`Error::Config`] for a bucket that exists with another `max_age`,
+    /// [`Error::Unavailable`] when no server answers, [`Error::Auth`] for
+    /// refused credentials.
+    pub async fn connect<U>(url: U) -> Result<Self, Error>
+    where
+        U: TryInto<StoreUrl, Error = Error>,
+    {
+        let url: StoreUrl = url.try_into()?;
+        if url.scheme() != SCHEME || url.hosts().is_empty() {
+            return Err(url.invalid("expected nats://host:port[,host:port...][/bucket]"));
+        }
+        let mut options = url.options();
+        let max_age = options.duration("max_age")?.unwrap_or(DEFAULT_MAX_AGE);
+        options.finish()?;
+        if max_age < MIN_TTL {
+            return Err(url.invalid(format!("max_age must be at least {MIN_TTL:?}")));
+        }
+        let bucket = match url.path_decoded()?.trim_matches('/') {
+            "" => DEFAULT_BUCKET.to_owned(),
+            b if b.len() <= 64
+                && b.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') =>
+            {
+                b.to_owned()
+            }
+            _ => return Err(url.invalid("the bucket must be 1-64 of [A-Za-z0-9-_]")),
+        };
+        let servers: Vec<String> = url
+            .hosts()
+            .iter()
+            .map(|h| format!("nats://{}", h.with_default_port(4222)))
+            .collect();
+        let mut connect = async_nats::ConnectOptions::new()
+            .connection_timeout(REQUEST_TIMEOUT)
+            .request_timeout(Some(REQUEST_TIMEOUT))
+            // A silently dead connection is noticed within about a second
+            // (two unanswered pings), not the client's default two minutes.
+            .ping_interval(Duration::from_millis(500))
+            .max_reconnects(None);
+        if let Some(password) = url.password() {
+            connect = connect.user_and_password(url.username().to_owned(), password.to_owned());
+        }
+        let shown = url.redacted();
+        let client = tokio::time::timeout(REQUEST_TIMEOUT, connect.connect(servers))
+            .await
+            .map_err(|_| Error::unavailable(SCHEME, format!("no answer from {shown}")))?
+            .map_err(|e| Error::unavailable(SCHEME, format!("cannot connect to {shown}: {e}")))?;
+        let js = async_nats::jetstream::new(client.clone());
+        let kv = match tokio::time::timeout(REQUEST_TIMEOUT, js.get_key_value(&bucket)).await {
+            Err(_) => return Err(Error::unavailable(SCHEME, "no answer opening the bucket")),
+            Ok(Ok(kv)) => kv,
+            Ok(Err(_)) => tokio::time::timeout(
+                REQUEST_TIMEOUT,
+                js.create_key_value(kv::Config {
+                    bucket: bucket.clone(),
+                    history: 1,
+                    max_age,
+                    storage: async_nats::jetstream::stream::StorageType::File,
+                    ..Default::default()
+                }),
+            )
+            .await
+            .map_err(|_| Error::unavailable(SCHEME, "no answer creating the bucket"))?
+            .map_err(|e| {
+                Error::unavailable(SCHEME, format!("cannot create bucket {bucket}: {e}"))
+            })?,
+        };
+        let status = kv.status().await.map_err(unavailable)?;
+        let have = status.max_age();
+        if have != max_age {
+            return Err(Error::Config(format!(
+                "nats: bucket {bucket} has max_age {have:?}, the URL says {max_age:?} \
+                 (every client of a bucket must give the same; a bucket is never changed here)"
+            )));
+        }
+        Ok(Self {
+            inner: Arc::new(Inner {
+                client,
+                reconnecting: Arc::default(),
+                kv,
+                bucket,
+                max_age,
+                shown,
+            }),
+        })
+    }
+}
+
+fn unavailable(e: impl std::error::Error + Send + Sync + 'static) -> Error {
+    Error::unavailable(SCHEME, e)
+}
+
+/// A lock name as a KV key: its bytes in hex (keys allow only `[-/_=.a-zA-Z0-9]`).
+fn key_of(name: &LockName) -> String {
+    let mut key = String::from("l.");
+    for b in name.as_str().bytes() {
+        key.push_str(&format!("{b:02x}"));
+    }
+    key
+}
+
+fn name_of(key: &str) -> Option<LockName> {
+    let hex = key.strip_prefix("l.")?;
+    let bytes: Option<Vec<u8>> = (0..hex.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(hex.get(i..i + 2)?, 16).ok())
+        .collect();
+    LockName::new(String::from_utf8(bytes?).ok()?).ok()
+}
+
+/// A request in flight: unless it completes, the connection is replaced.
+struct InFlight<'a> {
+    inner: Option<&'a Inner>,
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        if let Some(inner) = self.inner {
+            inner.reconnect();
+        }
+    }
+}
+
+/// A held key's value.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Value {
+    owner: String,
+    token: Option<FencingToken>,
+    session: String,
+    why: String,
+}
+
+impl Value {
+    fn encode(&self) -> Bytes {
+        let token = self.token.map(|t| t.get().to_string()).unwrap_or_default();
+        Bytes::from(format!(
+            "{}\n{token}\n{}\n{}",
+            self.owner, self.session, self.why
+        ))
+    }
+
+    fn decode(bytes: &[u8]) -> Result<Self, Error> {
+        let text = std::str::from_utf8(bytes)
+            .map_err(|_| Error::protocol(SCHEME, "a lock value is not UTF-8"))?;
+        let mut parts = text.splitn(4, '\n');
+        let (Some(owner), Some(token), Some(session), why) =
+            (parts.next(), parts.next(), parts.next(), parts.next())
+        else {
+            return Err(Error::protocol(SCHEME, "a lock value has too few fields"));
+        };
+        let token = match token {
+            "" => None,
+            t => Some(FencingToken::new(t.parse().map_err(|_| {
+                Error::protocol(SCHEME, format!("lock value token {t:?} is no number"))
+            })?)),
+        };
+        Ok(Self {
+            owner: owner.to_owned(),
+            token,
+            session: session.to_owned(),
+            why: why.unwrap_or_default().to_owned(),
+        })
+    }
+}
+
+/// A live lock entry: its value, revision, token and server timestamp.
+struct Held {
+    value: Value,
+    revision: u64,
+    token: FencingToken,
+    created: SystemTime,
+}
+
+impl Inner {
+    /// Bounds one request (NATS requests wait for a reconnect).
+    async fn bounded<T, E>(&self, fut: impl Future<Output = Result<T, E>>) -> Result<T, Error>
+    where
+        E: std::error::Error + Send + Sync + 'static,
+    {
+        self.call(fut).await?.map_err(unavailable)
+    }
+
+    /// One request, bounded. One that goes unanswered (its time-out, or the
+    /// core's, which drops it) may mean a silently dead connection: a new
+    /// one is made at once rather than after the pings.
+    async fn call<T>(&self, fut: impl Future<Output = T>) -> Result<T, Error> {
+        let mut in_flight = InFlight { inner: Some(self) };
+        let result = tokio::time::timeout(REQUEST_TIMEOUT, fut).await;
+        match result {
+            Ok(r) => {
+                in_flight.inner = None;
+                Ok(r)
+            }
+            Err(_) => Err(Error::unavailable(SCHEME, "request timed out")),
+        }
+    }
+
+    /// Replaces the connection (once at a time, in the background).
+    fn reconnect(&self) {
+        if self
+            .reconnecting
+            .swap(true, std::sync::atomic::Ordering::AcqRel)
+        {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            self.reconnecting
+                .store(false, std::sync::atomic::Ordering::Release);
+            return;
+        };
+        let client = self.client.clone();
+        let flag = self.reconnecting.clone();
+        runtime.spawn(async move {
+            let _ = client.force_reconnect().await;
+            flag.store(false, std::sync::atomic::Ordering::Release);
+        });
+    }
+
+    /// The key's live entry, if held.
+    async fn held(&self, key: &str) -> Result<Option<Held>, Error> {
+        let Some(entry) = self.bounded(self.kv.entry(key)).await? else {
+            return Ok(None);
+        };
+        if entry.operation != Operation::Put {
+            return Ok(None);
+        }
+        let value = Value::decode(&entry.value)?;
+        let token = value.token.unwrap_or(FencingToken::new(entry.revision));
+        Ok(Some(Held {
+            value,
+            revision: entry.revision,
+            token,
+            created: entry.created.into(),
+        }))
+    }
+
+    /// Time until the entry written at `created` (server time) expires.
+    fn left(&self, created: SystemTime) -> Duration {
+        let age = SystemTime::now()
+            .duration_since(created)
+            .unwrap_or_default();
+        self.max_age.saturating_sub(age)
+    }
+
+    /// Rewrites a held key on its revision with its token (renewal, the
+    /// idempotent take): `Some(token)` if it was ours and is extended.
+    ///
+    /// Each write is conditional on the revision just read; a revision that
+    /// moved meanwhile is read again (it may have been this session's own
+    /// concurrent write: a renewal beside a take retry or a release).
+    async fn extend(
+        &self,
+        key: &str,
+        owner: &str,
+        token: Option<FencingToken>,
+    ) -> Result<Option<(FencingToken, u64, Bytes)>, Error> {
+        for _ in 0..RACES {
+            let Some(held) = self.held(key).await? else {
+                return Ok(None);
+            };
+            if held.value.owner != owner || token.is_some_and(|t| t != held.token) {
+                return Ok(None);
+            }
+            let value = Value {
+                token: Some(held.token),
+                ..held.value
+            }
+            .encode();
+            match self
+                .call(self.kv.update(key, value.clone(), held.revision))
+                .await
+            {
+                Err(e) => return Err(e),
+                Ok(Ok(revision)) => return Ok(Some((held.token, revision, value))),
+                Ok(Err(e)) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => continue,
+                Ok(Err(e)) => return Err(unavailable(e)),
+            }
+        }
+        Err(Error::unavailable(SCHEME, "the lock's key kept changing"))
+    }
+
+    /// Deletes a held key if `owner` (and `token`, if given) hold it, by
+    /// its revision (read again if it moved meanwhile, as in `extend`).
+    async fn delete_if(
+        &self,
+        key: &str,
+        owner: Option<&str>,
+        token: Option<FencingToken>,
+    ) -> Result<bool, Error> {
+        for _ in 0..RACES {
+            let Some(held) = self.held(key).await? else {
+                return Ok(false);
+            };
+            if owner.is_some_and(|o| o != held.value.owner)
+                || token.is_some_and(|t| t != held.token)
+            {
+                return Ok(false);
+            }
+            match self
+                .call(self.kv.delete_expect_revision(key, Some(held.revision)))
+                .await
+            {
+                Err(e) => return Err(e),
+                Ok(Ok(())) => return Ok(true),
+                Ok(Err(e)) if e.kind() == kv::DeleteErrorKind::WrongLastRevision => continue,
+                Ok(Err(e)) => return Err(unavailable(e)),
+            }
+        }
+        Err(Error::unavailable(SCHEME, "the lock's key kept changing"))
+    }
+
+    fn info(&self, name: LockName, held: Held) -> LockInfo {
+        let mut info = LockInfo::new(name, held.value.session.clone(), held.token);
+        info.why = (!held.value.why.is_empty()).then(|| held.value.why.clone());
+        info.expires_at = Some(held.created + self.max_age);
+        info
+    }
+}
+
+#[async_trait]
+impl Backend for NatsBackend {
+    fn scheme(&self) -> &'static str {
+        SCHEME
+    }
+
+    fn min_ttl(&self) -> Duration {
+        MIN_TTL
+    }
+
+    /// The bucket's `max_age`: the store keeps a hold that long after its
+    /// last write, so no session may ask for more.
+    fn max_ttl(&self) -> Duration {
+        self.inner.max_age
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        let mut caps = Capabilities::default();
+        // Stream sequences on file storage: they survive a restart, and so
+        // do held keys (acknowledged writes are on disk).
+        caps.durable_tokens = true;
+        caps.restart_loses_locks = false;
+        // A release is a delete marker the waiters' watches see.
+        caps.notify_wakeup = true;
+        caps.wakeup_bound = Duration::from_millis(250);
+        // A crashed holder's key lives max_age from its last write; sessions
+        // given max_age as their TTL see it free about a second after that
+        // (JetStream's age check).
+        caps.recovery_bound = Duration::from_millis(1500);
+        caps
+    }
+
+    async fn open(
+        &self,
+        id: SessionId,
+        options: &SessionOptions,
+    ) -> Result<Arc<dyn RawSession>, Error> {
+        Ok(Arc::new(NatsSession {
+            inner: self.inner.clone(),
+            id,
+            ttl: options.ttl_value(),
+            revisions: Revisions::default(),
+        }))
+    }
+
+    async fn inspect(&self, name: &LockName) -> Result<Option<LockInfo>, Error> {
+        Ok(self
+            .inner
+            .held(&key_of(name))
+            .await?
+            .map(|held| self.inner.info(name.clone(), held)))
+    }
+
+    async fn list(&self, prefix: &str) -> Result<Vec<LockInfo>, Error> {
+        dlock_core::name::check_prefix(prefix)?;
+        let mut keys = self.inner.bounded(self.inner.kv.keys()).await?;
+        // (a set: a key rewritten while the listing runs is delivered again)
+        let mut names = std::collections::BTreeMap::new();
+        while let Some(key) = tokio::time::timeout(REQUEST_TIMEOUT, keys.next())
+            .await
+            .map_err(|_| Error::unavailable(SCHEME, "listing timed out"))?
+        {
+            let key = key.map_err(unavailable)?;
+            if let Some(name) = name_of(&key).filter(|n| n.as_str().starts_with(prefix)) {
+                names.insert(key, name);
+            }
+        }
+        let mut out = Vec::new();
+        for (key, name) in names {
+            if let Some(held) = self.inner.held(&key).await? {
+                out.push(self.inner.info(name, held));
+            }
+        }
+        out.sort_by(|a, b| a.name.as_str().cmp(b.name.as_str()));
+        Ok(out)
+    }
+
+    async fn validate(&self, name: &LockName, token: FencingToken) -> Result<bool, Error> {
+        Ok(self
+            .inner
+            .held(&key_of(name))
+            .await?
+            .is_some_and(|held| held.token == token))
+    }
+
+    async fn force_release(&self, name: &LockName) -> Result<bool, Error> {
+        self.inner.delete_if(&key_of(name), None, None).await
+    }
+
+    async fn ping(&self) -> Result<(), Error> {
+        self.inner.bounded(self.inner.kv.status()).await.map(drop)
+    }
+}
+
+/// A session: nothing in the store (each hold expires on its own).
+struct NatsSession {
+    inner: Arc<Inner>,
+    id: SessionId,
+    ttl: Duration,
+    revisions: Revisions,
+}
+
+/// The revision each of a session's holds was last written at, by owner
+/// value: a renewal is then one conditional write, not a read and a write.
+/// Only a hint: a write on a stale revision is refused by the server, and
+/// the renewal falls back to reading the key.
+type Revisions = Arc<std::sync::Mutex<std::collections::HashMap<String, (u64, Bytes)>>>;
+
+impl fmt::Debug for NatsSession {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("NatsSession").field("id", &self.id).finish()
+    }
+}
+
+impl NatsSession {
+    /// Rewrites one hold on its known revision; reads the key first only
+    /// when that revision is unknown or stale.
+    async fn renew_one(&self, hold: &Hold) -> Result<bool, Error> {
+        if !self.id.issued(&hold.key) {
+            return Ok(false);
+        }
+        let key = key_of(&hold.name);
+        let known = self.revisions.lock().unwrap().get(&hold.key).cloned();
+        if let Some((revision, value)) = known {
+            // (a write on `revision` succeeds only if nothing else wrote the
+            // key since this session did: it is still this hold)
+            match self
+                .inner
+                .call(self.inner.kv.update(&key, value.clone(), revision))
+                .await
+            {
+                Err(e) => return Err(e),
+                Ok(Ok(next)) => {
+                    self.revisions
+                        .lock()
+                        .unwrap()
+                        .insert(hold.key.clone(), (next, value));
+                    return Ok(true);
+                }
+                Ok(Err(e)) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {}
+                Ok(Err(e)) => return Err(unavailable(e)),
+            }
+        }
+        match self.inner.extend(&key, &hold.key, Some(hold.token)).await? {
+            Some((_, revision, value)) => {
+                self.revisions
+                    .lock()
+                    .unwrap()
+                    .insert(hold.key.clone(), (revision, value));
+                Ok(true)
+            }
+            None => {
+                self.revisions.lock().unwrap().remove(&hold.key);
+                Ok(false)
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl RawSession for NatsSession {
+    fn ttl(&self) -> Duration {
+        self.ttl
+    }
+
+    fn expiry(&self) -> ExpiryModel {
+        ExpiryModel::PerHold
+    }
+
+    async fn claim(&self, name: &LockName, why: Option<&str>) -> Result<Box<dyn Claim>, Error> {
+        Ok(Box::new(NatsClaim {
+            inner: self.inner.clone(),
+            key: key_of(name),
+            name: name.clone(),
+            value: Value {
+                owner: self.id.claim_owner(),
+                token: None,
+                session: self.id.to_string(),
+                why: why.unwrap_or_default().replace('\n', " "),
+            },
+            sent: false,
+            watch: None,
+            revisions: self.revisions.clone(),
+        }))
+    }
+
+    async fn renew(&self, holds: &[Hold]) -> Result<Vec<bool>, Error> {
+        let renewals = holds.iter().map(|h| self.renew_one(h));
+        futures::future::join_all(renewals)
+            .await
+            .into_iter()
+            .collect()
+    }
+
+    async fn release(&self, hold: &Hold) -> Result<(), Error> {
+        self.revisions.lock().unwrap().remove(&hold.key);
+        let released = self.id.issued(&hold.key)
+            && self
+                .inner
+                .delete_if(&key_of(&hold.name), Some(&hold.key), Some(hold.token))
+                .await?;
+        if released {
+            Ok(())
+        } else {
+            Err(Error::NotHeld {
+                name: hold.name.to_string(),
+            })
+        }
+    }
+
+    async fn close(&self, holds: &[Hold]) -> Result<(), Error> {
+        for r in futures::future::join_all(holds.iter().map(|h| self.release(h))).await {
+            match r {
+                Ok(()) | Err(Error::NotHeld { .. }) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One client's claim on one lock: its owner value and, once it waits, a
+/// watch of the key.
+struct NatsClaim {
+    inner: Arc<Inner>,
+    key: String,
+    name: LockName,
+    value: Value,
+    /// Whether a create was sent (abandon must then delete what it made).
+    sent: bool,
+    watch: Option<kv::Watch>,
+    revisions: Revisions,
+}
+
+impl fmt::Debug for NatsClaim {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("NatsClaim")
+            .field("name", &self.name)
+            .field("owner", &self.value.owner)
+            .finish()
+    }
+}
+
+#[async_trait]
+impl Claim for NatsClaim {
+    async fn try_take(&mut self) -> Result<Take, Error> {
+        self.sent = true;
+        let created = self
+            .inner
+            .call(self.inner.kv.create(&self.key, self.value.encode()))
+            .await?;
+        let granted = match created {
+            Ok(revision) => {
+                let token = FencingToken::new(revision);
+                let value = Value {
+                    token: Some(token),
+                    ..self.value.clone()
+                };
+                Some((token, revision, value.encode()))
+            }
+            Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => {
+                // Ours already (an earlier reply lost)? Then extend it, as a
+                // fresh take would (rule 4).
+                self.inner
+                    .extend(&self.key, &self.value.owner, None)
+                    .await?
+            }
+            Err(e) => return Err(unavailable(e)),
+        };
+        if let Some((token, revision, value)) = granted {
+            self.revisions
+                .lock()
+                .unwrap()
+                .insert(self.value.owner.clone(), (revision, value));
+            return Ok(Take::Granted(Hold {
+                name: self.name.clone(),
+                token,
+                key: self.value.owner.clone(),
+            }));
+        }
+        let retry_after = self
+            .inner
+            .held(&self.key)
+            .await?
+            .map(|held| self.inner.left(held.created));
+        Ok(Take::Busy(Busy { retry_after }))
+    }
+
+    async fn wait(&mut self, until: Instant) -> Result<(), Error> {
+        let Some(watch) = self.watch.as_mut() else {
+            // Watch, then return at once: the core takes again, so a release
+            // between the last take and the watch is not missed.
+            self.watch = Some(self.inner.bounded(self.inner.kv.watch(&self.key)).await?);
+            return Ok(());
+        };
+        tokio::select! {
+            event = watch.next() => match event {
+                Some(Ok(_)) => {}
+                // The watch ended or failed: make a new one at the next wait.
+                Some(Err(_)) | None => self.watch = None,
+            },
+            _ = tokio::time::sleep_until(until) => {}
+        }
+        Ok(())
+    }
+
+    async fn abandon(&mut self) -> Result<(), Error> {
+        self.watch = None;
+        if self.sent {
+            self.inner
+                .delete_if(&self.key, Some(&self.value.owner), None)
+                .await?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_round_trip() {
+        for name in ["a", "reports/nightly", "x.y-z_1"] {
+            let n = LockName::new(name).unwrap();
+            assert_eq!(name_of(&key_of(&n)), Some(n));
+        }
+    }
+
+    #[test]
+    fn values_round_trip() {
+        let v = Value {
+            owner: "s#1".into(),
+            token: Some(FencingToken::new(7)),
+            session: "s".into(),
+            why: "a\nb".into(),
+        };
+        assert_eq!(Value::decode(&v.encode()).unwrap(), v);
+        let v = Value { token: None, ..v };
+        assert_eq!(Value::decode(&v.encode()).unwrap(), v);
+    }
+}

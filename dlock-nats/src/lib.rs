@@ -123,6 +123,11 @@ impl NatsBackend {
             // A silently dead connection is noticed within about a second
             // (two unanswered pings), not the client's default two minutes.
             .ping_interval(Duration::from_millis(500))
+            // Reconnect attempts 100 ms apart, growing to 1 s (the client's
+            // default grows to 4 s, which a lock with a short TTL outlives).
+            .reconnect_delay_callback(|attempts| {
+                Duration::from_millis(100 * attempts.min(10) as u64)
+            })
             .max_reconnects(None);
         if let Some(password) = url.password() {
             connect = connect.user_and_password(url.username().to_owned(), password.to_owned());
@@ -171,6 +176,16 @@ impl NatsBackend {
             }),
         })
     }
+}
+
+/// Whether a message delete failed because the message is gone (replaced
+/// by a newer write, expired, or deleted already).
+fn no_message(e: &async_nats::jetstream::stream::DeleteMessageError) -> bool {
+    matches!(
+        e.kind(),
+        async_nats::jetstream::stream::DeleteMessageErrorKind::JetStream(js)
+            if js.error_code() == async_nats::jetstream::ErrorCode::NO_MESSAGE_FOUND
+    )
 }
 
 fn unavailable(e: impl std::error::Error + Send + Sync + 'static) -> Error {
@@ -383,17 +398,40 @@ impl Inner {
             {
                 return Ok(false);
             }
+            // The message itself is removed, not covered by a delete marker:
+            // the subject is then empty, and the next take is one write
+            // (see `try_take`). With one message kept per key, the message
+            // of `revision` exists only while it is the key's value, so the
+            // delete is conditional by itself.
             match self
-                .call(self.kv.delete_expect_revision(key, Some(held.revision)))
+                .call(self.kv.stream.delete_message(held.revision))
                 .await
             {
                 Err(e) => return Err(e),
-                Ok(Ok(())) => return Ok(true),
-                Ok(Err(e)) if e.kind() == kv::DeleteErrorKind::WrongLastRevision => continue,
+                Ok(Ok(_)) => {
+                    self.released(key).await;
+                    return Ok(true);
+                }
+                Ok(Err(e)) if no_message(&e) => continue,
                 Ok(Err(e)) => return Err(unavailable(e)),
             }
         }
         Err(Error::unavailable(SCHEME, "the lock's key kept changing"))
+    }
+
+    /// The subject a release of `key` is announced on (plain NATS, not
+    /// JetStream: a waiter that misses it re-checks at the holder's expiry
+    /// or the core's fallback poll).
+    fn release_subject(&self, key: &str) -> String {
+        format!("_dlock.{}.{key}", self.bucket)
+    }
+
+    /// Wakes the waiters of `key` (best effort).
+    async fn released(&self, key: &str) {
+        let _ = self
+            .client
+            .publish(self.release_subject(key), Bytes::new())
+            .await;
     }
 
     fn info(&self, name: LockName, held: Held) -> LockInfo {
@@ -634,7 +672,8 @@ struct NatsClaim {
     value: Value,
     /// Whether a create was sent (abandon must then delete what it made).
     sent: bool,
-    watch: Option<kv::Watch>,
+    /// The subscription to the key's release announcements.
+    watch: Option<async_nats::Subscriber>,
     revisions: Revisions,
 }
 
@@ -647,29 +686,55 @@ impl fmt::Debug for NatsClaim {
     }
 }
 
+impl NatsClaim {
+    /// The grant of this claim's write at `revision` (the take's token).
+    fn granted(&self, revision: u64) -> (FencingToken, u64, Bytes) {
+        let token = FencingToken::new(revision);
+        let value = Value {
+            token: Some(token),
+            ..self.value.clone()
+        };
+        (token, revision, value.encode())
+    }
+}
+
 #[async_trait]
 impl Claim for NatsClaim {
     async fn try_take(&mut self) -> Result<Take, Error> {
         self.sent = true;
-        let created = self
+        // One write, judged by the server: only if the key has no message
+        // (free, expired or released; releases remove the message, see
+        // `delete_if`). KV's `create` would be two requests after a delete
+        // marker, so a take whose first reply is lost could not take effect.
+        let put = self
             .inner
-            .call(self.inner.kv.create(&self.key, self.value.encode()))
+            .call(self.inner.kv.update(&self.key, self.value.encode(), 0))
             .await?;
-        let granted = match created {
-            Ok(revision) => {
-                let token = FencingToken::new(revision);
-                let value = Value {
-                    token: Some(token),
-                    ..self.value.clone()
-                };
-                Some((token, revision, value.encode()))
-            }
-            Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => {
-                // Ours already (an earlier reply lost)? Then extend it, as a
-                // fresh take would (rule 4).
-                self.inner
-                    .extend(&self.key, &self.value.owner, None)
-                    .await?
+        let granted = match put {
+            Ok(revision) => Some(self.granted(revision)),
+            Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
+                match self.inner.bounded(self.inner.kv.entry(&self.key)).await? {
+                    // A delete marker (another tool's delete): take on it.
+                    Some(entry) if entry.operation != Operation::Put => {
+                        let value = self.value.encode();
+                        match self
+                            .inner
+                            .call(self.inner.kv.update(&self.key, value, entry.revision))
+                            .await?
+                        {
+                            Ok(revision) => Some(self.granted(revision)),
+                            Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => None,
+                            Err(e) => return Err(unavailable(e)),
+                        }
+                    }
+                    // Ours already (an earlier reply lost)? Then extend it,
+                    // as a fresh take would (rule 4).
+                    _ => {
+                        self.inner
+                            .extend(&self.key, &self.value.owner, None)
+                            .await?
+                    }
+                }
             }
             Err(e) => return Err(unavailable(e)),
         };
@@ -694,16 +759,21 @@ impl Claim for NatsClaim {
 
     async fn wait(&mut self, until: Instant) -> Result<(), Error> {
         let Some(watch) = self.watch.as_mut() else {
-            // Watch, then return at once: the core takes again, so a release
-            // between the last take and the watch is not missed.
-            self.watch = Some(self.inner.bounded(self.inner.kv.watch(&self.key)).await?);
+            // Subscribe, then return at once: the core takes again, so a
+            // release between the last take and the subscription is not
+            // missed.
+            let subject = self.inner.release_subject(&self.key);
+            self.watch = Some(
+                self.inner
+                    .bounded(self.inner.client.subscribe(subject))
+                    .await?,
+            );
             return Ok(());
         };
         tokio::select! {
-            event = watch.next() => match event {
-                Some(Ok(_)) => {}
-                // The watch ended or failed: make a new one at the next wait.
-                Some(Err(_)) | None => self.watch = None,
+            event = watch.next() => if event.is_none() {
+                // The subscription ended: make a new one at the next wait.
+                self.watch = None;
             },
             _ = tokio::time::sleep_until(until) => {}
         }

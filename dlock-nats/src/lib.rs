@@ -5,12 +5,12 @@
 //!
 //! | primitive | NATS KV |
 //! |---|---|
-//! | take | `create` of the lock's key (only if absent, or deleted): one atomic step judged by the server |
-//! | token | the stream sequence of that create (the key's revision), increasing over every key of the bucket, kept across restarts with the stream's file storage |
+//! | take | one write of the lock's key that the server accepts only if the key has no message (`Nats-Expected-Last-Subject-Sequence: 0`): free, expired or released |
+//! | token | the stream sequence of that write (the key's revision), increasing over every key of the bucket, kept across restarts with the stream's file storage |
 //! | expiry | the bucket's `max_age`: the server drops a value `max_age` after its last write, by its own clock |
 //! | renew | `update` on the key's last revision with the same owner and token (resets its age) |
-//! | release | `delete` on the last revision, after checking owner and token |
-//! | wake-up | a KV watch of the key: a release (delete marker) wakes the waiter; an expiry sends nothing, so waiters also re-check at the holder's expiry |
+//! | release | delete of the held message by its sequence (one message is kept per key, so that message exists only while it is the key's value), after checking owner and token; no delete marker is left, so the next take is one write |
+//! | wake-up | a release is announced on a plain NATS subject that waiters subscribe to; an expiry sends nothing, so waiters also re-check at the holder's expiry |
 //!
 //! **`max_age` is the bucket's, not the session's.** NATS 2.9 has no TTL per
 //! message, and a lock name must mean one key, so all clients of a bucket
@@ -141,23 +141,23 @@ impl NatsBackend {
         let kv = match tokio::time::timeout(REQUEST_TIMEOUT, js.get_key_value(&bucket)).await {
             Err(_) => return Err(Error::unavailable(SCHEME, "no answer opening the bucket")),
             Ok(Ok(kv)) => kv,
-            Ok(Err(_)) => tokio::time::timeout(
-                REQUEST_TIMEOUT,
-                js.create_key_value(kv::Config {
-                    bucket: bucket.clone(),
-                    history: 1,
-                    max_age,
-                    storage: async_nats::jetstream::stream::StorageType::File,
-                    ..Default::default()
-                }),
-            )
-            .await
-            .map_err(|_| Error::unavailable(SCHEME, "no answer creating the bucket"))?
-            .map_err(|e| {
-                Error::unavailable(SCHEME, format!("cannot create bucket {bucket}: {e}"))
-            })?,
+            Ok(Err(_)) => {
+                create_bucket(&client, &bucket, max_age).await?;
+                tokio::time::timeout(REQUEST_TIMEOUT, js.get_key_value(&bucket))
+                    .await
+                    .map_err(|_| Error::unavailable(SCHEME, "no answer opening the bucket"))?
+                    .map_err(|e| {
+                        Error::unavailable(SCHEME, format!("cannot open bucket {bucket}: {e}"))
+                    })?
+            }
         };
         let status = kv.status().await.map_err(unavailable)?;
+        if status.info.config.deny_delete {
+            return Err(Error::Config(format!(
+                "nats: bucket {bucket} denies message deletes (a bucket made by `nats kv add`): \
+                 dlock releases a lock by deleting its message; give a bucket dlock creates"
+            )));
+        }
         let have = status.max_age();
         if have != max_age {
             return Err(Error::Config(format!(
@@ -175,6 +175,51 @@ impl NatsBackend {
                 shown,
             }),
         })
+    }
+}
+
+/// Creates `bucket`'s stream as KV would, but with message deletes allowed
+/// (KV denies them; a release deletes the held message, see `delete_if`).
+///
+/// A raw JetStream request: the client's own stream and bucket creation
+/// cannot read nats-server 2.9's answer.
+async fn create_bucket(
+    client: &async_nats::Client,
+    bucket: &str,
+    max_age: Duration,
+) -> Result<(), Error> {
+    let nanos = |d: Duration| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+    // (a duplicate window longer than max_age is refused)
+    let window = max_age.min(Duration::from_secs(120));
+    let config = format!(
+        r#"{{"name":"KV_{bucket}","subjects":["$KV.{bucket}.>"],"retention":"limits",
+"max_consumers":-1,"max_msgs_per_subject":1,"max_msgs":-1,"max_bytes":-1,
+"max_age":{},"max_msg_size":-1,"storage":"file","discard":"new","num_replicas":1,
+"duplicate_window":{},"allow_rollup_hdrs":true,"deny_delete":false,"deny_purge":false,
+"allow_direct":true}}"#,
+        nanos(max_age),
+        nanos(window)
+    );
+    let reply = tokio::time::timeout(
+        REQUEST_TIMEOUT,
+        client.request(format!("$JS.API.STREAM.CREATE.KV_{bucket}"), config.into()),
+    )
+    .await
+    .map_err(|_| Error::unavailable(SCHEME, "no answer creating the bucket"))?
+    .map_err(|e| Error::unavailable(SCHEME, format!("cannot create bucket {bucket}: {e}")))?;
+    // `{"error":{"code":..,"err_code":..,"description":".."}}` on failure.
+    let text = String::from_utf8_lossy(&reply.payload);
+    match text.split_once(r#""description":""#) {
+        // (a bucket another client created meanwhile is fine: it is read next)
+        Some(_) if text.contains("10058") => Ok(()),
+        Some((_, why)) => Err(Error::unavailable(
+            SCHEME,
+            format!(
+                "cannot create bucket {bucket}: {}",
+                why.split('"').next().unwrap_or_default()
+            ),
+        )),
+        None => Ok(()),
     }
 }
 

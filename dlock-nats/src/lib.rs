@@ -473,10 +473,12 @@ impl Inner {
 
     /// Wakes the waiters of `key` (best effort).
     async fn released(&self, key: &str) {
-        let _ = self
-            .client
-            .publish(self.release_subject(key), Bytes::new())
-            .await;
+        // (in the background: a publish waits while the client reconnects)
+        let client = self.client.clone();
+        let subject = self.release_subject(key);
+        tokio::spawn(async move {
+            let _ = client.publish(subject, Bytes::new()).await;
+        });
     }
 
     fn info(&self, name: LockName, held: Held) -> LockInfo {

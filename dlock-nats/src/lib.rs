@@ -62,10 +62,12 @@ pub struct NatsBackend {
 }
 
 struct Inner {
-    /// The connection, reconnected when a request goes unanswered.
-    client: async_nats::Client,
-    reconnecting: Arc<std::sync::atomic::AtomicBool>,
-    kv: Store,
+    /// The connection requests go to: replaced by a new one when a request
+    /// goes unanswered (see `Dialer`).
+    conn: std::sync::RwLock<Arc<Conn>>,
+    dialer: Dialer,
+    /// Whether a replacement is being made (one at a time).
+    replacing: std::sync::atomic::AtomicBool,
     bucket: String,
     max_age: Duration,
     shown: String,
@@ -112,31 +114,18 @@ impl NatsBackend {
             }
             _ => return Err(url.invalid("the bucket must be 1-64 of [A-Za-z0-9-_]")),
         };
-        let servers: Vec<String> = url
-            .hosts()
-            .iter()
-            .map(|h| format!("nats://{}", h.with_default_port(4222)))
-            .collect();
-        let mut connect = async_nats::ConnectOptions::new()
-            .connection_timeout(REQUEST_TIMEOUT)
-            .request_timeout(Some(REQUEST_TIMEOUT))
-            // A silently dead connection is noticed within about a second
-            // (two unanswered pings), not the client's default two minutes.
-            .ping_interval(Duration::from_millis(500))
-            // Reconnect attempts 100 ms apart, growing to 1 s (the client's
-            // default grows to 4 s, which a lock with a short TTL outlives).
-            .reconnect_delay_callback(|attempts| {
-                Duration::from_millis(100 * attempts.min(10) as u64)
-            })
-            .max_reconnects(None);
-        if let Some(password) = url.password() {
-            connect = connect.user_and_password(url.username().to_owned(), password.to_owned());
-        }
+        let dialer = Dialer {
+            servers: url
+                .hosts()
+                .iter()
+                .map(|h| format!("nats://{}", h.with_default_port(4222)))
+                .collect(),
+            credentials: url
+                .password()
+                .map(|p| (url.username().to_owned(), p.to_owned())),
+        };
         let shown = url.redacted();
-        let client = tokio::time::timeout(REQUEST_TIMEOUT, connect.connect(servers))
-            .await
-            .map_err(|_| Error::unavailable(SCHEME, format!("no answer from {shown}")))?
-            .map_err(|e| Error::unavailable(SCHEME, format!("cannot connect to {shown}: {e}")))?;
+        let client = dialer.dial(&shown).await?;
         let js = async_nats::jetstream::new(client.clone());
         let kv = match tokio::time::timeout(REQUEST_TIMEOUT, js.get_key_value(&bucket)).await {
             Err(_) => return Err(Error::unavailable(SCHEME, "no answer opening the bucket")),
@@ -167,14 +156,51 @@ impl NatsBackend {
         }
         Ok(Self {
             inner: Arc::new(Inner {
-                client,
-                reconnecting: Arc::default(),
-                kv,
+                conn: std::sync::RwLock::new(Arc::new(Conn { client, kv })),
+                dialer,
+                replacing: Default::default(),
                 bucket,
                 max_age,
                 shown,
             }),
         })
+    }
+}
+
+/// A connection and the bucket opened on it.
+struct Conn {
+    client: async_nats::Client,
+    kv: Store,
+}
+
+/// Makes connections to the URL's servers.
+struct Dialer {
+    servers: Vec<String>,
+    credentials: Option<(String, String)>,
+}
+
+impl Dialer {
+    /// A new connection, its whole handshake bounded.
+    async fn dial(&self, shown: &str) -> Result<async_nats::Client, Error> {
+        let mut connect = async_nats::ConnectOptions::new()
+            .connection_timeout(REQUEST_TIMEOUT)
+            .request_timeout(Some(REQUEST_TIMEOUT))
+            // A silently dead connection is noticed within about a second
+            // (two unanswered pings), not the client's default two minutes.
+            .ping_interval(Duration::from_millis(500))
+            // Reconnect attempts 100 ms apart, growing to 1 s (the client's
+            // default grows to 4 s, which a lock with a short TTL outlives).
+            .reconnect_delay_callback(|attempts| {
+                Duration::from_millis(100 * attempts.min(10) as u64)
+            })
+            .max_reconnects(None);
+        if let Some((user, password)) = &self.credentials {
+            connect = connect.user_and_password(user.clone(), password.clone());
+        }
+        tokio::time::timeout(REQUEST_TIMEOUT, connect.connect(self.servers.clone()))
+            .await
+            .map_err(|_| Error::unavailable(SCHEME, format!("no answer from {shown}")))?
+            .map_err(|e| Error::unavailable(SCHEME, format!("cannot connect to {shown}: {e}")))
     }
 }
 
@@ -255,15 +281,22 @@ fn name_of(key: &str) -> Option<LockName> {
     LockName::new(String::from_utf8(bytes?).ok()?).ok()
 }
 
-/// A request in flight: unless it completes, the connection is replaced.
+/// A request in flight: if it is dropped unanswered after `STALLED`, the
+/// connection is replaced.
 struct InFlight<'a> {
-    inner: Option<&'a Inner>,
+    inner: Option<&'a Arc<Inner>>,
+    since: Instant,
 }
+
+/// How long a request may go unanswered before its connection counts as
+/// dead (loopback round trips take well under a millisecond; a request
+/// cancelled sooner, e.g. by a caller's `select!`, says nothing).
+const STALLED: Duration = Duration::from_millis(50);
 
 impl Drop for InFlight<'_> {
     fn drop(&mut self) {
-        if let Some(inner) = self.inner {
-            inner.reconnect();
+        if let Some(inner) = self.inner.filter(|_| self.since.elapsed() >= STALLED) {
+            inner.replace_connection();
         }
     }
 }
@@ -320,7 +353,10 @@ struct Held {
 
 impl Inner {
     /// Bounds one request (NATS requests wait for a reconnect).
-    async fn bounded<T, E>(&self, fut: impl Future<Output = Result<T, E>>) -> Result<T, Error>
+    async fn bounded<T, E>(
+        self: &Arc<Self>,
+        fut: impl Future<Output = Result<T, E>>,
+    ) -> Result<T, Error>
     where
         E: std::error::Error + Send + Sync + 'static,
     {
@@ -328,10 +364,15 @@ impl Inner {
     }
 
     /// One request, bounded. One that goes unanswered (its time-out, or the
-    /// core's, which drops it) may mean a silently dead connection: a new
-    /// one is made at once rather than after the pings.
-    async fn call<T>(&self, fut: impl Future<Output = T>) -> Result<T, Error> {
-        let mut in_flight = InFlight { inner: Some(self) };
+    /// core's, which drops it) may mean a silently dead connection: later
+    /// requests go to a new one, at once rather than after the pings. The
+    /// old connection is left to its requests in flight, not reset under
+    /// them (a reset would fail every other request of this backend).
+    async fn call<T>(self: &Arc<Self>, fut: impl Future<Output = T>) -> Result<T, Error> {
+        let mut in_flight = InFlight {
+            inner: Some(self),
+            since: Instant::now(),
+        };
         let result = tokio::time::timeout(REQUEST_TIMEOUT, fut).await;
         match result {
             Ok(r) => {
@@ -342,30 +383,40 @@ impl Inner {
         }
     }
 
-    /// Replaces the connection (once at a time, in the background).
-    fn reconnect(&self) {
-        if self
-            .reconnecting
-            .swap(true, std::sync::atomic::Ordering::AcqRel)
-        {
+    /// The connection for the next request.
+    fn conn(&self) -> Arc<Conn> {
+        self.conn.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Makes a new connection in the background and sends later requests
+    /// to it (one replacement at a time).
+    fn replace_connection(self: &Arc<Self>) {
+        use std::sync::atomic::Ordering;
+        if self.replacing.swap(true, Ordering::AcqRel) {
             return;
         }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            self.reconnecting
-                .store(false, std::sync::atomic::Ordering::Release);
+            self.replacing.store(false, Ordering::Release);
             return;
         };
-        let client = self.client.clone();
-        let flag = self.reconnecting.clone();
+        let inner = self.clone();
         runtime.spawn(async move {
-            let _ = client.force_reconnect().await;
-            flag.store(false, std::sync::atomic::Ordering::Release);
+            if let Ok(client) = inner.dialer.dial(&inner.shown).await {
+                let js = async_nats::jetstream::new(client.clone());
+                if let Ok(Ok(kv)) =
+                    tokio::time::timeout(REQUEST_TIMEOUT, js.get_key_value(&inner.bucket)).await
+                {
+                    *inner.conn.write().unwrap_or_else(|e| e.into_inner()) =
+                        Arc::new(Conn { client, kv });
+                }
+            }
+            inner.replacing.store(false, Ordering::Release);
         });
     }
 
     /// The key's live entry, if held.
-    async fn held(&self, key: &str) -> Result<Option<Held>, Error> {
-        let Some(entry) = self.bounded(self.kv.entry(key)).await? else {
+    async fn held(self: &Arc<Self>, key: &str) -> Result<Option<Held>, Error> {
+        let Some(entry) = self.bounded(self.conn().kv.entry(key)).await? else {
             return Ok(None);
         };
         if entry.operation != Operation::Put {
@@ -396,7 +447,7 @@ impl Inner {
     /// moved meanwhile is read again (it may have been this session's own
     /// concurrent write: a renewal beside a take retry or a release).
     async fn extend(
-        &self,
+        self: &Arc<Self>,
         key: &str,
         owner: &str,
         token: Option<FencingToken>,
@@ -414,7 +465,7 @@ impl Inner {
             }
             .encode();
             match self
-                .call(self.kv.update(key, value.clone(), held.revision))
+                .call(self.conn().kv.update(key, value.clone(), held.revision))
                 .await
             {
                 Err(e) => return Err(e),
@@ -429,7 +480,7 @@ impl Inner {
     /// Deletes a held key if `owner` (and `token`, if given) hold it, by
     /// its revision (read again if it moved meanwhile, as in `extend`).
     async fn delete_if(
-        &self,
+        self: &Arc<Self>,
         key: &str,
         owner: Option<&str>,
         token: Option<FencingToken>,
@@ -449,7 +500,7 @@ impl Inner {
             // of `revision` exists only while it is the key's value, so the
             // delete is conditional by itself.
             match self
-                .call(self.kv.stream.delete_message(held.revision))
+                .call(self.conn().kv.stream.delete_message(held.revision))
                 .await
             {
                 Err(e) => return Err(e),
@@ -472,9 +523,9 @@ impl Inner {
     }
 
     /// Wakes the waiters of `key` (best effort).
-    async fn released(&self, key: &str) {
+    async fn released(self: &Arc<Self>, key: &str) {
         // (in the background: a publish waits while the client reconnects)
-        let client = self.client.clone();
+        let client = self.conn().client.clone();
         let subject = self.release_subject(key);
         tokio::spawn(async move {
             let _ = client.publish(subject, Bytes::new()).await;
@@ -544,16 +595,27 @@ impl Backend for NatsBackend {
 
     async fn list(&self, prefix: &str) -> Result<Vec<LockInfo>, Error> {
         dlock_core::name::check_prefix(prefix)?;
-        let mut keys = self.inner.bounded(self.inner.kv.keys()).await?;
-        // (a set: a key rewritten while the listing runs is delivered again)
+        // The stream's own list of subjects with messages (one request per
+        // page), not KV's `keys`: that is a consumer, which goes on
+        // delivering while holders renew, so it never ends under load.
+        let prefix_subject = format!("$KV.{}.", self.inner.bucket);
+        let conn = self.inner.conn();
+        let filter = format!("{prefix_subject}l.>");
+        let mut subjects = self
+            .inner
+            .bounded(conn.kv.stream.info_with_subjects(filter))
+            .await?;
         let mut names = std::collections::BTreeMap::new();
-        while let Some(key) = tokio::time::timeout(REQUEST_TIMEOUT, keys.next())
+        while let Some(subject) = tokio::time::timeout(REQUEST_TIMEOUT, subjects.next())
             .await
             .map_err(|_| Error::unavailable(SCHEME, "listing timed out"))?
         {
-            let key = key.map_err(unavailable)?;
-            if let Some(name) = name_of(&key).filter(|n| n.as_str().starts_with(prefix)) {
-                names.insert(key, name);
+            let (subject, _) = subject.map_err(unavailable)?;
+            let Some(key) = subject.strip_prefix(&prefix_subject) else {
+                continue;
+            };
+            if let Some(name) = name_of(key).filter(|n| n.as_str().starts_with(prefix)) {
+                names.insert(key.to_owned(), name);
             }
         }
         let mut out = Vec::new();
@@ -579,7 +641,10 @@ impl Backend for NatsBackend {
     }
 
     async fn ping(&self) -> Result<(), Error> {
-        self.inner.bounded(self.inner.kv.status()).await.map(drop)
+        self.inner
+            .bounded(self.inner.conn().kv.status())
+            .await
+            .map(drop)
     }
 }
 
@@ -617,7 +682,7 @@ impl NatsSession {
             // key since this session did: it is still this hold)
             match self
                 .inner
-                .call(self.inner.kv.update(&key, value.clone(), revision))
+                .call(self.inner.conn().kv.update(&key, value.clone(), revision))
                 .await
             {
                 Err(e) => return Err(e),
@@ -755,18 +820,32 @@ impl Claim for NatsClaim {
         // marker, so a take whose first reply is lost could not take effect.
         let put = self
             .inner
-            .call(self.inner.kv.update(&self.key, self.value.encode(), 0))
+            .call(
+                self.inner
+                    .conn()
+                    .kv
+                    .update(&self.key, self.value.encode(), 0),
+            )
             .await?;
         let granted = match put {
             Ok(revision) => Some(self.granted(revision)),
             Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
-                match self.inner.bounded(self.inner.kv.entry(&self.key)).await? {
+                match self
+                    .inner
+                    .bounded(self.inner.conn().kv.entry(&self.key))
+                    .await?
+                {
                     // A delete marker (another tool's delete): take on it.
                     Some(entry) if entry.operation != Operation::Put => {
                         let value = self.value.encode();
                         match self
                             .inner
-                            .call(self.inner.kv.update(&self.key, value, entry.revision))
+                            .call(
+                                self.inner
+                                    .conn()
+                                    .kv
+                                    .update(&self.key, value, entry.revision),
+                            )
                             .await?
                         {
                             Ok(revision) => Some(self.granted(revision)),
@@ -812,7 +891,7 @@ impl Claim for NatsClaim {
             let subject = self.inner.release_subject(&self.key);
             self.watch = Some(
                 self.inner
-                    .bounded(self.inner.client.subscribe(subject))
+                    .bounded(self.inner.conn().client.subscribe(subject))
                     .await?,
             );
             return Ok(());

@@ -46,6 +46,8 @@ const MIN_TTL: Duration = Duration::from_millis(500);
 /// How many times a conditional write is tried again when the key moved
 /// between the read and the write.
 const RACES: usize = 4;
+/// How many renewals of one session are in flight at once.
+const RENEWALS_IN_FLIGHT: usize = 256;
 /// How long one request may take before it counts as unanswered.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -252,11 +254,17 @@ async fn create_bucket(
 /// Whether a message delete failed because the message is gone (replaced
 /// by a newer write, expired, or deleted already).
 fn no_message(e: &async_nats::jetstream::stream::DeleteMessageError) -> bool {
-    matches!(
-        e.kind(),
-        async_nats::jetstream::stream::DeleteMessageErrorKind::JetStream(js)
-            if js.error_code() == async_nats::jetstream::ErrorCode::NO_MESSAGE_FOUND
-    )
+    use async_nats::jetstream::ErrorCode;
+    match e.kind() {
+        async_nats::jetstream::stream::DeleteMessageErrorKind::JetStream(js) => {
+            js.error_code() == ErrorCode::NO_MESSAGE_FOUND
+                // (nats-server 2.9 answers a delete of a missing message with
+                // the generic "delete failed" code and this text)
+                || (js.error_code() == ErrorCode::STREAM_MESSAGE_DELETE_FAILED
+                    && js.to_string().contains("no message found"))
+        }
+        _ => false,
+    }
 }
 
 fn unavailable(e: impl std::error::Error + Send + Sync + 'static) -> Error {
@@ -496,23 +504,28 @@ impl Inner {
             }
             // The message itself is removed, not covered by a delete marker:
             // the subject is then empty, and the next take is one write
-            // (see `try_take`). With one message kept per key, the message
-            // of `revision` exists only while it is the key's value, so the
-            // delete is conditional by itself.
-            match self
-                .call(self.conn().kv.stream.delete_message(held.revision))
-                .await
-            {
-                Err(e) => return Err(e),
-                Ok(Ok(_)) => {
-                    self.released(key).await;
-                    return Ok(true);
-                }
-                Ok(Err(e)) if no_message(&e) => continue,
-                Ok(Err(e)) => return Err(unavailable(e)),
+            // (see `try_take`).
+            if self.delete_message(held.revision).await? {
+                self.released(key).await;
+                return Ok(true);
             }
         }
         Err(Error::unavailable(SCHEME, "the lock's key kept changing"))
+    }
+
+    /// Deletes the message at `revision`: `false` if it is gone (replaced
+    /// by a newer write, expired, or deleted already). With one message
+    /// kept per key, that message exists only while it is its key's value,
+    /// so the delete is conditional by itself.
+    async fn delete_message(self: &Arc<Self>, revision: u64) -> Result<bool, Error> {
+        match self
+            .call(self.conn().kv.stream.delete_message(revision))
+            .await?
+        {
+            Ok(_) => Ok(true),
+            Err(e) if no_message(&e) => Ok(false),
+            Err(e) => Err(unavailable(e)),
+        }
     }
 
     /// The subject a release of `key` is announced on (plain NATS, not
@@ -565,10 +578,12 @@ impl Backend for NatsBackend {
         // A release is a delete marker the waiters' watches see.
         caps.notify_wakeup = true;
         caps.wakeup_bound = Duration::from_millis(250);
-        // A crashed holder's key lives max_age from its last write; sessions
-        // given max_age as their TTL see it free about a second after that
-        // (JetStream's age check).
-        caps.recovery_bound = Duration::from_millis(1500);
+        // A crashed holder's key lives max_age from its last write, which
+        // is at most one renewal period before the crash; a session's TTL
+        // is at least MIN_TTL, and the server removes an expired message
+        // within about a second (its age check).
+        caps.recovery_bound =
+            self.inner.max_age.saturating_sub(MIN_TTL) + Duration::from_millis(1500);
         caps
     }
 
@@ -657,10 +672,35 @@ struct NatsSession {
 }
 
 /// The revision each of a session's holds was last written at, by owner
-/// value: a renewal is then one conditional write, not a read and a write.
-/// Only a hint: a write on a stale revision is refused by the server, and
-/// the renewal falls back to reading the key.
-type Revisions = Arc<std::sync::Mutex<std::collections::HashMap<String, (u64, Bytes)>>>;
+/// value: a renewal is then one conditional write and a release one
+/// delete, not a read first. Only a hint: a write on a stale revision is
+/// refused by the server, a delete of a gone message too, and both fall
+/// back to reading the key.
+type Revisions = Arc<std::sync::Mutex<std::collections::HashMap<String, Written>>>;
+
+/// What a session last wrote for one hold.
+#[derive(Clone)]
+struct Written {
+    /// The store key (a hold's owner value names one lock, but a forged
+    /// hold may pair it with another lock's name: a message delete is not
+    /// scoped to a key, so the key is checked here).
+    key: String,
+    token: FencingToken,
+    revision: u64,
+    value: Bytes,
+}
+
+/// Records what a session wrote for the hold `owner`.
+fn remember(revisions: &Revisions, owner: &str, key: &str, grant: (FencingToken, u64, Bytes)) {
+    let (token, revision, value) = grant;
+    let written = Written {
+        key: key.to_owned(),
+        token,
+        revision,
+        value,
+    };
+    revisions.lock().unwrap().insert(owner.to_owned(), written);
+}
 
 impl fmt::Debug for NatsSession {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -669,6 +709,44 @@ impl fmt::Debug for NatsSession {
 }
 
 impl NatsSession {
+    /// Deletes the hold's message by the revision this session last wrote
+    /// it at, in one request, so that a release whose reply is lost still
+    /// takes effect (a read first would need its answer); reads the key
+    /// only when that revision is unknown or gone (a renewal in flight
+    /// moved it, or an earlier try of this release deleted it).
+    /// What this session last wrote for `hold` under `key`, if anything.
+    fn known(&self, hold: &Hold, key: &str) -> Option<Written> {
+        let revisions = self.revisions.lock().unwrap();
+        let written = revisions.get(&hold.key)?;
+        (written.key == key && written.token == hold.token).then(|| written.clone())
+    }
+
+    async fn release_once(&self, hold: &Hold) -> Result<(), Error> {
+        if !self.id.issued(&hold.key) {
+            return Err(Error::NotHeld {
+                name: hold.name.to_string(),
+            });
+        }
+        let key = key_of(&hold.name);
+        if let Some(written) = self.known(hold, &key) {
+            if self.inner.delete_message(written.revision).await? {
+                self.inner.released(&key).await;
+                return Ok(());
+            }
+        }
+        if self
+            .inner
+            .delete_if(&key, Some(&hold.key), Some(hold.token))
+            .await?
+        {
+            Ok(())
+        } else {
+            Err(Error::NotHeld {
+                name: hold.name.to_string(),
+            })
+        }
+    }
+
     /// Rewrites one hold on its known revision; reads the key first only
     /// when that revision is unknown or stale.
     async fn renew_one(&self, hold: &Hold) -> Result<bool, Error> {
@@ -676,21 +754,18 @@ impl NatsSession {
             return Ok(false);
         }
         let key = key_of(&hold.name);
-        let known = self.revisions.lock().unwrap().get(&hold.key).cloned();
-        if let Some((revision, value)) = known {
+        if let Some(written) = self.known(hold, &key) {
             // (a write on `revision` succeeds only if nothing else wrote the
             // key since this session did: it is still this hold)
-            match self
-                .inner
-                .call(self.inner.conn().kv.update(&key, value.clone(), revision))
-                .await
-            {
+            let conn = self.inner.conn();
+            let update = conn
+                .kv
+                .update(&key, written.value.clone(), written.revision);
+            match self.inner.call(update).await {
                 Err(e) => return Err(e),
                 Ok(Ok(next)) => {
-                    self.revisions
-                        .lock()
-                        .unwrap()
-                        .insert(hold.key.clone(), (next, value));
+                    let grant = (hold.token, next, written.value);
+                    remember(&self.revisions, &hold.key, &key, grant);
                     return Ok(true);
                 }
                 Ok(Err(e)) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {}
@@ -698,11 +773,8 @@ impl NatsSession {
             }
         }
         match self.inner.extend(&key, &hold.key, Some(hold.token)).await? {
-            Some((_, revision, value)) => {
-                self.revisions
-                    .lock()
-                    .unwrap()
-                    .insert(hold.key.clone(), (revision, value));
+            Some(grant) => {
+                remember(&self.revisions, &hold.key, &key, grant);
                 Ok(true)
             }
             None => {
@@ -741,27 +813,24 @@ impl RawSession for NatsSession {
     }
 
     async fn renew(&self, holds: &[Hold]) -> Result<Vec<bool>, Error> {
-        let renewals = holds.iter().map(|h| self.renew_one(h));
-        futures::future::join_all(renewals)
+        // (a write per hold: KV keys expire one by one. A bounded number
+        // in flight: 10,000 at once took longer than 256 at a time)
+        let renewals: Vec<_> = holds.iter().map(|h| self.renew_one(h)).collect();
+        futures::stream::iter(renewals)
+            .buffered(RENEWALS_IN_FLIGHT)
+            .collect::<Vec<_>>()
             .await
             .into_iter()
             .collect()
     }
 
     async fn release(&self, hold: &Hold) -> Result<(), Error> {
-        self.revisions.lock().unwrap().remove(&hold.key);
-        let released = self.id.issued(&hold.key)
-            && self
-                .inner
-                .delete_if(&key_of(&hold.name), Some(&hold.key), Some(hold.token))
-                .await?;
-        if released {
-            Ok(())
-        } else {
-            Err(Error::NotHeld {
-                name: hold.name.to_string(),
-            })
+        let result = self.release_once(hold).await;
+        if !result.as_ref().is_err_and(Error::is_retryable) {
+            // (kept for a retry: its first delete may have gone unanswered)
+            self.revisions.lock().unwrap().remove(&hold.key);
         }
+        result
     }
 
     async fn close(&self, holds: &[Hold]) -> Result<(), Error> {
@@ -864,11 +933,9 @@ impl Claim for NatsClaim {
             }
             Err(e) => return Err(unavailable(e)),
         };
-        if let Some((token, revision, value)) = granted {
-            self.revisions
-                .lock()
-                .unwrap()
-                .insert(self.value.owner.clone(), (revision, value));
+        if let Some(grant) = granted {
+            let token = grant.0;
+            remember(&self.revisions, &self.value.owner, &self.key, grant);
             return Ok(Take::Granted(Hold {
                 name: self.name.clone(),
                 token,

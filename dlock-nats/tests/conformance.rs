@@ -10,7 +10,7 @@ use dlock_nats::NatsAdapter;
 fn nats() -> AdapterHarness {
     AdapterHarness::new("nats", NatsAdapter)
         .default_url("nats://127.0.0.1:14222/dlock_test")
-        .url_option("max_age", "1s")
+        .url_option("max_age", "5s")
         .ttl(Duration::from_secs(1))
         .services(["nats"])
         .bad_urls([

@@ -85,6 +85,16 @@ impl fmt::Debug for NatsBackend {
 }
 
 impl NatsBackend {
+    /// How many keys of lock names under `prefix` hold a message: live
+    /// holds, and messages past `max_age` the server has not removed yet.
+    /// For leak checks (the conformance suite's `leftovers`).
+    ///
+    /// # Errors
+    /// [`Error::Unavailable`] when the server does not answer.
+    pub async fn keys_under(&self, prefix: &str) -> Result<usize, Error> {
+        Ok(self.inner.keys(prefix).await?.len())
+    }
+
     /// Connects and opens (or creates) the URL's bucket.
     ///
     /// # Errors
@@ -273,8 +283,13 @@ fn unavailable(e: impl std::error::Error + Send + Sync + 'static) -> Error {
 
 /// A lock name as a KV key: its bytes in hex (keys allow only `[-/_=.a-zA-Z0-9]`).
 fn key_of(name: &LockName) -> String {
+    key_prefix(name.as_str())
+}
+
+/// The start of the keys of every name that starts with `prefix`.
+fn key_prefix(prefix: &str) -> String {
     let mut key = String::from("l.");
-    for b in name.as_str().bytes() {
+    for b in prefix.bytes() {
         key.push_str(&format!("{b:02x}"));
     }
     key
@@ -420,6 +435,34 @@ impl Inner {
             }
             inner.replacing.store(false, Ordering::Release);
         });
+    }
+
+    /// The keys of the lock names under `prefix` that have a message (a
+    /// hold, or a delete marker another tool left), from the stream's own
+    /// list of subjects (one request per page), not KV's `keys`: that is a
+    /// consumer, which goes on delivering while holders renew, so under load
+    /// it never ends.
+    async fn keys(self: &Arc<Self>, prefix: &str) -> Result<Vec<String>, Error> {
+        let bucket_prefix = format!("$KV.{}.", self.bucket);
+        let wanted = key_prefix(prefix);
+        let conn = self.conn();
+        let filter = format!("{bucket_prefix}l.>");
+        let mut subjects = self
+            .bounded(conn.kv.stream.info_with_subjects(filter))
+            .await?;
+        let mut keys = Vec::new();
+        while let Some(subject) = tokio::time::timeout(REQUEST_TIMEOUT, subjects.next())
+            .await
+            .map_err(|_| Error::unavailable(SCHEME, "listing timed out"))?
+        {
+            let (subject, _) = subject.map_err(unavailable)?;
+            if let Some(key) = subject.strip_prefix(&bucket_prefix)
+                && key.starts_with(&wanted)
+            {
+                keys.push(key.to_owned());
+            }
+        }
+        Ok(keys)
     }
 
     /// The key's live entry, if held.
@@ -610,27 +653,10 @@ impl Backend for NatsBackend {
 
     async fn list(&self, prefix: &str) -> Result<Vec<LockInfo>, Error> {
         dlock_core::name::check_prefix(prefix)?;
-        // The stream's own list of subjects with messages (one request per
-        // page), not KV's `keys`: that is a consumer, which goes on
-        // delivering while holders renew, so it never ends under load.
-        let prefix_subject = format!("$KV.{}.", self.inner.bucket);
-        let conn = self.inner.conn();
-        let filter = format!("{prefix_subject}l.>");
-        let mut subjects = self
-            .inner
-            .bounded(conn.kv.stream.info_with_subjects(filter))
-            .await?;
         let mut names = std::collections::BTreeMap::new();
-        while let Some(subject) = tokio::time::timeout(REQUEST_TIMEOUT, subjects.next())
-            .await
-            .map_err(|_| Error::unavailable(SCHEME, "listing timed out"))?
-        {
-            let (subject, _) = subject.map_err(unavailable)?;
-            let Some(key) = subject.strip_prefix(&prefix_subject) else {
-                continue;
-            };
-            if let Some(name) = name_of(key).filter(|n| n.as_str().starts_with(prefix)) {
-                names.insert(key.to_owned(), name);
+        for key in self.inner.keys(prefix).await? {
+            if let Some(name) = name_of(&key) {
+                names.insert(key, name);
             }
         }
         let mut out = Vec::new();
@@ -728,11 +754,11 @@ impl NatsSession {
             });
         }
         let key = key_of(&hold.name);
-        if let Some(written) = self.known(hold, &key) {
-            if self.inner.delete_message(written.revision).await? {
-                self.inner.released(&key).await;
-                return Ok(());
-            }
+        if let Some(written) = self.known(hold, &key)
+            && self.inner.delete_message(written.revision).await?
+        {
+            self.inner.released(&key).await;
+            return Ok(());
         }
         if self
             .inner

@@ -12,6 +12,7 @@
 //! | `etcd` | `etcd://h1:p1,h2:p2[/prefix]`, `etcds://` | [`etcd`] |
 //! | `zk` | `zk://[user:pass@]h1:p1,h2:p2[/root]` | [`zk`] |
 //! | `mongo` | `mongodb://…`, `mongodb+srv://…` | [`mongo`] |
+//! | `nats` | `nats://h1:p1,h2:p2[/bucket][?max_age=30s]` (JetStream KV) | [`nats`] |
 //! | always | `memory://[name]` | [`memory`] (in-process) |
 //!
 //! `all` enables every backend.
@@ -74,6 +75,11 @@ pub use dlock_zk as zk;
 #[doc(inline)]
 pub use dlock_mongo as mongo;
 
+/// NATS JetStream KV.
+#[cfg(feature = "nats")]
+#[doc(inline)]
+pub use dlock_nats as nats;
+
 pub mod blocking;
 #[cfg(feature = "tower")]
 pub mod fence_layer;
@@ -103,6 +109,7 @@ pub const KNOWN_SCHEMES: &[(&[&str], &str, bool)] = &[
         "mongo",
         cfg!(feature = "mongo"),
     ),
+    (&["nats"], "nats", cfg!(feature = "nats")),
 ];
 
 /// The process-wide [`Registry`] with every adapter this build compiles in
@@ -129,6 +136,8 @@ pub fn registry() -> &'static Registry {
         fill_free(registry, zk::ZkAdapter);
         #[cfg(feature = "mongo")]
         fill_free(registry, mongo::MongoAdapter);
+        #[cfg(feature = "nats")]
+        fill_free(registry, nats::NatsAdapter);
         // Only the features not compiled in: a compiled-in adapter that lost
         // a scheme to an earlier registration must not be reported missing.
         for &(schemes, feature, compiled) in KNOWN_SCHEMES {
@@ -150,7 +159,8 @@ pub fn registry() -> &'static Registry {
     feature = "redis",
     feature = "etcd",
     feature = "zk",
-    feature = "mongo"
+    feature = "mongo",
+    feature = "nats"
 ))]
 fn fill_free(registry: &Registry, adapter: impl dlock_core::Adapter) {
     let stores: Vec<&[&'static str]> = KNOWN_SCHEMES.iter().map(|k| k.0).collect();

@@ -35,6 +35,7 @@ fn backends(sqlite_dir: &std::path::Path) -> Vec<(String, String)> {
         ("etcd", "DLOCK_TEST_ETCD_URL", cfg!(feature = "etcd")),
         ("zk", "DLOCK_TEST_ZK_URL", cfg!(feature = "zk")),
         ("mongo", "DLOCK_TEST_MONGO_URL", cfg!(feature = "mongo")),
+        ("nats", "DLOCK_TEST_NATS_URL", cfg!(feature = "nats")),
     ] {
         match std::env::var(var) {
             Ok(url) if feature_on => all.push((label.to_owned(), url)),

@@ -805,7 +805,7 @@ fn sqlite_file_in_a_missing_directory_is_a_usage_error() {
 
 /// A closed port is named as such, in one line, at once: no driver dump, no
 /// wait for a time-out.
-#[cfg(any(feature = "etcd", feature = "zk", feature = "mongo"))]
+#[cfg(any(feature = "etcd", feature = "zk", feature = "mongo", feature = "nats"))]
 #[test]
 fn closed_ports_are_named_at_once() {
     let urls: &[&str] = &[
@@ -815,6 +815,8 @@ fn closed_ports_are_named_at_once() {
         "zk://127.0.0.1:1",
         #[cfg(feature = "mongo")]
         "mongodb://127.0.0.1:1/",
+        #[cfg(feature = "nats")]
+        "nats://127.0.0.1:1",
     ];
     for url in urls {
         let ran = Ran::of(Command::new(BIN).args(["status", "x", "--url", url]));

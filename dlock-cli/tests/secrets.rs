@@ -66,6 +66,10 @@ fn urls() -> Vec<String> {
     if cfg!(feature = "mongo") {
         hosts.push(("mongodb", "127.0.0.1:1/?serverSelectionTimeoutMS=300"));
     }
+    if cfg!(feature = "nats") {
+        hosts.push(("nats", "127.0.0.1:1"));
+        hosts.push(("nats", "127.0.0.1:14222/dlock_test?max_age=5s"));
+    }
     let mut urls = Vec::new();
     for (scheme, host) in hosts {
         let (authority, tail) = host.split_once('/').map_or((host, ""), |(a, t)| (a, t));

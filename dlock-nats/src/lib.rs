@@ -46,6 +46,8 @@ const MIN_TTL: Duration = Duration::from_millis(500);
 /// How many times a conditional write is tried again when the key moved
 /// between the read and the write.
 const RACES: usize = 4;
+/// The soonest a waiter checks a busy key again on its own (see `left`).
+const RECHECK_FLOOR: Duration = Duration::from_millis(100);
 /// How many renewals of one session are in flight at once.
 const RENEWALS_IN_FLIGHT: usize = 256;
 /// How long one request may take before it counts as unanswered.
@@ -70,6 +72,9 @@ struct Inner {
     dialer: Dialer,
     /// Whether a replacement is being made (one at a time).
     replacing: std::sync::atomic::AtomicBool,
+    /// The highest stream sequence this backend has seen: a new write must
+    /// get a higher one (see `fresh`).
+    highest: std::sync::atomic::AtomicU64,
     bucket: String,
     max_age: Duration,
     shown: String,
@@ -132,9 +137,10 @@ impl NatsBackend {
                 .iter()
                 .map(|h| format!("nats://{}", h.with_default_port(4222)))
                 .collect(),
-            credentials: url
-                .password()
-                .map(|p| (url.username().to_owned(), p.to_owned())),
+            credentials: match (url.username(), url.password()) {
+                ("", None) => None,
+                (user, password) => Some((user.to_owned(), password.map(str::to_owned))),
+            },
         };
         let shown = url.redacted();
         let client = dialer.dial(&shown).await?;
@@ -159,6 +165,19 @@ impl NatsBackend {
                  dlock releases a lock by deleting its message; give a bucket dlock creates"
             )));
         }
+        let config = &status.info.config;
+        if config.max_messages_per_subject != 1
+            || config.storage != async_nats::jetstream::stream::StorageType::File
+            || config.num_replicas > 1
+        {
+            return Err(Error::Config(format!(
+                "nats: bucket {bucket} keeps {} values per key on {:?} storage with {} \
+                 replicas; dlock needs one value per key (a release deletes the held message \
+                 by its sequence), file storage (tokens must survive a restart) and one replica \
+                 (reads are served by any replica); give a bucket dlock creates",
+                config.max_messages_per_subject, config.storage, config.num_replicas
+            )));
+        }
         let have = status.max_age();
         if have != max_age {
             return Err(Error::Config(format!(
@@ -171,6 +190,7 @@ impl NatsBackend {
                 conn: std::sync::RwLock::new(Arc::new(Conn { client, kv })),
                 dialer,
                 replacing: Default::default(),
+                highest: Default::default(),
                 bucket,
                 max_age,
                 shown,
@@ -188,7 +208,8 @@ struct Conn {
 /// Makes connections to the URL's servers.
 struct Dialer {
     servers: Vec<String>,
-    credentials: Option<(String, String)>,
+    /// User and password, or a token (the URL's user without a password).
+    credentials: Option<(String, Option<String>)>,
 }
 
 impl Dialer {
@@ -206,13 +227,26 @@ impl Dialer {
                 Duration::from_millis(100 * attempts.min(10) as u64)
             })
             .max_reconnects(None);
-        if let Some((user, password)) = &self.credentials {
-            connect = connect.user_and_password(user.clone(), password.clone());
-        }
-        tokio::time::timeout(REQUEST_TIMEOUT, connect.connect(self.servers.clone()))
-            .await
-            .map_err(|_| Error::unavailable(SCHEME, format!("no answer from {shown}")))?
-            .map_err(|e| Error::unavailable(SCHEME, format!("cannot connect to {shown}: {e}")))
+        connect = match &self.credentials {
+            Some((user, Some(password))) => {
+                connect.user_and_password(user.clone(), password.clone())
+            }
+            // `nats://TOKEN@host`: NATS's token authentication.
+            Some((token, None)) => connect.token(token.clone()),
+            None => connect,
+        };
+        let connected =
+            tokio::time::timeout(REQUEST_TIMEOUT, connect.connect(self.servers.clone()))
+                .await
+                .map_err(|_| Error::unavailable(SCHEME, format!("no answer from {shown}")))?;
+        connected.map_err(|e| match e.kind() {
+            async_nats::ConnectErrorKind::AuthorizationViolation
+            | async_nats::ConnectErrorKind::Authentication => Error::Auth {
+                backend: SCHEME,
+                reason: format!("{shown}: {e}"),
+            },
+            _ => Error::unavailable(SCHEME, format!("cannot connect to {shown}: {e}")),
+        })
     }
 }
 
@@ -437,6 +471,42 @@ impl Inner {
         });
     }
 
+    /// The highest stream sequence seen so far.
+    fn highest(&self) -> u64 {
+        self.highest.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Records a stream sequence the server reported.
+    fn saw(&self, revision: u64) -> u64 {
+        self.highest
+            .fetch_max(revision, std::sync::atomic::Ordering::AcqRel);
+        revision
+    }
+
+    /// Checks the sequence of a new take against `before`, the highest
+    /// sequence seen before it was sent (`highest()`; one seen meanwhile
+    /// may be larger): a server that forgot its stream's last sequence
+    /// (a hard kill while the bucket was empty, on servers without
+    /// nats-server#5497 and #6789, 2.9 among them) would hand out tokens
+    /// again (S2). The take is then refused here (the core abandons it,
+    /// which deletes it), and every later one too, until the sequences
+    /// pass what this process saw.
+    fn fresh(&self, revision: u64, before: u64) -> Result<u64, Error> {
+        self.saw(revision);
+        if revision <= before {
+            return Err(Error::protocol(
+                SCHEME,
+                format!(
+                    "bucket {}: the stream's sequence went back (a take got {revision} after \
+                     {before} was seen): the server lost its stream state, and fencing tokens \
+                     would repeat",
+                    self.bucket
+                ),
+            ));
+        }
+        Ok(revision)
+    }
+
     /// The keys of the lock names under `prefix` that have a message (a
     /// hold, or a delete marker another tool left), from the stream's own
     /// list of subjects (one request per page), not KV's `keys`: that is a
@@ -473,22 +543,33 @@ impl Inner {
         if entry.operation != Operation::Put {
             return Ok(None);
         }
-        let value = Value::decode(&entry.value)?;
+        // A value this adapter did not write (another tool's) holds the
+        // lock for no session: renewals and releases report it not theirs,
+        // `force_release` removes it.
+        let value = Value::decode(&entry.value).unwrap_or_else(|_| Value {
+            owner: String::new(),
+            token: None,
+            session: "(not a dlock value)".to_owned(),
+            why: String::new(),
+        });
         let token = value.token.unwrap_or(FencingToken::new(entry.revision));
         Ok(Some(Held {
             value,
-            revision: entry.revision,
+            revision: self.saw(entry.revision),
             token,
             created: entry.created.into(),
         }))
     }
 
-    /// Time until the entry written at `created` (server time) expires.
+    /// When to check again a key written at `created` (server time): at its
+    /// expiry, but not sooner than `RECHECK_FLOOR` (the server removes an
+    /// expired message lazily, and this client's clock may run ahead of
+    /// the server's: either would make waiters re-read in a tight loop).
     fn left(&self, created: SystemTime) -> Duration {
         let age = SystemTime::now()
             .duration_since(created)
             .unwrap_or_default();
-        self.max_age.saturating_sub(age)
+        self.max_age.saturating_sub(age).max(RECHECK_FLOOR)
     }
 
     /// Rewrites a held key on its revision with its token (renewal, the
@@ -520,7 +601,7 @@ impl Inner {
                 .await
             {
                 Err(e) => return Err(e),
-                Ok(Ok(revision)) => return Ok(Some((held.token, revision, value))),
+                Ok(Ok(revision)) => return Ok(Some((held.token, self.saw(revision), value))),
                 Ok(Err(e)) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => continue,
                 Ok(Err(e)) => return Err(unavailable(e)),
             }
@@ -618,7 +699,7 @@ impl Backend for NatsBackend {
         // do held keys (acknowledged writes are on disk).
         caps.durable_tokens = true;
         caps.restart_loses_locks = false;
-        // A release is a delete marker the waiters' watches see.
+        // A release is announced on a plain subject the waiters subscribe to.
         caps.notify_wakeup = true;
         caps.wakeup_bound = Duration::from_millis(250);
         // A crashed holder's key lives max_age from its last write, which
@@ -682,8 +763,9 @@ impl Backend for NatsBackend {
     }
 
     async fn ping(&self) -> Result<(), Error> {
+        // (a read of a key no lock uses: `status` answers from a cache)
         self.inner
-            .bounded(self.inner.conn().kv.status())
+            .bounded(self.inner.conn().kv.entry("ping"))
             .await
             .map(drop)
     }
@@ -790,8 +872,11 @@ impl NatsSession {
             match self.inner.call(update).await {
                 Err(e) => return Err(e),
                 Ok(Ok(next)) => {
-                    let grant = (hold.token, next, written.value);
-                    remember(&self.revisions, &hold.key, &key, grant);
+                    self.inner.saw(next);
+                    // (only if still there: a release may have begun meanwhile)
+                    if let Some(entry) = self.revisions.lock().unwrap().get_mut(&hold.key) {
+                        entry.revision = next;
+                    }
                     return Ok(true);
                 }
                 Ok(Err(e)) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {}
@@ -913,6 +998,7 @@ impl Claim for NatsClaim {
         // (free, expired or released; releases remove the message, see
         // `delete_if`). KV's `create` would be two requests after a delete
         // marker, so a take whose first reply is lost could not take effect.
+        let before = self.inner.highest();
         let put = self
             .inner
             .call(
@@ -923,7 +1009,7 @@ impl Claim for NatsClaim {
             )
             .await?;
         let granted = match put {
-            Ok(revision) => Some(self.granted(revision)),
+            Ok(revision) => Some(self.granted(self.inner.fresh(revision, before)?)),
             Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
                 match self
                     .inner
@@ -943,7 +1029,7 @@ impl Claim for NatsClaim {
                             )
                             .await?
                         {
-                            Ok(revision) => Some(self.granted(revision)),
+                            Ok(revision) => Some(self.granted(self.inner.fresh(revision, before)?)),
                             Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => None,
                             Err(e) => return Err(unavailable(e)),
                         }
@@ -1001,6 +1087,7 @@ impl Claim for NatsClaim {
 
     async fn abandon(&mut self) -> Result<(), Error> {
         self.watch = None;
+        self.revisions.lock().unwrap().remove(&self.value.owner);
         if self.sent {
             self.inner
                 .delete_if(&self.key, Some(&self.value.owner), None)

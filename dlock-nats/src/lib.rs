@@ -20,6 +20,30 @@
 //! holder's lock is free only `max_age` after its last renewal. Give
 //! sessions `max_age` as their TTL.
 //!
+//! | URL part | meaning | default |
+//! |---|---|---|
+//! | `user:password@` | NATS user and password | none |
+//! | `token@` (no password) | NATS token authentication | none |
+//! | `/bucket` | the KV bucket (1-64 of `[A-Za-z0-9-_]`), created if missing | `dlock` |
+//! | `?max_age=30s` | how long the bucket keeps a value after its last write; a session's TTL may be at most this | `30s` |
+//!
+//! **The bucket.** dlock creates it (file storage, one value per key, one
+//! replica, message deletes allowed). A bucket made otherwise (`nats kv add`
+//! denies deletes; history above 1, memory storage or replicas break what
+//! releases and tokens rest on) is refused with [`Error::Config`].
+//!
+//! **Limits, found in review:**
+//! - A take given up while its write was still on the way (a lost or slow
+//!   reply, then `abandon`) can land afterwards and keep the lock for
+//!   `max_age`, not the session's TTL; the declared recovery bound covers it.
+//! - Tokens are stream sequences. A server that forgets an emptied stream's
+//!   last sequence across a hard kill (nats-server#5497, #6789; Debian 12's
+//!   2.9.10 predates both fixes) would hand them out again: a client that saw
+//!   higher sequences refuses such a take with [`Error::Protocol`], but a
+//!   process started after the reset cannot tell. JetStream also syncs its
+//!   files to disk only every two minutes by default: a host crash (not a
+//!   server kill) can lose acknowledged writes. Use a current server.
+//!
 //! Value of a held key: `owner\ntoken\nsession\nwhy` (`token` empty until the
 //! first renewal: the take's own sequence is the token, and the take cannot
 //! know it before the server answers).

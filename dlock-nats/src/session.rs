@@ -1,0 +1,348 @@
+//! Sessions (a write per hold and renewal, a revision cache that makes
+//! renewals and releases one request) and claims.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::kv::{self, Operation};
+use async_trait::async_trait;
+use bytes::Bytes;
+use dlock_core::backend::{Busy, Claim, ExpiryModel, Hold, RawSession, Take};
+use dlock_core::{Error, FencingToken, LockName, SessionId};
+use futures::StreamExt;
+use tokio::time::Instant;
+
+use crate::value::{Value, key_of};
+use crate::{Inner, RENEWALS_IN_FLIGHT, unavailable};
+
+/// A session: nothing in the store (each hold expires on its own).
+pub(crate) struct NatsSession {
+    pub(crate) inner: Arc<Inner>,
+    pub(crate) id: SessionId,
+    pub(crate) ttl: Duration,
+    pub(crate) revisions: Revisions,
+}
+
+/// The revision each of a session's holds was last written at, by owner
+/// value: a renewal is then one conditional write and a release one
+/// delete, not a read first. Only a hint: a write on a stale revision is
+/// refused by the server, a delete of a gone message too, and both fall
+/// back to reading the key.
+pub(crate) type Revisions = Arc<std::sync::Mutex<std::collections::HashMap<String, Written>>>;
+
+/// What a session last wrote for one hold.
+#[derive(Clone)]
+pub(crate) struct Written {
+    /// The store key (a hold's owner value names one lock, but a forged
+    /// hold may pair it with another lock's name: a message delete is not
+    /// scoped to a key, so the key is checked here).
+    pub(crate) key: String,
+    pub(crate) token: FencingToken,
+    pub(crate) revision: u64,
+    pub(crate) value: Bytes,
+}
+
+/// Records what a session wrote for the hold `owner`.
+pub(crate) fn remember(
+    revisions: &Revisions,
+    owner: &str,
+    key: &str,
+    grant: (FencingToken, u64, Bytes),
+) {
+    let (token, revision, value) = grant;
+    let written = Written {
+        key: key.to_owned(),
+        token,
+        revision,
+        value,
+    };
+    revisions.lock().unwrap().insert(owner.to_owned(), written);
+}
+
+impl fmt::Debug for NatsSession {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("NatsSession").field("id", &self.id).finish()
+    }
+}
+
+impl NatsSession {
+    /// Deletes the hold's message by the revision this session last wrote
+    /// it at, in one request, so that a release whose reply is lost still
+    /// takes effect (a read first would need its answer); reads the key
+    /// only when that revision is unknown or gone (a renewal in flight
+    /// moved it, or an earlier try of this release deleted it).
+    /// What this session last wrote for `hold` under `key`, if anything.
+    pub(crate) fn known(&self, hold: &Hold, key: &str) -> Option<Written> {
+        let revisions = self.revisions.lock().unwrap();
+        let written = revisions.get(&hold.key)?;
+        (written.key == key && written.token == hold.token).then(|| written.clone())
+    }
+
+    pub(crate) async fn release_once(&self, hold: &Hold) -> Result<(), Error> {
+        if !self.id.issued(&hold.key) {
+            return Err(Error::NotHeld {
+                name: hold.name.to_string(),
+            });
+        }
+        let key = key_of(&hold.name);
+        if let Some(written) = self.known(hold, &key)
+            && self.inner.delete_message(written.revision).await?
+        {
+            self.inner.released(&key).await;
+            return Ok(());
+        }
+        if self
+            .inner
+            .delete_if(&key, Some(&hold.key), Some(hold.token))
+            .await?
+        {
+            Ok(())
+        } else {
+            Err(Error::NotHeld {
+                name: hold.name.to_string(),
+            })
+        }
+    }
+
+    /// Rewrites one hold on its known revision; reads the key first only
+    /// when that revision is unknown or stale.
+    pub(crate) async fn renew_one(&self, hold: &Hold) -> Result<bool, Error> {
+        if !self.id.issued(&hold.key) {
+            return Ok(false);
+        }
+        let key = key_of(&hold.name);
+        if let Some(written) = self.known(hold, &key) {
+            // (a write on `revision` succeeds only if nothing else wrote the
+            // key since this session did: it is still this hold)
+            let conn = self.inner.conn();
+            let update = conn
+                .kv
+                .update(&key, written.value.clone(), written.revision);
+            match self.inner.call(update).await {
+                Err(e) => return Err(e),
+                Ok(Ok(next)) => {
+                    self.inner.saw(next);
+                    // (only if still there: a release may have begun meanwhile)
+                    if let Some(entry) = self.revisions.lock().unwrap().get_mut(&hold.key) {
+                        entry.revision = next;
+                    }
+                    return Ok(true);
+                }
+                Ok(Err(e)) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {}
+                Ok(Err(e)) => return Err(unavailable(e)),
+            }
+        }
+        match self.inner.extend(&key, &hold.key, Some(hold.token)).await? {
+            Some(grant) => {
+                remember(&self.revisions, &hold.key, &key, grant);
+                Ok(true)
+            }
+            None => {
+                self.revisions.lock().unwrap().remove(&hold.key);
+                Ok(false)
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl RawSession for NatsSession {
+    fn ttl(&self) -> Duration {
+        self.ttl
+    }
+
+    fn expiry(&self) -> ExpiryModel {
+        ExpiryModel::PerHold
+    }
+
+    async fn claim(&self, name: &LockName, why: Option<&str>) -> Result<Box<dyn Claim>, Error> {
+        Ok(Box::new(NatsClaim {
+            inner: self.inner.clone(),
+            key: key_of(name),
+            name: name.clone(),
+            value: Value {
+                owner: self.id.claim_owner(),
+                token: None,
+                session: self.id.to_string(),
+                why: why.unwrap_or_default().replace('\n', " "),
+            },
+            sent: false,
+            watch: None,
+            revisions: self.revisions.clone(),
+        }))
+    }
+
+    async fn renew(&self, holds: &[Hold]) -> Result<Vec<bool>, Error> {
+        // (a write per hold: KV keys expire one by one. A bounded number
+        // in flight: 10,000 at once took longer than 256 at a time)
+        let renewals: Vec<_> = holds.iter().map(|h| self.renew_one(h)).collect();
+        futures::stream::iter(renewals)
+            .buffered(RENEWALS_IN_FLIGHT)
+            .collect::<Vec<_>>()
+            .await
+            .into_iter()
+            .collect()
+    }
+
+    async fn release(&self, hold: &Hold) -> Result<(), Error> {
+        let result = self.release_once(hold).await;
+        if !result.as_ref().is_err_and(Error::is_retryable) {
+            // (kept for a retry: its first delete may have gone unanswered)
+            self.revisions.lock().unwrap().remove(&hold.key);
+        }
+        result
+    }
+
+    async fn close(&self, holds: &[Hold]) -> Result<(), Error> {
+        for r in futures::future::join_all(holds.iter().map(|h| self.release(h))).await {
+            match r {
+                Ok(()) | Err(Error::NotHeld { .. }) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One client's claim on one lock: its owner value and, once it waits, a
+/// watch of the key.
+pub(crate) struct NatsClaim {
+    pub(crate) inner: Arc<Inner>,
+    pub(crate) key: String,
+    pub(crate) name: LockName,
+    pub(crate) value: Value,
+    /// Whether a create was sent (abandon must then delete what it made).
+    pub(crate) sent: bool,
+    /// The subscription to the key's release announcements.
+    pub(crate) watch: Option<async_nats::Subscriber>,
+    pub(crate) revisions: Revisions,
+}
+
+impl fmt::Debug for NatsClaim {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("NatsClaim")
+            .field("name", &self.name)
+            .field("owner", &self.value.owner)
+            .finish()
+    }
+}
+
+impl NatsClaim {
+    /// The grant of this claim's write at `revision` (the take's token).
+    pub(crate) fn granted(&self, revision: u64) -> (FencingToken, u64, Bytes) {
+        let token = FencingToken::new(revision);
+        let value = Value {
+            token: Some(token),
+            ..self.value.clone()
+        };
+        (token, revision, value.encode())
+    }
+}
+
+#[async_trait]
+impl Claim for NatsClaim {
+    async fn try_take(&mut self) -> Result<Take, Error> {
+        self.sent = true;
+        // One write, judged by the server: only if the key has no message
+        // (free, expired or released; releases remove the message, see
+        // `delete_if`). KV's `create` would be two requests after a delete
+        // marker, so a take whose first reply is lost could not take effect.
+        let before = self.inner.highest();
+        let put = self
+            .inner
+            .call(
+                self.inner
+                    .conn()
+                    .kv
+                    .update(&self.key, self.value.encode(), 0),
+            )
+            .await?;
+        let granted = match put {
+            Ok(revision) => Some(self.granted(self.inner.fresh(revision, before)?)),
+            Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
+                match self
+                    .inner
+                    .bounded(self.inner.conn().kv.entry(&self.key))
+                    .await?
+                {
+                    // A delete marker (another tool's delete): take on it.
+                    Some(entry) if entry.operation != Operation::Put => {
+                        let value = self.value.encode();
+                        match self
+                            .inner
+                            .call(
+                                self.inner
+                                    .conn()
+                                    .kv
+                                    .update(&self.key, value, entry.revision),
+                            )
+                            .await?
+                        {
+                            Ok(revision) => Some(self.granted(self.inner.fresh(revision, before)?)),
+                            Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => None,
+                            Err(e) => return Err(unavailable(e)),
+                        }
+                    }
+                    // Ours already (an earlier reply lost)? Then extend it,
+                    // as a fresh take would (rule 4).
+                    _ => {
+                        self.inner
+                            .extend(&self.key, &self.value.owner, None)
+                            .await?
+                    }
+                }
+            }
+            Err(e) => return Err(unavailable(e)),
+        };
+        if let Some(grant) = granted {
+            let token = grant.0;
+            remember(&self.revisions, &self.value.owner, &self.key, grant);
+            return Ok(Take::Granted(Hold {
+                name: self.name.clone(),
+                token,
+                key: self.value.owner.clone(),
+            }));
+        }
+        let retry_after = self
+            .inner
+            .held(&self.key)
+            .await?
+            .map(|held| self.inner.left(held.created));
+        Ok(Take::Busy(Busy { retry_after }))
+    }
+
+    async fn wait(&mut self, until: Instant) -> Result<(), Error> {
+        let Some(watch) = self.watch.as_mut() else {
+            // Subscribe, then return at once: the core takes again, so a
+            // release between the last take and the subscription is not
+            // missed.
+            let subject = self.inner.release_subject(&self.key);
+            self.watch = Some(
+                self.inner
+                    .bounded(self.inner.conn().client.subscribe(subject))
+                    .await?,
+            );
+            return Ok(());
+        };
+        tokio::select! {
+            event = watch.next() => if event.is_none() {
+                // The subscription ended: make a new one at the next wait.
+                self.watch = None;
+            },
+            _ = tokio::time::sleep_until(until) => {}
+        }
+        Ok(())
+    }
+
+    async fn abandon(&mut self) -> Result<(), Error> {
+        self.watch = None;
+        self.revisions.lock().unwrap().remove(&self.value.owner);
+        if self.sent {
+            self.inner
+                .delete_if(&self.key, Some(&self.value.owner), None)
+                .await?;
+        }
+        Ok(())
+    }
+}

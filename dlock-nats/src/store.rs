@@ -1,0 +1,295 @@
+//! The store mapping shared by backend, sessions and claims: reads,
+//! conditional writes and deletes on one key, each request bounded.
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use async_nats::jetstream::kv::{self, Operation};
+use bytes::Bytes;
+use dlock_core::{Error, FencingToken, LockInfo, LockName};
+use futures::StreamExt;
+use tokio::time::Instant;
+
+use crate::conn::{Conn, InFlight, no_message};
+use crate::value::{Value, key_prefix};
+use crate::{Inner, RACES, RECHECK_FLOOR, REQUEST_TIMEOUT, SCHEME, unavailable};
+
+/// A live lock entry: its value, revision, token and server timestamp.
+pub(crate) struct Held {
+    pub(crate) value: Value,
+    pub(crate) revision: u64,
+    pub(crate) token: FencingToken,
+    pub(crate) created: SystemTime,
+}
+
+impl Inner {
+    /// Bounds one request (NATS requests wait for a reconnect).
+    pub(crate) async fn bounded<T, E>(
+        self: &Arc<Self>,
+        fut: impl Future<Output = Result<T, E>>,
+    ) -> Result<T, Error>
+    where
+        E: std::error::Error + Send + Sync + 'static,
+    {
+        self.call(fut).await?.map_err(unavailable)
+    }
+
+    /// One request, bounded. One that goes unanswered (its time-out, or the
+    /// core's, which drops it) may mean a silently dead connection: later
+    /// requests go to a new one, at once rather than after the pings. The
+    /// old connection is left to its requests in flight, not reset under
+    /// them (a reset would fail every other request of this backend).
+    pub(crate) async fn call<T>(
+        self: &Arc<Self>,
+        fut: impl Future<Output = T>,
+    ) -> Result<T, Error> {
+        let mut in_flight = InFlight {
+            inner: Some(self),
+            since: Instant::now(),
+        };
+        let result = tokio::time::timeout(REQUEST_TIMEOUT, fut).await;
+        match result {
+            Ok(r) => {
+                in_flight.inner = None;
+                Ok(r)
+            }
+            Err(_) => Err(Error::unavailable(SCHEME, "request timed out")),
+        }
+    }
+
+    /// The connection for the next request.
+    pub(crate) fn conn(&self) -> Arc<Conn> {
+        self.conn.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Makes a new connection in the background and sends later requests
+    /// to it (one replacement at a time).
+    pub(crate) fn replace_connection(self: &Arc<Self>) {
+        use std::sync::atomic::Ordering;
+        if self.replacing.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            self.replacing.store(false, Ordering::Release);
+            return;
+        };
+        let inner = self.clone();
+        runtime.spawn(async move {
+            if let Ok(client) = inner.dialer.dial(&inner.shown).await {
+                let js = async_nats::jetstream::new(client.clone());
+                if let Ok(Ok(kv)) =
+                    tokio::time::timeout(REQUEST_TIMEOUT, js.get_key_value(&inner.bucket)).await
+                {
+                    *inner.conn.write().unwrap_or_else(|e| e.into_inner()) =
+                        Arc::new(Conn { client, kv });
+                }
+            }
+            inner.replacing.store(false, Ordering::Release);
+        });
+    }
+
+    /// The highest stream sequence seen so far.
+    pub(crate) fn highest(&self) -> u64 {
+        self.highest.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Records a stream sequence the server reported.
+    pub(crate) fn saw(&self, revision: u64) -> u64 {
+        self.highest
+            .fetch_max(revision, std::sync::atomic::Ordering::AcqRel);
+        revision
+    }
+
+    /// Checks the sequence of a new take against `before`, the highest
+    /// sequence seen before it was sent (`highest()`; one seen meanwhile
+    /// may be larger): a server that forgot its stream's last sequence
+    /// (a hard kill while the bucket was empty, on servers without
+    /// nats-server#5497 and #6789, 2.9 among them) would hand out tokens
+    /// again (S2). The take is then refused here (the core abandons it,
+    /// which deletes it), and every later one too, until the sequences
+    /// pass what this process saw.
+    pub(crate) fn fresh(&self, revision: u64, before: u64) -> Result<u64, Error> {
+        self.saw(revision);
+        if revision <= before {
+            return Err(Error::protocol(
+                SCHEME,
+                format!(
+                    "bucket {}: the stream's sequence went back (a take got {revision} after \
+                     {before} was seen): the server lost its stream state, and fencing tokens \
+                     would repeat",
+                    self.bucket
+                ),
+            ));
+        }
+        Ok(revision)
+    }
+
+    /// The keys of the lock names under `prefix` that have a message (a
+    /// hold, or a delete marker another tool left), from the stream's own
+    /// list of subjects (one request per page), not KV's `keys`: that is a
+    /// consumer, which goes on delivering while holders renew, so under load
+    /// it never ends.
+    pub(crate) async fn keys(self: &Arc<Self>, prefix: &str) -> Result<Vec<String>, Error> {
+        let bucket_prefix = format!("$KV.{}.", self.bucket);
+        let wanted = key_prefix(prefix);
+        let conn = self.conn();
+        let filter = format!("{bucket_prefix}l.>");
+        let mut subjects = self
+            .bounded(conn.kv.stream.info_with_subjects(filter))
+            .await?;
+        let mut keys = Vec::new();
+        while let Some(subject) = tokio::time::timeout(REQUEST_TIMEOUT, subjects.next())
+            .await
+            .map_err(|_| Error::unavailable(SCHEME, "listing timed out"))?
+        {
+            let (subject, _) = subject.map_err(unavailable)?;
+            if let Some(key) = subject.strip_prefix(&bucket_prefix)
+                && key.starts_with(&wanted)
+            {
+                keys.push(key.to_owned());
+            }
+        }
+        Ok(keys)
+    }
+
+    /// The key's live entry, if held.
+    pub(crate) async fn held(self: &Arc<Self>, key: &str) -> Result<Option<Held>, Error> {
+        let Some(entry) = self.bounded(self.conn().kv.entry(key)).await? else {
+            return Ok(None);
+        };
+        if entry.operation != Operation::Put {
+            return Ok(None);
+        }
+        // A value this adapter did not write (another tool's) holds the
+        // lock for no session: renewals and releases report it not theirs,
+        // `force_release` removes it.
+        let value = Value::decode(&entry.value).unwrap_or_else(|_| Value {
+            owner: String::new(),
+            token: None,
+            session: "(not a dlock value)".to_owned(),
+            why: String::new(),
+        });
+        let token = value.token.unwrap_or(FencingToken::new(entry.revision));
+        Ok(Some(Held {
+            value,
+            revision: self.saw(entry.revision),
+            token,
+            created: entry.created.into(),
+        }))
+    }
+
+    /// When to check again a key written at `created` (server time): at its
+    /// expiry, but not sooner than `RECHECK_FLOOR` (the server removes an
+    /// expired message lazily, and this client's clock may run ahead of
+    /// the server's: either would make waiters re-read in a tight loop).
+    pub(crate) fn left(&self, created: SystemTime) -> Duration {
+        let age = SystemTime::now()
+            .duration_since(created)
+            .unwrap_or_default();
+        self.max_age.saturating_sub(age).max(RECHECK_FLOOR)
+    }
+
+    /// Rewrites a held key on its revision with its token (renewal, the
+    /// idempotent take): `Some(token)` if it was ours and is extended.
+    ///
+    /// Each write is conditional on the revision just read; a revision that
+    /// moved meanwhile is read again (it may have been this session's own
+    /// concurrent write: a renewal beside a take retry or a release).
+    pub(crate) async fn extend(
+        self: &Arc<Self>,
+        key: &str,
+        owner: &str,
+        token: Option<FencingToken>,
+    ) -> Result<Option<(FencingToken, u64, Bytes)>, Error> {
+        for _ in 0..RACES {
+            let Some(held) = self.held(key).await? else {
+                return Ok(None);
+            };
+            if held.value.owner != owner || token.is_some_and(|t| t != held.token) {
+                return Ok(None);
+            }
+            let value = Value {
+                token: Some(held.token),
+                ..held.value
+            }
+            .encode();
+            match self
+                .call(self.conn().kv.update(key, value.clone(), held.revision))
+                .await
+            {
+                Err(e) => return Err(e),
+                Ok(Ok(revision)) => return Ok(Some((held.token, self.saw(revision), value))),
+                Ok(Err(e)) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => continue,
+                Ok(Err(e)) => return Err(unavailable(e)),
+            }
+        }
+        Err(Error::unavailable(SCHEME, "the lock's key kept changing"))
+    }
+
+    /// Deletes a held key if `owner` (and `token`, if given) hold it, by
+    /// its revision (read again if it moved meanwhile, as in `extend`).
+    pub(crate) async fn delete_if(
+        self: &Arc<Self>,
+        key: &str,
+        owner: Option<&str>,
+        token: Option<FencingToken>,
+    ) -> Result<bool, Error> {
+        for _ in 0..RACES {
+            let Some(held) = self.held(key).await? else {
+                return Ok(false);
+            };
+            if owner.is_some_and(|o| o != held.value.owner)
+                || token.is_some_and(|t| t != held.token)
+            {
+                return Ok(false);
+            }
+            // The message itself is removed, not covered by a delete marker:
+            // the subject is then empty, and the next take is one write
+            // (see `try_take`).
+            if self.delete_message(held.revision).await? {
+                self.released(key).await;
+                return Ok(true);
+            }
+        }
+        Err(Error::unavailable(SCHEME, "the lock's key kept changing"))
+    }
+
+    /// Deletes the message at `revision`: `false` if it is gone (replaced
+    /// by a newer write, expired, or deleted already). With one message
+    /// kept per key, that message exists only while it is its key's value,
+    /// so the delete is conditional by itself.
+    pub(crate) async fn delete_message(self: &Arc<Self>, revision: u64) -> Result<bool, Error> {
+        match self
+            .call(self.conn().kv.stream.delete_message(revision))
+            .await?
+        {
+            Ok(_) => Ok(true),
+            Err(e) if no_message(&e) => Ok(false),
+            Err(e) => Err(unavailable(e)),
+        }
+    }
+
+    /// The subject a release of `key` is announced on (plain NATS, not
+    /// JetStream: a waiter that misses it re-checks at the holder's expiry
+    /// or the core's fallback poll).
+    pub(crate) fn release_subject(&self, key: &str) -> String {
+        format!("_dlock.{}.{key}", self.bucket)
+    }
+
+    /// Wakes the waiters of `key` (best effort).
+    pub(crate) async fn released(self: &Arc<Self>, key: &str) {
+        // (in the background: a publish waits while the client reconnects)
+        let client = self.conn().client.clone();
+        let subject = self.release_subject(key);
+        tokio::spawn(async move {
+            let _ = client.publish(subject, Bytes::new()).await;
+        });
+    }
+
+    pub(crate) fn info(&self, name: LockName, held: Held) -> LockInfo {
+        let mut info = LockInfo::new(name, held.value.session.clone(), held.token);
+        info.why = (!held.value.why.is_empty()).then(|| held.value.why.clone());
+        info.expires_at = Some(held.created + self.max_age);
+        info
+    }
+}

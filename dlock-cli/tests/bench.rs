@@ -340,6 +340,22 @@ fn bench_mongo() {
     bench_server("DLOCK_TEST_MONGO_URL", "mongodb", None);
 }
 
+#[cfg(feature = "nats")]
+#[test]
+fn bench_nats() {
+    // A bucket of its own whose max_age (the backend's max_ttl) allows the
+    // bench's TTL of 10 s; the suite's keeps 5 s.
+    let Some(url) = server("DLOCK_TEST_NATS_URL") else {
+        return;
+    };
+    let url = dlock_core::url::StoreUrl::parse(&url).unwrap();
+    let authority = url.hosts()[0].to_string();
+    let json = run_tiny(&[&format!("nats://{authority}/dlock_bench?max_age=10s")]);
+    let b = &json["backends"][0];
+    assert_eq!(b["backend"], "nats", "{b:#}");
+    check_floor(b, None);
+}
+
 #[test]
 fn table_on_stdout_by_default() {
     let out = TempDir::new().unwrap();

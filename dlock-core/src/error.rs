@@ -30,7 +30,7 @@ pub enum Error {
     /// A session TTL outside the bounds this backend can honour.
     #[error(
         "invalid TTL {ttl:?}: must be between {min:?} and {max:?}{}",
-        if *max < crate::MAX_TTL { " (the backend's max_ttl: its URL's ?max_ttl= option sets it)" } else { "" }
+        if *max < crate::MAX_TTL { " (the backend's max_ttl: an option of its URL sets it, ?max_ttl= on Redis, ?max_age= on NATS)" } else { "" }
     )]
     InvalidTtl {
         /// The TTL asked for.

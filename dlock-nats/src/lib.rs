@@ -60,11 +60,15 @@ use dlock_core::{
 };
 
 mod conn;
+mod fence;
+mod floor;
 mod session;
 mod store;
 mod value;
 
 use conn::{Conn, Dialer, create_bucket};
+pub use fence::{FENCE_HEADER, NatsFence};
+pub use floor::NatsFloor;
 use session::{NatsSession, Revisions};
 use value::{key_of, name_of};
 
@@ -86,7 +90,7 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 #[derive(Debug, Clone, Copy, Default)]
 pub struct NatsAdapter;
 
-dlock_core::impl_adapter!(NatsAdapter, name: SCHEME, schemes: &["nats"], connect: NatsBackend::connect);
+dlock_core::impl_adapter!(NatsAdapter, name: SCHEME, schemes: &["nats"], connect: NatsBackend::connect, floor: NatsFloor::connect);
 
 /// A lock service on one NATS JetStream KV bucket.
 #[derive(Clone)]

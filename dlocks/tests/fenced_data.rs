@@ -1,8 +1,8 @@
 //! Fencing where the data lives, on the real servers (issue 16): a holder
 //! paused past its TTL cannot write to PostgreSQL, MySQL/MariaDB or SQLite
 //! behind [`SqlFence`], nor to Redis behind [`RedisFence`], etcd behind
-//! [`EtcdFence`], ZooKeeper behind [`ZkFence`] or MongoDB behind
-//! [`MongoFence`], once a newer
+//! [`EtcdFence`], ZooKeeper behind [`ZkFence`], MongoDB behind
+//! [`MongoFence`] or a NATS KV bucket behind [`NatsFence`], once a newer
 //! holder wrote, whichever backend holds the lock; and 16 concurrent writers
 //! with tokens out of order never let an older token overwrite a newer one.
 //!
@@ -17,6 +17,7 @@ use dlock_conformance::process::Process;
 use dlocks::FenceError;
 use dlocks::etcd::EtcdFence;
 use dlocks::mongo::MongoFence;
+use dlocks::nats::NatsFence;
 use dlocks::redis::RedisFence;
 use dlocks::sql::SqlFence;
 use dlocks::zk::ZkFence;
@@ -46,7 +47,20 @@ enum Data {
     /// The row is the document `{_id: <row>, token, writer}` of
     /// `dlock_fence_test.data`, its fence the document's `fence` field.
     Mongo(mongodb::Collection<Document>),
+    /// The row is the key `<row>` (`token:writer`) of the KV bucket
+    /// `dlock_fence_data` (no `max_age`), its token in the value's header.
+    Nats(
+        async_nats::jetstream::Context,
+        Box<async_nats::jetstream::kv::Store>,
+    ),
 }
+
+/// NATS's accepted writes: (row, stream sequence of the write, token).
+static NATS_WRITES: std::sync::Mutex<Vec<(String, u64, i64)>> = std::sync::Mutex::new(Vec::new());
+
+/// The NATS data bucket: made with a raw request (async-nats cannot read
+/// nats-server 2.9's answer to its own), without `max_age`.
+const NATS_BUCKET: &str = "dlock_fence_data";
 
 fn zk_path(row: &str) -> String {
     format!("/dlock-fence-test/{row}")
@@ -83,6 +97,17 @@ async fn applied_order(store: &Data, row: &str) -> Option<Vec<i64>> {
             writes.sort();
             Some(writes.into_iter().map(|(_, t)| t).collect())
         }
+        Data::Nats(..) => {
+            let mut writes: Vec<(u64, i64)> = NATS_WRITES
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|(r, _, _)| r == row)
+                .map(|(_, seq, t)| (*seq, *t))
+                .collect();
+            writes.sort();
+            Some(writes.into_iter().map(|(_, t)| t).collect())
+        }
         Data::Mongo(c) => {
             let found = c.find_one(doc! { "_id": row }).await.unwrap().unwrap();
             let history = found.get_array("history").unwrap();
@@ -108,6 +133,7 @@ impl Data {
             Data::Etcd(_) => "etcd",
             Data::Zk(_) => "zk",
             Data::Mongo(_) => "mongodb",
+            Data::Nats(..) => "nats",
         }
     }
 
@@ -141,6 +167,10 @@ impl Data {
         }
         if let Data::Etcd(c) = self {
             c.clone().put(etcd_key(row), "0:", None).await.unwrap();
+            return;
+        }
+        if let Data::Nats(_, kv) = self {
+            kv.put(row, "0:".into()).await.unwrap();
             return;
         }
         if let Data::Redis(c) = self {
@@ -178,7 +208,9 @@ impl Data {
                 sqlx::query(&create).execute(&mut *c).await.unwrap();
                 sqlx::query(&insert).execute(&mut *c).await.unwrap();
             }
-            Data::Redis(_) | Data::Etcd(_) | Data::Zk(_) | Data::Mongo(_) => unreachable!(),
+            Data::Redis(_) | Data::Etcd(_) | Data::Zk(_) | Data::Mongo(_) | Data::Nats(..) => {
+                unreachable!()
+            }
         }
     }
 
@@ -239,6 +271,14 @@ impl Data {
                     .update_one(c, doc! { "_id": row }, update, token)
                     .await?;
                 assert_eq!(done.matched_count, 1, "mongodb: the row is gone");
+                Ok(())
+            }
+            Data::Nats(js, kv) => {
+                let value = format!("{t}:{writer}");
+                let seq = NatsFence::new(row).put(js, kv, token, value.into()).await?;
+                // The write's place in the stream, for the check that
+                // tokens never go back.
+                NATS_WRITES.lock().unwrap().push((row.to_owned(), seq, t));
                 Ok(())
             }
             Data::Zk(c) => {
@@ -305,6 +345,13 @@ impl Data {
                     found.get_i64("fence").expect("a token was accepted") as u64
                 );
             }
+            Data::Nats(_, kv) => {
+                return NatsFence::new(row)
+                    .highest(kv)
+                    .await
+                    .unwrap()
+                    .expect("a token was accepted");
+            }
             Data::Zk(c) => {
                 return zk_fence(row)
                     .highest(c)
@@ -347,6 +394,12 @@ impl Data {
             Data::Zk(c) => {
                 let (data, _) = c.get_data(&zk_path(row)).await.unwrap();
                 let value = String::from_utf8(data).unwrap();
+                let (token, writer) = value.split_once(':').unwrap();
+                (token.parse().unwrap(), writer.to_owned())
+            }
+            Data::Nats(_, kv) => {
+                let value = kv.get(row).await.unwrap().expect("the row exists");
+                let value = String::from_utf8(value.to_vec()).unwrap();
                 let (token, writer) = value.split_once(':').unwrap();
                 (token.parse().unwrap(), writer.to_owned())
             }
@@ -433,6 +486,36 @@ async fn data_stores() -> Vec<Data> {
         }
         Err(_) => println!("SKIPPED fenced_data etcd data: DLOCK_TEST_ETCD_URL is not set"),
     }
+    match std::env::var("DLOCK_TEST_NATS_URL") {
+        Ok(url) => {
+            let server = url
+                .trim_start_matches("nats://")
+                .split(['/', '?'])
+                .next()
+                .unwrap()
+                .to_owned();
+            let client = async_nats::connect(format!("nats://{server}"))
+                .await
+                .unwrap();
+            let config = format!(
+                r#"{{"name":"KV_{NATS_BUCKET}","subjects":["$KV.{NATS_BUCKET}.>"],
+"max_msgs_per_subject":1,"storage":"file","num_replicas":1,"discard":"new",
+"allow_rollup_hdrs":true,"allow_direct":true}}"#
+            );
+            // (an answer that the bucket exists is fine)
+            client
+                .request(
+                    format!("$JS.API.STREAM.CREATE.KV_{NATS_BUCKET}"),
+                    config.into(),
+                )
+                .await
+                .unwrap();
+            let js = async_nats::jetstream::new(client);
+            let kv = js.get_key_value(NATS_BUCKET).await.unwrap();
+            stores.push(Data::Nats(js, Box::new(kv)));
+        }
+        Err(_) => println!("SKIPPED fenced_data nats data: DLOCK_TEST_NATS_URL is not set"),
+    }
     let file = std::env::temp_dir().join(format!("dlock-fence-{:016x}.db", rand::random::<u64>()));
     let options = sqlx::sqlite::SqliteConnectOptions::new()
         .filename(&file)
@@ -456,6 +539,7 @@ fn lock_urls() -> Vec<(&'static str, String)> {
         ("etcd", "DLOCK_TEST_ETCD_URL", ""),
         ("zk", "DLOCK_TEST_ZK_URL", ""),
         ("mongo", "DLOCK_TEST_MONGO_URL", ""),
+        ("nats", "DLOCK_TEST_NATS_URL", ""),
     ] {
         match std::env::var(var) {
             Ok(url) if extra.is_empty() => urls.push((name, url)),

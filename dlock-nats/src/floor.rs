@@ -1,0 +1,99 @@
+//! The floor of a NATS lock for `dlock bench` ([`dlock_core::floor`]): the
+//! two requests a dlock take and release send, a KV write only if the key
+//! has no message and the delete of that message by its sequence, on a
+//! connection of its own. NATS has no lock of its own (KV is the one).
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use dlock_core::floor::{FencedWrite, Floor};
+use dlock_core::url::StoreUrl;
+use dlock_core::{Error, FencingToken, LockName};
+
+use crate::value::key_prefix;
+use crate::{NatsBackend, NatsFence, SCHEME, unavailable};
+
+/// [`Floor`] of `nats://` URLs: a backend of its own, in whose bucket it
+/// writes keys no lock uses.
+#[derive(Debug)]
+pub struct NatsFloor {
+    backend: NatsBackend,
+}
+
+impl NatsFloor {
+    /// Opens the floor of `url` (read as [`NatsBackend::connect`] reads it).
+    ///
+    /// # Cancel safety
+    /// As [`NatsBackend::connect`].
+    pub async fn connect(url: &StoreUrl) -> Result<Self, Error> {
+        Ok(Self {
+            backend: NatsBackend::connect(url).await?,
+        })
+    }
+}
+
+#[async_trait]
+impl Floor for NatsFloor {
+    fn operations(&self) -> &'static str {
+        "KV update on revision 0 + delete of that message"
+    }
+
+    async fn cycle(&self, key: &LockName) -> Result<(), Error> {
+        let inner = &self.backend.inner;
+        let key = key_for('f', key);
+        let conn = inner.conn();
+        let revision = inner
+            .call(conn.kv.update(&key, Bytes::from_static(b"floor"), 0))
+            .await?
+            .map_err(unavailable)?;
+        if inner.delete_message(revision).await? {
+            Ok(())
+        } else {
+            Err(Error::protocol(
+                SCHEME,
+                format!("the floor's message {revision} was gone before its delete"),
+            ))
+        }
+    }
+
+    fn fenced_write(&self) -> Option<&dyn FencedWrite> {
+        Some(self)
+    }
+}
+
+/// The key of `name` for `kind` (`f`: the floor's take; `w`: its data),
+/// apart from every lock's (`l`).
+fn key_for(kind: char, name: &LockName) -> String {
+    format!("{kind}{}", &key_prefix(name.as_str())[1..])
+}
+
+#[async_trait]
+impl FencedWrite for NatsFloor {
+    fn operations(&self) -> &'static str {
+        "KV put, against NatsFence::put (direct get + conditional publish)"
+    }
+
+    async fn plain(&self, key: &LockName, value: u64) -> Result<(), Error> {
+        let conn = self.backend.inner.conn();
+        let put = conn.kv.put(key_for('w', key), value.to_string().into());
+        self.backend.inner.bounded(put).await.map(drop)
+    }
+
+    async fn fenced(&self, key: &LockName, token: FencingToken, value: u64) -> Result<(), Error> {
+        let conn = self.backend.inner.conn();
+        let js = async_nats::jetstream::new(conn.client.clone());
+        let fence = NatsFence::new(key_for('w', key));
+        let put = fence.put(&js, &conn.kv, token, value.to_string().into());
+        self.backend
+            .inner
+            .call(put)
+            .await?
+            .map_err(|e| Error::protocol(SCHEME, format!("floor: {e}")))
+            .map(drop)
+    }
+
+    async fn remove(&self, key: &LockName) -> Result<(), Error> {
+        let conn = self.backend.inner.conn();
+        let purge = conn.kv.purge(key_for('w', key));
+        self.backend.inner.bounded(purge).await
+    }
+}

@@ -28,7 +28,9 @@ const TRIES: usize = 64;
 /// without `max_age` (an expired value forgets its token too). A value
 /// written without the fence counts as token 0. Tokens are per lock name:
 /// guard one resource with one lock name on one backend. Buckets under a
-/// JetStream domain prefix are not supported.
+/// JetStream domain prefix, mirrors, buckets that drop values on their own
+/// and buckets with replicas are refused ([`FenceError::InvalidResource`]);
+/// a key that was deleted or purged is [`FenceError::Store`].
 ///
 /// ```no_run
 /// # async fn demo(client: async_nats::Client, guard: dlock_core::LockGuard) -> Result<(), Box<dyn std::error::Error>> {
@@ -71,11 +73,8 @@ impl NatsFence {
         token: FencingToken,
         value: Bytes,
     ) -> Result<u64, FenceError> {
-        let subject = format!(
-            "{}{}",
-            kv.put_prefix.as_ref().unwrap_or(&kv.prefix),
-            self.key
-        );
+        self.check_bucket(kv)?;
+        let subject = format!("{}{}", kv.prefix, self.key);
         for _ in 0..TRIES {
             let (highest, last) = self.current(kv).await?;
             if highest > token.get() {
@@ -101,18 +100,61 @@ impl NatsFence {
         Err(self.store_error("the key kept changing"))
     }
 
-    /// The token of the key's current value (0 for none or an unfenced
-    /// one), if the key has a value.
+    /// The token of the key's current value (0 for an unfenced one), if
+    /// the key has a value.
     pub async fn highest(&self, kv: &Store) -> Result<Option<FencingToken>, FenceError> {
         let (highest, last) = self.current(kv).await?;
         Ok((last != 0).then(|| FencingToken::new(highest)))
     }
 
+    /// Refuses what the fence cannot keep its promise on: a key KV would
+    /// refuse, a bucket that forgets values on its own (`max_age`, limits
+    /// that discard old messages) or whose writes go elsewhere (a mirror, a
+    /// JetStream domain), or with replicas (nats-server before 2.9.21
+    /// checked a write's expected sequence outside the replicated write:
+    /// nats-server#4320).
+    fn check_bucket(&self, kv: &Store) -> Result<(), FenceError> {
+        let valid_key = !self.key.is_empty()
+            && !self.key.starts_with('.')
+            && !self.key.ends_with('.')
+            && !self.key.contains("..")
+            && self
+                .key
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"-/_=.".contains(&b));
+        let config = &kv.stream.cached_info().config;
+        let why = if !valid_key {
+            "not a KV key ([-/_=.a-zA-Z0-9], no empty token)"
+        } else if kv.use_jetstream_prefix || kv.put_prefix.is_some() || config.mirror.is_some() {
+            "the bucket is a mirror or under a JetStream domain: its writes go to another stream"
+        } else if !config.max_age.is_zero()
+            || (config.discard == async_nats::jetstream::stream::DiscardPolicy::Old
+                && (config.max_messages > 0 || config.max_bytes > 0))
+        {
+            "the bucket drops values on its own (max_age, or limits that discard old \
+             messages): a dropped value forgets its token"
+        } else if config.num_replicas > 1 {
+            "the bucket has replicas (the fence is proven on one replica only)"
+        } else {
+            return Ok(());
+        };
+        Err(FenceError::InvalidResource {
+            resource: self.key.clone(),
+            why,
+        })
+    }
+
     /// The token of the key's last message and its sequence (0 and 0 if
     /// there is none).
     async fn current(&self, kv: &Store) -> Result<(u64, u64), FenceError> {
+        self.check_bucket(kv)?;
         let subject = format!("{}{}", kv.prefix, self.key);
         match kv.stream.direct_get_last_for_subject(subject).await {
+            // A delete or purge marker: the token went with the value.
+            Ok(message) if message.headers.get("KV-Operation").is_some() => Err(self.store_error(
+                "the key was deleted or purged, and its token with it (never delete a \
+                     fenced key)",
+            )),
             Ok(message) => Ok((parse(message.headers.get(FENCE_HEADER)), message.sequence)),
             Err(e) if e.kind() == DirectGetErrorKind::NotFound => Ok((0, 0)),
             Err(e) => Err(self.store_error(e)),

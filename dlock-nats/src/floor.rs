@@ -9,14 +9,28 @@ use dlock_core::floor::{FencedWrite, Floor};
 use dlock_core::url::StoreUrl;
 use dlock_core::{Error, FencingToken, LockName};
 
+use std::time::Duration;
+
+use crate::conn::create_bucket;
 use crate::value::key_prefix;
 use crate::{NatsBackend, NatsFence, SCHEME, unavailable};
 
 /// [`Floor`] of `nats://` URLs: a backend of its own, in whose bucket it
-/// writes keys no lock uses.
-#[derive(Debug)]
+/// writes keys no lock uses, and the bucket `<bucket>_fence` (no
+/// `max_age`, as [`NatsFence`] needs) for the fenced writes.
 pub struct NatsFloor {
     backend: NatsBackend,
+    js: async_nats::jetstream::Context,
+    data: async_nats::jetstream::kv::Store,
+}
+
+impl std::fmt::Debug for NatsFloor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NatsFloor")
+            .field("backend", &self.backend)
+            .field("data", &self.data.name)
+            .finish()
+    }
 }
 
 impl NatsFloor {
@@ -25,9 +39,14 @@ impl NatsFloor {
     /// # Cancel safety
     /// As [`NatsBackend::connect`].
     pub async fn connect(url: &StoreUrl) -> Result<Self, Error> {
-        Ok(Self {
-            backend: NatsBackend::connect(url).await?,
-        })
+        let backend = NatsBackend::connect(url).await?;
+        let client = backend.inner.conn().client.clone();
+        let bucket = &backend.inner.bucket;
+        let name = format!("{}_fence", &bucket[..bucket.len().min(58)]);
+        create_bucket(&client, &name, Duration::ZERO).await?;
+        let js = async_nats::jetstream::new(client);
+        let data = backend.inner.bounded(js.get_key_value(&name)).await?;
+        Ok(Self { backend, js, data })
     }
 }
 
@@ -73,16 +92,13 @@ impl FencedWrite for NatsFloor {
     }
 
     async fn plain(&self, key: &LockName, value: u64) -> Result<(), Error> {
-        let conn = self.backend.inner.conn();
-        let put = conn.kv.put(key_for('w', key), value.to_string().into());
+        let put = self.data.put(key_for('w', key), value.to_string().into());
         self.backend.inner.bounded(put).await.map(drop)
     }
 
     async fn fenced(&self, key: &LockName, token: FencingToken, value: u64) -> Result<(), Error> {
-        let conn = self.backend.inner.conn();
-        let js = async_nats::jetstream::new(conn.client.clone());
         let fence = NatsFence::new(key_for('w', key));
-        let put = fence.put(&js, &conn.kv, token, value.to_string().into());
+        let put = fence.put(&self.js, &self.data, token, value.to_string().into());
         self.backend
             .inner
             .call(put)
@@ -92,8 +108,14 @@ impl FencedWrite for NatsFloor {
     }
 
     async fn remove(&self, key: &LockName) -> Result<(), Error> {
-        let conn = self.backend.inner.conn();
-        let purge = conn.kv.purge(key_for('w', key));
-        self.backend.inner.bounded(purge).await
+        // (the messages themselves, not a purge marker, which a later
+        // fenced write of the same key would refuse)
+        let subject = format!("{}{}", self.data.prefix, key_for('w', key));
+        let purge = self.data.stream.purge().filter(subject);
+        self.backend
+            .inner
+            .bounded(purge.into_future())
+            .await
+            .map(drop)
     }
 }

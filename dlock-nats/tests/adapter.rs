@@ -114,3 +114,63 @@ async fn a_bucket_with_history_is_refused() {
     );
     delete_bucket(&raw, bucket).await;
 }
+
+/// NatsFence refuses what it cannot keep its promise on: a bucket that
+/// drops values on its own (the lock bucket's `max_age`), a key KV would
+/// refuse, and a key that was deleted (its token went with it: an older
+/// holder would otherwise write as if first).
+#[tokio::test]
+async fn the_fence_refuses_what_would_forget_tokens() {
+    use dlock_core::{FenceError, FencingToken};
+    use dlock_nats::NatsFence;
+
+    let url = url("dlock_fence_refusals");
+    let raw = raw_client(&url).await;
+    let js = async_nats::jetstream::new(raw.clone());
+    // A bucket with max_age (made by the lock backend).
+    let _backend = NatsBackend::connect(url.as_str()).await.unwrap();
+    let aging = js.get_key_value("dlock_fence_refusals").await.unwrap();
+    let e = NatsFence::new("acct")
+        .put(&js, &aging, FencingToken::new(5), "1".into())
+        .await
+        .unwrap_err();
+    assert!(matches!(e, FenceError::InvalidResource { .. }), "{e:?}");
+    delete_bucket(&raw, "dlock_fence_refusals").await;
+
+    // A bucket without max_age.
+    let bucket = "dlock_fence_keep";
+    delete_bucket(&raw, bucket).await;
+    let config = format!(
+        r#"{{"name":"KV_{bucket}","subjects":["$KV.{bucket}.>"],"max_msgs_per_subject":1,
+"storage":"file","num_replicas":1,"discard":"new","allow_rollup_hdrs":true,"allow_direct":true}}"#
+    );
+    raw.request(format!("$JS.API.STREAM.CREATE.KV_{bucket}"), config.into())
+        .await
+        .unwrap();
+    let kv = js.get_key_value(bucket).await.unwrap();
+    let e = NatsFence::new("a..b")
+        .put(&js, &kv, FencingToken::new(5), "1".into())
+        .await
+        .unwrap_err();
+    assert!(matches!(e, FenceError::InvalidResource { .. }), "{e:?}");
+    let fence = NatsFence::new("acct");
+    fence
+        .put(&js, &kv, FencingToken::new(7), "1".into())
+        .await
+        .unwrap();
+    let e = fence
+        .put(&js, &kv, FencingToken::new(5), "2".into())
+        .await
+        .unwrap_err();
+    assert!(matches!(e, FenceError::Stale { .. }), "{e:?}");
+    kv.delete("acct").await.unwrap();
+    let e = fence
+        .put(&js, &kv, FencingToken::new(5), "2".into())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(e, FenceError::Store { .. }) && e.to_string().contains("deleted"),
+        "{e:?}"
+    );
+    delete_bucket(&raw, bucket).await;
+}

@@ -502,14 +502,20 @@ async fn data_stores() -> Vec<Data> {
 "max_msgs_per_subject":1,"storage":"file","num_replicas":1,"discard":"new",
 "allow_rollup_hdrs":true,"allow_direct":true}}"#
             );
-            // (an answer that the bucket exists is fine)
-            client
+            let reply = client
                 .request(
                     format!("$JS.API.STREAM.CREATE.KV_{NATS_BUCKET}"),
                     config.into(),
                 )
                 .await
                 .unwrap();
+            // Made, or made before (10058); the fence refuses a bucket with
+            // other settings (max_age, replicas) itself.
+            let reply = String::from_utf8_lossy(&reply.payload);
+            assert!(
+                !reply.contains("\"error\"") || reply.contains("10058"),
+                "{reply}"
+            );
             let js = async_nats::jetstream::new(client);
             let kv = js.get_key_value(NATS_BUCKET).await.unwrap();
             stores.push(Data::Nats(js, Box::new(kv)));

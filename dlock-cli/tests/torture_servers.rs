@@ -1,7 +1,7 @@
 //! CI's short soak: `dlock torture` against every real server `scripts/services`
 //! runs, a few hundred fenced acquisitions per fault profile, all backends at
 //! once (each on its own servers, so one's restarts never touch another's),
-//! then MongoDB alone (see [`RUN_LAST`]).
+//! then MongoDB alone (see [`RUN_LAST`]). NATS runs with the others.
 //! The long run with ≥ 10,000 acquisitions per profile is in FAULTS.md.
 //!
 //! A backend whose `DLOCK_TEST_<NAME>_URL` is unset prints a SKIPPED line
@@ -53,6 +53,8 @@ const BACKENDS: &[(&str, &str, &str, &str)] = &[
         "",
     ),
     ("mongo", "DLOCK_TEST_MONGO_URL", "mongo", ""),
+    // (TTL 1 s sessions on the suite's bucket of max_age 5 s)
+    ("nats", "DLOCK_TEST_NATS_URL", "nats", ""),
 ];
 
 fn with_options(url: &str, extra: &str) -> String {

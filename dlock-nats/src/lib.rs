@@ -36,13 +36,16 @@
 //! - A take given up while its write was still on the way (a lost or slow
 //!   reply, then `abandon`) can land afterwards and keep the lock for
 //!   `max_age`, not the session's TTL; the declared recovery bound covers it.
-//! - Tokens are stream sequences. A server that forgets an emptied stream's
-//!   last sequence across a hard kill (nats-server#5497, #6789; Debian 12's
-//!   2.9.10 predates both fixes) would hand them out again: a client that saw
-//!   higher sequences refuses such a take with [`Error::Protocol`], but a
-//!   process started after the reset cannot tell. JetStream also syncs its
-//!   files to disk only every two minutes by default: a host crash (not a
-//!   server kill) can lose acknowledged writes. Use a current server.
+//! - **A killed server loses its last acknowledged writes**: JetStream
+//!   acknowledges a write before its file store has written it, and syncs
+//!   every two minutes. A lost take or renewal frees a held lock before its
+//!   holder's next renewal fails (declared: `restart_loses_locks`), and the
+//!   sequences of lost writes (tokens) are given again (declared: no
+//!   `durable_tokens`). A process that saw a sequence takes again until the
+//!   stream passes it, so its tokens still increase; a process started after
+//!   the kill cannot tell. The same if the server forgets an emptied
+//!   stream's last sequence (nats-server#5497, #6789; Debian 12's 2.9.10
+//!   predates both). Fence the data ([`NatsFence`] or the store's own).
 //!
 //! Value of a held key: `owner\ntoken\nsession\nwhy` (`token` empty until the
 //! first renewal: the take's own sequence is the token, and the take cannot
@@ -107,7 +110,7 @@ struct Inner {
     replacing: std::sync::atomic::AtomicBool,
     /// The highest stream sequence this backend has seen: a new write must
     /// get a higher one (see `fresh`).
-    highest: std::sync::atomic::AtomicU64,
+    highest: Arc<std::sync::atomic::AtomicU64>,
     bucket: String,
     max_age: Duration,
     shown: String,
@@ -120,6 +123,21 @@ impl fmt::Debug for NatsBackend {
             .field("bucket", &self.inner.bucket)
             .finish()
     }
+}
+
+/// The highest sequence seen of one bucket on one set of servers, shared by
+/// every backend of this process that opens it: a sequence one of them saw
+/// is then above what any of them may be granted.
+fn highest_of(servers: &[String], bucket: &str) -> Arc<std::sync::atomic::AtomicU64> {
+    type Marks = std::collections::HashMap<String, Arc<std::sync::atomic::AtomicU64>>;
+    static MARKS: std::sync::Mutex<Option<Marks>> = std::sync::Mutex::new(None);
+    let mut marks = MARKS.lock().unwrap_or_else(|e| e.into_inner());
+    let key = format!("{}/{bucket}", servers.join(","));
+    marks
+        .get_or_insert_with(Default::default)
+        .entry(key)
+        .or_default()
+        .clone()
 }
 
 impl NatsBackend {
@@ -221,9 +239,9 @@ impl NatsBackend {
         Ok(Self {
             inner: Arc::new(Inner {
                 conn: std::sync::RwLock::new(Arc::new(Conn { client, kv })),
+                highest: highest_of(&dialer.servers, &bucket),
                 dialer,
                 replacing: Default::default(),
-                highest: Default::default(),
                 bucket,
                 max_age,
                 shown,
@@ -254,10 +272,15 @@ impl Backend for NatsBackend {
 
     fn capabilities(&self) -> Capabilities {
         let mut caps = Capabilities::default();
-        // Stream sequences on file storage: they survive a restart, and so
-        // do held keys (acknowledged writes are on disk).
-        caps.durable_tokens = true;
-        caps.restart_loses_locks = false;
+        // JetStream acknowledges a write before its file store has written
+        // it (a flusher writes behind, and syncs every 2 minutes): a killed
+        // server comes back without its last acknowledged writes. CI's soak
+        // saw it (server-restarts: 11 overlapping holds in 329). A lost
+        // take or renewal frees a held lock, and the sequences of lost
+        // writes are given again (a process that saw them refuses such a
+        // take: `Inner::fresh`).
+        caps.durable_tokens = false;
+        caps.restart_loses_locks = true;
         // A release is announced on a plain subject the waiters subscribe to.
         caps.notify_wakeup = true;
         caps.wakeup_bound = Duration::from_millis(250);

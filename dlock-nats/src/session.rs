@@ -259,7 +259,7 @@ impl Claim for NatsClaim {
             )
             .await?;
         let granted = match put {
-            Ok(revision) => Some(self.granted(self.inner.fresh(revision, before)?)),
+            Ok(revision) => Some(self.granted(self.inner.fresh(revision, before).await?)),
             Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
                 match self
                     .inner
@@ -279,7 +279,9 @@ impl Claim for NatsClaim {
                             )
                             .await?
                         {
-                            Ok(revision) => Some(self.granted(self.inner.fresh(revision, before)?)),
+                            Ok(revision) => {
+                                Some(self.granted(self.inner.fresh(revision, before).await?))
+                            }
                             Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => None,
                             Err(e) => return Err(unavailable(e)),
                         }

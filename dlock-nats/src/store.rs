@@ -102,26 +102,28 @@ impl Inner {
 
     /// Checks the sequence of a new take against `before`, the highest
     /// sequence seen before it was sent (`highest()`; one seen meanwhile
-    /// may be larger): a server that forgot its stream's last sequence
-    /// (a hard kill while the bucket was empty, on servers without
-    /// nats-server#5497 and #6789, 2.9 among them) would hand out tokens
-    /// again (S2). The take is then refused here (the core abandons it,
-    /// which deletes it), and every later one too, until the sequences
-    /// pass what this process saw.
-    pub(crate) fn fresh(&self, revision: u64, before: u64) -> Result<u64, Error> {
+    /// may be larger). A server that lost its last writes (a kill: JetStream
+    /// writes behind) or forgot an emptied stream's last sequence
+    /// (nats-server#5497, #6789) gives sequences again, and a token would
+    /// repeat (S2). Such a take is deleted here and reported `Unavailable`:
+    /// the core takes again, and each try moves the sequence on, so the
+    /// lock is granted again once it passes what this process saw, with a
+    /// larger token.
+    pub(crate) async fn fresh(self: &Arc<Self>, revision: u64, before: u64) -> Result<u64, Error> {
         self.saw(revision);
-        if revision <= before {
-            return Err(Error::protocol(
-                SCHEME,
-                format!(
-                    "bucket {}: the stream's sequence went back (a take got {revision} after \
-                     {before} was seen): the server lost its stream state, and fencing tokens \
-                     would repeat",
-                    self.bucket
-                ),
-            ));
+        if revision > before {
+            return Ok(revision);
         }
-        Ok(revision)
+        // (best effort: a message left behind expires after max_age)
+        let _ = self.delete_message(revision).await;
+        Err(Error::unavailable(
+            SCHEME,
+            format!(
+                "bucket {}: the stream's sequence went back (a take got {revision} after {before} \
+                 was seen; the server lost writes): taking again",
+                self.bucket
+            ),
+        ))
     }
 
     /// The keys of the lock names under `prefix` that have a message (a

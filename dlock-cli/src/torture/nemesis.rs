@@ -130,6 +130,11 @@ impl Profile {
             Profile::ServerRestarts if forgets => {
                 Some("a restart without persistence forgets held locks")
             }
+            // JetStream acknowledges writes its file store has not written
+            // yet: a killed nats-server comes back without them.
+            Profile::ServerRestarts if url.starts_with("nats://") => {
+                Some("a killed nats-server loses its last acknowledged writes")
+            }
             _ => None,
         }
     }

@@ -41,9 +41,13 @@
 //!   every two minutes. A lost take or renewal frees a held lock before its
 //!   holder's next renewal fails (declared: `restart_loses_locks`), and the
 //!   sequences of lost writes (tokens) are given again (declared: no
-//!   `durable_tokens`). A process that saw a sequence takes again until the
-//!   stream passes it, so its tokens still increase; a process started after
-//!   the kill cannot tell. The same if the server forgets an emptied
+//!   `durable_tokens`), so after a kill two grants can carry the same token
+//!   and fencing cannot tell them apart. A fresh take whose sequence is not
+//!   above what this process saw of the bucket is deleted and taken again,
+//!   which narrows this but does not close it: a take retried on a key that
+//!   still holds its own earlier message, and deletes by a sequence that was
+//!   given again, are open (stop note of 2026-11-27); a process started
+//!   after the kill cannot tell at all. The same if the server forgets an emptied
 //!   stream's last sequence (nats-server#5497, #6789; Debian 12's 2.9.10
 //!   predates both). Fence the data ([`NatsFence`] or the store's own).
 //!

@@ -62,12 +62,35 @@ impl Dialer {
     }
 }
 
+/// Opens the KV bucket `bucket`; one that cannot be opened is created
+/// first when `create` gives its `max_age` (see [`create_bucket`]).
+pub(crate) async fn open_bucket(
+    client: &async_nats::Client,
+    bucket: &str,
+    create: Option<Duration>,
+) -> Result<Store, Error> {
+    let js = async_nats::jetstream::new(client.clone());
+    let open = || async {
+        tokio::time::timeout(REQUEST_TIMEOUT, js.get_key_value(bucket))
+            .await
+            .map_err(|_| Error::unavailable(SCHEME, "no answer opening the bucket"))
+    };
+    let opened = match (open().await?, create) {
+        (Err(_), Some(max_age)) => {
+            create_bucket(client, bucket, max_age).await?;
+            open().await?
+        }
+        (opened, _) => opened,
+    };
+    opened.map_err(|e| Error::unavailable(SCHEME, format!("cannot open bucket {bucket}: {e}")))
+}
+
 /// Creates `bucket`'s stream as KV would, but with message deletes allowed
 /// (KV denies them; a release deletes the held message, see `delete_if`).
 ///
 /// A raw JetStream request: the client's own stream and bucket creation
 /// cannot read nats-server 2.9's answer.
-pub(crate) async fn create_bucket(
+async fn create_bucket(
     client: &async_nats::Client,
     bucket: &str,
     max_age: Duration,

@@ -73,8 +73,8 @@ impl NatsFence {
         token: FencingToken,
         value: Bytes,
     ) -> Result<u64, FenceError> {
-        self.check_bucket(kv)?;
         let subject = format!("{}{}", kv.prefix, self.key);
+        // (`current` refuses a bucket or key the fence cannot keep)
         for _ in 0..TRIES {
             let (highest, last) = self.current(kv).await?;
             if highest > token.get() {

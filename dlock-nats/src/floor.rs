@@ -11,7 +11,7 @@ use dlock_core::{Error, FencingToken, LockName};
 
 use std::time::Duration;
 
-use crate::conn::create_bucket;
+use crate::conn::open_bucket;
 use crate::value::key_prefix;
 use crate::{NatsBackend, NatsFence, SCHEME, unavailable};
 
@@ -43,9 +43,8 @@ impl NatsFloor {
         let client = backend.inner.conn().client.clone();
         let bucket = &backend.inner.bucket;
         let name = format!("{}_fence", &bucket[..bucket.len().min(58)]);
-        create_bucket(&client, &name, Duration::ZERO).await?;
+        let data = open_bucket(&client, &name, Some(Duration::ZERO)).await?;
         let js = async_nats::jetstream::new(client);
-        let data = backend.inner.bounded(js.get_key_value(&name)).await?;
         Ok(Self { backend, js, data })
     }
 }

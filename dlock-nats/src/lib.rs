@@ -73,7 +73,7 @@ mod session;
 mod store;
 mod value;
 
-use conn::{Conn, Dialer, create_bucket};
+use conn::{Conn, Dialer, open_bucket};
 pub use fence::{FENCE_HEADER, NatsFence};
 pub use floor::NatsFloor;
 use session::{NatsSession, Revisions};
@@ -199,28 +199,15 @@ impl NatsBackend {
         };
         let shown = url.redacted();
         let client = dialer.dial(&shown).await?;
-        let js = async_nats::jetstream::new(client.clone());
-        let kv = match tokio::time::timeout(REQUEST_TIMEOUT, js.get_key_value(&bucket)).await {
-            Err(_) => return Err(Error::unavailable(SCHEME, "no answer opening the bucket")),
-            Ok(Ok(kv)) => kv,
-            Ok(Err(_)) => {
-                create_bucket(&client, &bucket, max_age).await?;
-                tokio::time::timeout(REQUEST_TIMEOUT, js.get_key_value(&bucket))
-                    .await
-                    .map_err(|_| Error::unavailable(SCHEME, "no answer opening the bucket"))?
-                    .map_err(|e| {
-                        Error::unavailable(SCHEME, format!("cannot open bucket {bucket}: {e}"))
-                    })?
-            }
-        };
+        let kv = open_bucket(&client, &bucket, Some(max_age)).await?;
         let status = kv.status().await.map_err(unavailable)?;
-        if status.info.config.deny_delete {
+        let config = &status.info.config;
+        if config.deny_delete {
             return Err(Error::Config(format!(
                 "nats: bucket {bucket} denies message deletes (a bucket made by `nats kv add`): \
                  dlock releases a lock by deleting its message; give a bucket dlock creates"
             )));
         }
-        let config = &status.info.config;
         if config.max_messages_per_subject != 1
             || config.storage != async_nats::jetstream::stream::StorageType::File
             || config.num_replicas > 1

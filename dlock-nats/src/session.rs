@@ -5,7 +5,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_nats::jetstream::kv::{self, Operation};
+use async_nats::jetstream::kv::Operation;
 use async_trait::async_trait;
 use bytes::Bytes;
 use dlock_core::backend::{Busy, Claim, ExpiryModel, Hold, RawSession, Take};
@@ -14,7 +14,7 @@ use futures::StreamExt;
 use tokio::time::Instant;
 
 use crate::value::{Value, key_of};
-use crate::{Inner, RENEWALS_IN_FLIGHT, unavailable};
+use crate::{Inner, RENEWALS_IN_FLIGHT};
 
 /// A session: nothing in the store (each hold expires on its own).
 pub(crate) struct NatsSession {
@@ -67,11 +67,6 @@ impl fmt::Debug for NatsSession {
 }
 
 impl NatsSession {
-    /// Deletes the hold's message by the revision this session last wrote
-    /// it at, in one request, so that a release whose reply is lost still
-    /// takes effect (a read first would need its answer); reads the key
-    /// only when that revision is unknown or gone (a renewal in flight
-    /// moved it, or an earlier try of this release deleted it).
     /// What this session last wrote for `hold` under `key`, if anything.
     pub(crate) fn known(&self, hold: &Hold, key: &str) -> Option<Written> {
         let revisions = self.revisions.lock().unwrap();
@@ -79,6 +74,11 @@ impl NatsSession {
         (written.key == key && written.token == hold.token).then(|| written.clone())
     }
 
+    /// Deletes the hold's message by the revision this session last wrote
+    /// it at, in one request, so that a release whose reply is lost still
+    /// takes effect (a read first would need its answer); reads the key
+    /// only when that revision is unknown or gone (a renewal in flight
+    /// moved it, or an earlier try of this release deleted it).
     pub(crate) async fn release_once(&self, hold: &Hold) -> Result<(), Error> {
         if !self.id.issued(&hold.key) {
             return Err(Error::NotHeld {
@@ -115,22 +115,13 @@ impl NatsSession {
         if let Some(written) = self.known(hold, &key) {
             // (a write on `revision` succeeds only if nothing else wrote the
             // key since this session did: it is still this hold)
-            let conn = self.inner.conn();
-            let update = conn
-                .kv
-                .update(&key, written.value.clone(), written.revision);
-            match self.inner.call(update).await {
-                Err(e) => return Err(e),
-                Ok(Ok(next)) => {
-                    self.inner.saw(next);
-                    // (only if still there: a release may have begun meanwhile)
-                    if let Some(entry) = self.revisions.lock().unwrap().get_mut(&hold.key) {
-                        entry.revision = next;
-                    }
-                    return Ok(true);
+            let written_at = self.inner.update_at(&key, written.value, written.revision);
+            if let Some(next) = written_at.await? {
+                // (only if still there: a release may have begun meanwhile)
+                if let Some(entry) = self.revisions.lock().unwrap().get_mut(&hold.key) {
+                    entry.revision = next;
                 }
-                Ok(Err(e)) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {}
-                Ok(Err(e)) => return Err(unavailable(e)),
+                return Ok(true);
             }
         }
         match self.inner.extend(&key, &hold.key, Some(hold.token)).await? {
@@ -249,53 +240,36 @@ impl Claim for NatsClaim {
         // `delete_if`). KV's `create` would be two requests after a delete
         // marker, so a take whose first reply is lost could not take effect.
         let before = self.inner.highest();
-        let put = self
-            .inner
-            .call(
-                self.inner
-                    .conn()
-                    .kv
-                    .update(&self.key, self.value.encode(), 0),
-            )
-            .await?;
-        let granted = match put {
-            Ok(revision) => Some(self.granted(self.inner.fresh(revision, before).await?)),
-            Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
-                match self
-                    .inner
-                    .bounded(self.inner.conn().kv.entry(&self.key))
-                    .await?
-                {
-                    // A delete marker (another tool's delete): take on it.
-                    Some(entry) if entry.operation != Operation::Put => {
-                        let value = self.value.encode();
-                        match self
-                            .inner
-                            .call(
-                                self.inner
-                                    .conn()
-                                    .kv
-                                    .update(&self.key, value, entry.revision),
-                            )
-                            .await?
-                        {
-                            Ok(revision) => {
-                                Some(self.granted(self.inner.fresh(revision, before).await?))
-                            }
-                            Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => None,
-                            Err(e) => return Err(unavailable(e)),
+        let taken = self.inner.update_at(&self.key, self.value.encode(), 0);
+        let granted = match taken.await? {
+            Some(revision) => Some(self.granted(self.inner.fresh(revision, before).await?)),
+            None => match self
+                .inner
+                .bounded(self.inner.conn().kv.entry(&self.key))
+                .await?
+            {
+                // A delete marker (another tool's delete): take on it.
+                Some(entry) if entry.operation != Operation::Put => {
+                    let value = self.value.encode();
+                    match self
+                        .inner
+                        .update_at(&self.key, value, entry.revision)
+                        .await?
+                    {
+                        Some(revision) => {
+                            Some(self.granted(self.inner.fresh(revision, before).await?))
                         }
-                    }
-                    // Ours already (an earlier reply lost)? Then extend it,
-                    // as a fresh take would (rule 4).
-                    _ => {
-                        self.inner
-                            .extend(&self.key, &self.value.owner, None)
-                            .await?
+                        None => None,
                     }
                 }
-            }
-            Err(e) => return Err(unavailable(e)),
+                // Ours already (an earlier reply lost)? Then extend it,
+                // as a fresh take would (rule 4).
+                _ => {
+                    self.inner
+                        .extend(&self.key, &self.value.owner, None)
+                        .await?
+                }
+            },
         };
         if let Some(grant) = granted {
             let token = grant.0;

@@ -10,7 +10,7 @@ use dlock_core::{Error, FencingToken, LockInfo, LockName};
 use futures::StreamExt;
 use tokio::time::Instant;
 
-use crate::conn::{Conn, InFlight, no_message};
+use crate::conn::{Conn, InFlight, no_message, open_bucket};
 use crate::value::{Value, key_prefix};
 use crate::{Inner, RACES, RECHECK_FLOOR, REQUEST_TIMEOUT, SCHEME, unavailable};
 
@@ -75,14 +75,11 @@ impl Inner {
         };
         let inner = self.clone();
         runtime.spawn(async move {
-            if let Ok(client) = inner.dialer.dial(&inner.shown).await {
-                let js = async_nats::jetstream::new(client.clone());
-                if let Ok(Ok(kv)) =
-                    tokio::time::timeout(REQUEST_TIMEOUT, js.get_key_value(&inner.bucket)).await
-                {
-                    *inner.conn.write().unwrap_or_else(|e| e.into_inner()) =
-                        Arc::new(Conn { client, kv });
-                }
+            if let Ok(client) = inner.dialer.dial(&inner.shown).await
+                && let Ok(kv) = open_bucket(&client, &inner.bucket, None).await
+            {
+                *inner.conn.write().unwrap_or_else(|e| e.into_inner()) =
+                    Arc::new(Conn { client, kv });
             }
             inner.replacing.store(false, Ordering::Release);
         });
@@ -215,17 +212,30 @@ impl Inner {
                 ..held.value
             }
             .encode();
-            match self
-                .call(self.conn().kv.update(key, value.clone(), held.revision))
-                .await
-            {
-                Err(e) => return Err(e),
-                Ok(Ok(revision)) => return Ok(Some((held.token, self.saw(revision), value))),
-                Ok(Err(e)) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => continue,
-                Ok(Err(e)) => return Err(unavailable(e)),
+            if let Some(revision) = self.update_at(key, value.clone(), held.revision).await? {
+                return Ok(Some((held.token, revision, value)));
             }
         }
         Err(Error::unavailable(SCHEME, "the lock's key kept changing"))
+    }
+
+    /// Writes `value` to `key` only if the key's last message is at
+    /// `revision` (0: the key has none): the new revision (recorded as
+    /// seen), or `None` when the key moved.
+    pub(crate) async fn update_at(
+        self: &Arc<Self>,
+        key: &str,
+        value: Bytes,
+        revision: u64,
+    ) -> Result<Option<u64>, Error> {
+        match self
+            .call(self.conn().kv.update(key, value, revision))
+            .await?
+        {
+            Ok(next) => Ok(Some(self.saw(next))),
+            Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => Ok(None),
+            Err(e) => Err(unavailable(e)),
+        }
     }
 
     /// Deletes a held key if `owner` (and `token`, if given) hold it, by

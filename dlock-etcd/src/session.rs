@@ -163,34 +163,48 @@ impl EtcdSession {
         let mut slot = self.keeper.lock().await;
         // Out of the slot for the exchange: if this future is dropped, the
         // stream goes with it (see `keeper`).
-        let (mut keeper, mut stream) = match slot.take() {
-            Some(open) => open,
-            None => {
-                // Opening the stream sends one keep-alive and reads its
-                // answer (a lease etcd no longer knows fails here): that
-                // is this renewal's keep-alive.
-                let open = self
-                    .inner
-                    .call(Repeat::Unsent, |client| {
-                        let mut leases = client.lease_client();
-                        async move { leases.keep_alive(self.lease).await }
-                    })
-                    .await?;
-                *slot = Some(open);
-                return Ok(());
+        if let Some((mut keeper, mut stream)) = slot.take() {
+            let named = |e| crate::map_err(e).in_session(&self.id.to_string());
+            let answer = match keeper.keep_alive().await {
+                Ok(()) => stream.message().await,
+                Err(e) => Err(e),
+            };
+            match answer.map_err(named) {
+                Ok(Some(resp)) if resp.ttl() > 0 => {
+                    *slot = Some((keeper, stream));
+                    return Ok(());
+                }
+                // TTL 0: etcd no longer knows the lease (it expired or was
+                // revoked).
+                Ok(Some(_)) => return Err(self.lost()),
+                // A member that lost its leader ends its keep-alive
+                // streams ("no leader"): this renewal goes on with a new
+                // stream, which the client may open on another member.
+                Ok(None) => tracing::debug!("lease keep-alive stream closed; opening another"),
+                Err(e) if e.is_retryable() => {
+                    tracing::debug!(error = %e, "lease keep-alive stream failed; opening another");
+                }
+                Err(e) => return Err(e),
             }
-        };
-        let named = |e| crate::map_err(e).in_session(&self.id.to_string());
-        keeper.keep_alive().await.map_err(named)?;
-        match stream.message().await.map_err(named)? {
-            Some(resp) if resp.ttl() > 0 => {
-                *slot = Some((keeper, stream));
-                Ok(())
-            }
-            // TTL 0: etcd no longer knows the lease (it expired or was revoked).
-            Some(_) => Err(self.lost()),
-            None => Err(Error::unavailable("etcd", "lease keep-alive stream closed")),
         }
+        // Opening the stream sends one keep-alive and reads its answer (a
+        // lease etcd no longer knows fails here): that is this renewal's
+        // keep-alive. A keep-alive is idempotent, so a refused one is sent
+        // again at once, as etcd's own client does: a member cut off from
+        // its peers refuses it ("no leader") and the next try may reach
+        // one that is not. Waiting for the next renewal instead cost a
+        // session whose tries kept landing on that member (CI:
+        // node_isolated_from_peers).
+        let open = self
+            .inner
+            .call(Repeat::Idempotent, |client| {
+                let mut leases = client.lease_client();
+                async move { leases.keep_alive(self.lease).await }
+            })
+            .await
+            .map_err(|e| e.in_session(&self.id.to_string()))?;
+        *slot = Some(open);
+        Ok(())
     }
 }
 

@@ -108,6 +108,7 @@ macro_rules! __with_cases {
             node_restarted_from_old_snapshot: exclusive, "S1, S4, S2", "majority restored from old snapshots";
             leader_killed_while_held: exclusive, "S1, S2, L4", "leader killed";
             node_isolated_from_peers: exclusive, "S4", "follower cut off from its peers";
+            session_outlives_isolated_member: exclusive, "L3", "the member a client reached cut off from its peers";
             server_clock_jumps: exclusive, "fencing under clock faults", "store clock stepped";
         }
     };

@@ -453,6 +453,57 @@ pub async fn node_isolated_from_peers(h: &dyn Harness) -> Outcome {
     passed()
 }
 
+/// L3 on consensus clusters: A's client first reaches only one follower,
+/// which is then cut off from its peers while A reaches every member again.
+/// A majority is reachable all along, so A must keep its lock: its client
+/// moves off the member that cannot confirm anything (a client that keeps
+/// renewing through it loses its session).
+pub async fn session_outlives_isolated_member(h: &dyn Harness) -> Outcome {
+    let (ctx, servers, _restore) =
+        or_skip!(with_servers(h, "session_outlives_isolated_member").await?);
+    let leader = or_skip!(leader(&*servers).await?);
+    let link = or_skip!(new_link(&ctx).await?);
+    let n = link.nodes();
+    let follower = (leader + 1) % n;
+    let others = || (0..n).filter(move |&i| i != follower);
+    for node in others() {
+        link.set(node, Fault::Cut);
+    }
+    let t = ctx.caps.ttl;
+    let name = ctx.name("x");
+    let a: Session = ctx.client_over(&*link).await?;
+    let ga = a.lock(&name)?.acquire().await?;
+    let token = ga.token();
+    match servers.isolate(follower).await {
+        None => return skipped("the harness cannot isolate a node from its peers"),
+        Some(r) => r?,
+    }
+    for node in others() {
+        link.set(node, Fault::Pass);
+    }
+    let isolated = Instant::now();
+    let held = t * 4;
+    let lost = tokio::time::timeout(held, ga.lost()).await;
+    let kept = ga.is_held();
+    servers.rejoin(follower).await?;
+    ensure!(
+        lost.is_err() && kept,
+        "A lost its lock {:?} after a member it first reached was cut off from its peers, \
+         although it reached a majority all along ({lost:?})",
+        isolated.elapsed()
+    );
+    let b = ctx.client().await?;
+    ensure!(
+        b.lock(&name)?.try_acquire().await?.is_none(),
+        "B got the lock A still holds"
+    );
+    ga.release().await?;
+    let gb = b.lock(&name)?.acquire_timeout(t * 2).await?;
+    increased(gb.token(), token, "")?;
+    gb.release().await?;
+    passed()
+}
+
 /// Fencing under a clock fault: the store's clock jumps forward past the TTL
 /// while A holds. The store frees the lock early (no lease survives its
 /// clock), so B may get it while A still believes it holds it: clock faults

@@ -130,22 +130,6 @@ async fn create_bucket(
     }
 }
 
-/// Whether a message delete failed because the message is gone (replaced
-/// by a newer write, expired, or deleted already).
-pub(crate) fn no_message(e: &async_nats::jetstream::stream::DeleteMessageError) -> bool {
-    use async_nats::jetstream::ErrorCode;
-    match e.kind() {
-        async_nats::jetstream::stream::DeleteMessageErrorKind::JetStream(js) => {
-            js.error_code() == ErrorCode::NO_MESSAGE_FOUND
-                // (nats-server 2.9 answers a delete of a missing message with
-                // the generic "delete failed" code and this text)
-                || (js.error_code() == ErrorCode::STREAM_MESSAGE_DELETE_FAILED
-                    && js.to_string().contains("no message found"))
-        }
-        _ => false,
-    }
-}
-
 /// A request in flight: if it is dropped unanswered after `STALLED`, the
 /// connection is replaced.
 pub(crate) struct InFlight<'a> {

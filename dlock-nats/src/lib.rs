@@ -9,7 +9,7 @@
 //! | token | the stream sequence of that write (the key's revision), increasing over every key of the bucket, kept across restarts with the stream's file storage |
 //! | expiry | the bucket's `max_age`: the server drops a value `max_age` after its last write, by its own clock |
 //! | renew | `update` on the key's last revision with the same owner and token (resets its age) |
-//! | release | delete of the held message by its sequence (one message is kept per key, so that message exists only while it is the key's value), after checking owner and token; no delete marker is left, so the next take is one write |
+//! | release | a purge of the key's own subject up to the sequence this session last wrote it at (one message is kept per key, so that message exists only while it is the key's value; the purge is scoped to the key, so a sequence the server gave again after losing writes cannot remove another key's hold), else after checking owner and token; no delete marker is left, so the next take is one write |
 //! | wake-up | a release is announced on a plain NATS subject that waiters subscribe to; an expiry sends nothing, so waiters also re-check at the holder's expiry |
 //!
 //! **`max_age` is the bucket's, not the session's.** NATS 2.9 has no TTL per
@@ -42,14 +42,20 @@
 //!   holder's next renewal fails (declared: `restart_loses_locks`), and the
 //!   sequences of lost writes (tokens) are given again (declared: no
 //!   `durable_tokens`), so after a kill two grants can carry the same token
-//!   and fencing cannot tell them apart. A fresh take whose sequence is not
-//!   above what this process saw of the bucket is deleted and taken again,
-//!   which narrows this but does not close it: a take retried on a key that
-//!   still holds its own earlier message, and deletes by a sequence that was
-//!   given again, are open (stop note of 2026-11-27); a process started
-//!   after the kill cannot tell at all. The same if the server forgets an emptied
-//!   stream's last sequence (nats-server#5497, #6789; Debian 12's 2.9.10
-//!   predates both). Fence the data ([`NatsFence`] or the store's own).
+//!   and fencing cannot tell them apart. A take (also a retried take that
+//!   finds its own earlier message) whose sequence is not above what this
+//!   process saw of the bucket is removed and taken again, so one process's
+//!   tokens never go back; 10,000 or more below is an [`Error::Protocol`]
+//!   naming a bucket made again or restored from a backup, not a wait.
+//!   Releases and removals are scoped to the lock's key, so a sequence
+//!   given again never removes another lock's hold. This narrows the kill's
+//!   effect but does not close it: a process started after the kill cannot
+//!   tell, and a renewal's conditional write on a sequence given again to
+//!   the same key by another client overwrites that client's hold (the
+//!   lock whose writes the kill lost). The same if the server forgets an
+//!   emptied stream's last sequence (nats-server#5497, #6789; Debian 12's
+//!   2.9.10 predates both). Fence the data ([`NatsFence`] or the store's
+//!   own).
 //!
 //! Value of a held key: `owner\ntoken\nsession\nwhy` (`token` empty until the
 //! first renewal: the take's own sequence is the token, and the take cannot
@@ -88,6 +94,11 @@ const MIN_TTL: Duration = Duration::from_millis(500);
 const RACES: usize = 4;
 /// The soonest a waiter checks a busy key again on its own (see `left`).
 const RECHECK_FLOOR: Duration = Duration::from_millis(100);
+/// How far below the highest sequence seen a take may land and still be
+/// taken again until the sequence passes it (a killed server loses its
+/// last few writes); farther is an error (a bucket made again, or restored
+/// from a backup), not a wait of one take per missing sequence.
+const MAX_SEQUENCE_GAP: u64 = 10_000;
 /// How many renewals of one session are in flight at once.
 const RENEWALS_IN_FLIGHT: usize = 256;
 /// How long one request may take before it counts as unanswered.
@@ -214,9 +225,10 @@ impl NatsBackend {
         {
             return Err(Error::Config(format!(
                 "nats: bucket {bucket} keeps {} values per key on {:?} storage with {} \
-                 replicas; dlock needs one value per key (a release deletes the held message \
-                 by its sequence), file storage (tokens must survive a restart) and one replica \
-                 (reads are served by any replica); give a bucket dlock creates",
+                 replicas; dlock needs one value per key (a release removes the held \
+                 message, which is then the key's only one), file storage (tokens must \
+                 survive a restart) and one replica (reads are served by any replica); give a \
+                 bucket dlock creates",
                 config.max_messages_per_subject, config.storage, config.num_replicas
             )));
         }

@@ -87,7 +87,7 @@ impl NatsSession {
         }
         let key = key_of(&hold.name);
         if let Some(written) = self.known(hold, &key)
-            && self.inner.delete_message(written.revision).await?
+            && self.inner.remove(&key, written.revision).await?
         {
             self.inner.released(&key).await;
             return Ok(());
@@ -242,7 +242,9 @@ impl Claim for NatsClaim {
         let before = self.inner.highest();
         let taken = self.inner.update_at(&self.key, self.value.encode(), 0);
         let granted = match taken.await? {
-            Some(revision) => Some(self.granted(self.inner.fresh(revision, before).await?)),
+            Some(revision) => {
+                Some(self.granted(self.inner.fresh(&self.key, revision, before).await?))
+            }
             None => match self
                 .inner
                 .bounded(self.inner.conn().kv.entry(&self.key))
@@ -257,18 +259,31 @@ impl Claim for NatsClaim {
                         .await?
                     {
                         Some(revision) => {
-                            Some(self.granted(self.inner.fresh(revision, before).await?))
+                            Some(self.granted(self.inner.fresh(&self.key, revision, before).await?))
                         }
                         None => None,
                     }
                 }
                 // Ours already (an earlier reply lost)? Then extend it,
-                // as a fresh take would (rule 4).
-                _ => {
-                    self.inner
-                        .extend(&self.key, &self.value.owner, None)
-                        .await?
-                }
+                // as a fresh take would (rule 4), unless its token is not
+                // above what this process saw before this try: an earlier
+                // try's take that `fresh` refused but could not remove (a
+                // server that lost writes gave its sequence again). Then it
+                // goes, and the core takes again.
+                _ => match self
+                    .inner
+                    .extend(&self.key, &self.value.owner, None)
+                    .await?
+                {
+                    Some((token, revision, _)) if token.get() <= before => {
+                        let token = token.get();
+                        return Err(self
+                            .inner
+                            .went_back(&self.key, revision, token, before)
+                            .await);
+                    }
+                    other => other,
+                },
             },
         };
         if let Some(grant) = granted {

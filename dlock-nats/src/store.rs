@@ -10,9 +10,9 @@ use dlock_core::{Error, FencingToken, LockInfo, LockName};
 use futures::StreamExt;
 use tokio::time::Instant;
 
-use crate::conn::{Conn, InFlight, no_message, open_bucket};
+use crate::conn::{Conn, InFlight, open_bucket};
 use crate::value::{Value, key_prefix};
-use crate::{Inner, RACES, RECHECK_FLOOR, REQUEST_TIMEOUT, SCHEME, unavailable};
+use crate::{Inner, MAX_SEQUENCE_GAP, RACES, RECHECK_FLOOR, REQUEST_TIMEOUT, SCHEME, unavailable};
 
 /// A live lock entry: its value, revision, token and server timestamp.
 pub(crate) struct Held {
@@ -102,25 +102,58 @@ impl Inner {
     /// may be larger). A server that lost its last writes (a kill: JetStream
     /// writes behind) or forgot an emptied stream's last sequence
     /// (nats-server#5497, #6789) gives sequences again, and a token would
-    /// repeat (S2). Such a take is deleted here and reported `Unavailable`:
-    /// the core takes again, and each try moves the sequence on, so the
-    /// lock is granted again once it passes what this process saw, with a
-    /// larger token.
-    pub(crate) async fn fresh(self: &Arc<Self>, revision: u64, before: u64) -> Result<u64, Error> {
+    /// repeat (S2). Such a take is removed here and refused (see
+    /// [`went_back`](Self::went_back)).
+    pub(crate) async fn fresh(
+        self: &Arc<Self>,
+        key: &str,
+        revision: u64,
+        before: u64,
+    ) -> Result<u64, Error> {
         self.saw(revision);
         if revision > before {
             return Ok(revision);
         }
+        Err(self.went_back(key, revision, revision, before).await)
+    }
+
+    /// Removes this client's message of `key` at `revision`, whose token
+    /// would not be above `before`, the highest sequence this process saw,
+    /// and says why. Within [`MAX_SEQUENCE_GAP`] the error is `Unavailable`:
+    /// the core takes again, each try moves the sequence on, and the lock
+    /// is granted once it passes `before`, with a larger token. Farther
+    /// behind, waiting would cost a take per missing sequence: a `Protocol`
+    /// error names what happened.
+    pub(crate) async fn went_back(
+        self: &Arc<Self>,
+        key: &str,
+        revision: u64,
+        token: u64,
+        before: u64,
+    ) -> Error {
         // (best effort: a message left behind expires after max_age)
-        let _ = self.delete_message(revision).await;
-        Err(Error::unavailable(
-            SCHEME,
-            format!(
-                "bucket {}: the stream's sequence went back (a take got {revision} after {before} \
-                 was seen; the server lost writes): taking again",
-                self.bucket
-            ),
-        ))
+        let _ = self.remove(key, revision).await;
+        let what = format!(
+            "bucket {}: the stream's sequence went back (a take got {token} after {before} \
+             was seen)",
+            self.bucket
+        );
+        if before - token > MAX_SEQUENCE_GAP {
+            Error::protocol(
+                SCHEME,
+                format!(
+                    "{what}, farther than a server that lost its last writes explains: the \
+                     bucket was deleted and made again, or restored from a backup; its tokens \
+                     would go back, so this client takes no lock from it (data fenced with \
+                     the old tokens must be reset before new clients use the bucket)"
+                ),
+            )
+        } else {
+            Error::unavailable(
+                SCHEME,
+                format!("{what}; the server lost writes: taking again"),
+            )
+        }
     }
 
     /// The keys of the lock names under `prefix` that have a message (a
@@ -255,10 +288,7 @@ impl Inner {
             {
                 return Ok(false);
             }
-            // The message itself is removed, not covered by a delete marker:
-            // the subject is then empty, and the next take is one write
-            // (see `try_take`).
-            if self.delete_message(held.revision).await? {
+            if self.remove(key, held.revision).await? {
                 self.released(key).await;
                 return Ok(true);
             }
@@ -266,19 +296,24 @@ impl Inner {
         Err(Error::unavailable(SCHEME, "the lock's key kept changing"))
     }
 
-    /// Deletes the message at `revision`: `false` if it is gone (replaced
-    /// by a newer write, expired, or deleted already). With one message
-    /// kept per key, that message exists only while it is its key's value,
-    /// so the delete is conditional by itself.
-    pub(crate) async fn delete_message(self: &Arc<Self>, revision: u64) -> Result<bool, Error> {
-        match self
-            .call(self.conn().kv.stream.delete_message(revision))
-            .await?
-        {
-            Ok(_) => Ok(true),
-            Err(e) if no_message(&e) => Ok(false),
-            Err(e) => Err(unavailable(e)),
-        }
+    /// Removes `key`'s message if it is at `revision` or older: `false`
+    /// if the key has none (replaced by a newer write, expired, or removed
+    /// already). One request, scoped to the key (a purge of its subject
+    /// below `revision + 1`), never a delete by sequence alone: a server
+    /// that lost writes gives their sequences again, and a sequence this
+    /// client remembers may then be another key's hold. The message itself
+    /// goes, not covered by a delete marker: the subject is then empty,
+    /// and the next take is one write (see `try_take`).
+    pub(crate) async fn remove(self: &Arc<Self>, key: &str, revision: u64) -> Result<bool, Error> {
+        let conn = self.conn();
+        let purge = conn
+            .kv
+            .stream
+            .purge()
+            .filter(format!("$KV.{}.{key}", self.bucket))
+            .sequence(revision + 1);
+        let purged = self.bounded(purge.into_future()).await?;
+        Ok(purged.purged > 0)
     }
 
     /// The subject a release of `key` is announced on (plain NATS, not

@@ -85,8 +85,9 @@ pub(crate) async fn open_bucket(
     opened.map_err(|e| Error::unavailable(SCHEME, format!("cannot open bucket {bucket}: {e}")))
 }
 
-/// Creates `bucket`'s stream as KV would, but with message deletes allowed
-/// (KV denies them; a release deletes the held message, see `delete_if`).
+/// Creates `bucket`'s stream as KV would (roll-ups and purges allowed: a
+/// release purges the held message, see `Inner::remove_exact`), with
+/// message deletes allowed too, as buckets of earlier dlock versions were.
 ///
 /// A raw JetStream request: the client's own stream and bucket creation
 /// cannot read nats-server 2.9's answer.

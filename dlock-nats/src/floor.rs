@@ -1,7 +1,8 @@
 //! The floor of a NATS lock for `dlock bench` ([`dlock_core::floor`]): the
 //! two requests a dlock take and release send, a KV write only if the key
-//! has no message and the purge of that key up to that write's sequence, on
-//! a connection of its own. NATS has no lock of its own (KV is the one).
+//! has no message, a purge marker written only on that revision, and the
+//! purge of that marker (with the release announcement), on a connection
+//! of its own. NATS has no lock of its own (KV is the one).
 
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -52,7 +53,7 @@ impl NatsFloor {
 #[async_trait]
 impl Floor for NatsFloor {
     fn operations(&self) -> &'static str {
-        "KV update on revision 0 + purge of that key up to it"
+        "KV update on revision 0 + purge marker on that revision + purge of the marker"
     }
 
     async fn cycle(&self, key: &LockName) -> Result<(), Error> {
@@ -63,12 +64,12 @@ impl Floor for NatsFloor {
             .call(conn.kv.update(&key, Bytes::from_static(b"floor"), 0))
             .await?
             .map_err(unavailable)?;
-        if inner.remove(&key, revision).await? {
+        if inner.remove_exact(&key, revision).await? {
             Ok(())
         } else {
             Err(Error::protocol(
                 SCHEME,
-                format!("the floor's message {revision} was gone before its delete"),
+                format!("the floor's message {revision} was gone before its removal"),
             ))
         }
     }

@@ -9,7 +9,7 @@
 //! | token | the stream sequence of that write (the key's revision), increasing over every key of the bucket, kept across restarts with the stream's file storage |
 //! | expiry | the bucket's `max_age`: the server drops a value `max_age` after its last write, by its own clock |
 //! | renew | `update` on the key's last revision with the same owner and token (resets its age) |
-//! | release | a purge of the key's own subject up to the sequence this session last wrote it at (one message is kept per key, so that message exists only while it is the key's value; the purge is scoped to the key, so a sequence the server gave again after losing writes cannot remove another key's hold), else after checking owner and token; no delete marker is left, so the next take is one write |
+//! | release | a purge marker written only if the key's last message is at the sequence this session last wrote it at (exact and scoped to the key: a sequence the server gave again after losing writes, to another key or to a newer hold of this one, is never removed), else after reading owner and token; then the marker itself is purged, so the next take is one write |
 //! | wake-up | a release is announced on a plain NATS subject that waiters subscribe to; an expiry sends nothing, so waiters also re-check at the holder's expiry |
 //!
 //! **`max_age` is the bucket's, not the session's.** NATS 2.9 has no TTL per
@@ -28,8 +28,8 @@
 //! | `?max_age=30s` | how long the bucket keeps a value after its last write; a session's TTL may be at most this | `30s` |
 //!
 //! **The bucket.** dlock creates it (file storage, one value per key, one
-//! replica, message deletes allowed). A bucket made otherwise (`nats kv add`
-//! denies deletes; history above 1, memory storage or replicas break what
+//! replica, purges and roll-ups allowed). A bucket made otherwise (purges
+//! denied or sealed; history above 1, memory storage or replicas break what
 //! releases and tokens rest on) is refused with [`Error::Config`].
 //!
 //! **Limits, found in review:**
@@ -45,14 +45,18 @@
 //!   and fencing cannot tell them apart. A take (also a retried take that
 //!   finds its own earlier message) whose sequence is not above what this
 //!   process saw of the bucket is removed and taken again, so one process's
-//!   tokens never go back; 10,000 or more below is an [`Error::Protocol`]
-//!   naming a bucket made again or restored from a backup, not a wait.
-//!   Releases and removals are scoped to the lock's key, so a sequence
-//!   given again never removes another lock's hold. This narrows the kill's
+//!   tokens never go back: the stream's sequence is first moved past the
+//!   mark (small messages on a key no lock uses), and 100,000 or more below
+//!   is an [`Error::Protocol`] naming a bucket made again, restored from a
+//!   backup or a host crash, not a wait. Releases and removals are exact
+//!   and scoped to the lock's key, so a sequence given again never removes
+//!   another lock's hold or a newer hold of the same lock (the marker's own
+//!   purge is sent only while connected; one held back across a reconnect
+//!   could still meet a sequence given again). This narrows the kill's
 //!   effect but does not close it: a process started after the kill cannot
-//!   tell, and a renewal's conditional write on a sequence given again to
-//!   the same key by another client overwrites that client's hold (the
-//!   lock whose writes the kill lost). The same if the server forgets an
+//!   tell, and a renewal's conditional write on exactly the sequence given
+//!   again to the same key by another client overwrites that client's hold
+//!   (the lock whose writes the kill lost). The same if the server forgets an
 //!   emptied stream's last sequence (nats-server#5497, #6789; Debian 12's
 //!   2.9.10 predates both). Fence the data ([`NatsFence`] or the store's
 //!   own).
@@ -98,7 +102,7 @@ const RECHECK_FLOOR: Duration = Duration::from_millis(100);
 /// taken again until the sequence passes it (a killed server loses its
 /// last few writes); farther is an error (a bucket made again, or restored
 /// from a backup), not a wait of one take per missing sequence.
-const MAX_SEQUENCE_GAP: u64 = 10_000;
+const MAX_SEQUENCE_GAP: u64 = 100_000;
 /// How many renewals of one session are in flight at once.
 const RENEWALS_IN_FLIGHT: usize = 256;
 /// How long one request may take before it counts as unanswered.
@@ -213,10 +217,12 @@ impl NatsBackend {
         let kv = open_bucket(&client, &bucket, Some(max_age)).await?;
         let status = kv.status().await.map_err(unavailable)?;
         let config = &status.info.config;
-        if config.deny_delete {
+        if config.deny_purge || !config.allow_rollup || config.sealed {
             return Err(Error::Config(format!(
-                "nats: bucket {bucket} denies message deletes (a bucket made by `nats kv add`): \
-                 dlock releases a lock by deleting its message; give a bucket dlock creates"
+                "nats: bucket {bucket} denies purges, roll-ups or any change (deny_purge \
+                 {}, allow_rollup_hdrs {}, sealed {}): dlock releases a lock by purging its \
+                 message; give a bucket dlock creates",
+                config.deny_purge, config.allow_rollup, config.sealed
             )));
         }
         if config.max_messages_per_subject != 1

@@ -26,17 +26,16 @@ pub(crate) struct NatsSession {
 
 /// The revision each of a session's holds was last written at, by owner
 /// value: a renewal is then one conditional write and a release one
-/// delete, not a read first. Only a hint: a write on a stale revision is
-/// refused by the server, a delete of a gone message too, and both fall
-/// back to reading the key.
+/// conditional purge, not a read first. Only a hint: the server refuses
+/// both on a stale revision, and both then fall back to reading the key.
 pub(crate) type Revisions = Arc<std::sync::Mutex<std::collections::HashMap<String, Written>>>;
 
 /// What a session last wrote for one hold.
 #[derive(Clone)]
 pub(crate) struct Written {
     /// The store key (a hold's owner value names one lock, but a forged
-    /// hold may pair it with another lock's name: a message delete is not
-    /// scoped to a key, so the key is checked here).
+    /// hold may pair it with another lock's name: the key is checked here,
+    /// so that the forged hold's release is tried on its own lock's key).
     pub(crate) key: String,
     pub(crate) token: FencingToken,
     pub(crate) revision: u64,
@@ -74,11 +73,11 @@ impl NatsSession {
         (written.key == key && written.token == hold.token).then(|| written.clone())
     }
 
-    /// Deletes the hold's message by the revision this session last wrote
+    /// Removes the hold's message on the revision this session last wrote
     /// it at, in one request, so that a release whose reply is lost still
     /// takes effect (a read first would need its answer); reads the key
     /// only when that revision is unknown or gone (a renewal in flight
-    /// moved it, or an earlier try of this release deleted it).
+    /// moved it, or an earlier try of this release removed it).
     pub(crate) async fn release_once(&self, hold: &Hold) -> Result<(), Error> {
         if !self.id.issued(&hold.key) {
             return Err(Error::NotHeld {
@@ -87,9 +86,8 @@ impl NatsSession {
         }
         let key = key_of(&hold.name);
         if let Some(written) = self.known(hold, &key)
-            && self.inner.remove(&key, written.revision).await?
+            && self.inner.remove_exact(&key, written.revision).await?
         {
-            self.inner.released(&key).await;
             return Ok(());
         }
         if self
@@ -161,6 +159,7 @@ impl RawSession for NatsSession {
             sent: false,
             watch: None,
             revisions: self.revisions.clone(),
+            first_before: None,
         }))
     }
 
@@ -208,6 +207,10 @@ pub(crate) struct NatsClaim {
     /// The subscription to the key's release announcements.
     pub(crate) watch: Option<async_nats::Subscriber>,
     pub(crate) revisions: Revisions,
+    /// The highest sequence this process had seen when this claim first
+    /// sent a take: a message of this claim (its owner value is its own)
+    /// at or below it was given a sequence again.
+    pub(crate) first_before: Option<u64>,
 }
 
 impl fmt::Debug for NatsClaim {
@@ -240,6 +243,7 @@ impl Claim for NatsClaim {
         // `delete_if`). KV's `create` would be two requests after a delete
         // marker, so a take whose first reply is lost could not take effect.
         let before = self.inner.highest();
+        let first_before = *self.first_before.get_or_insert(before);
         let taken = self.inner.update_at(&self.key, self.value.encode(), 0);
         let granted = match taken.await? {
             Some(revision) => {
@@ -264,22 +268,23 @@ impl Claim for NatsClaim {
                         None => None,
                     }
                 }
-                // Ours already (an earlier reply lost)? Then extend it,
-                // as a fresh take would (rule 4), unless its token is not
-                // above what this process saw before this try: an earlier
-                // try's take that `fresh` refused but could not remove (a
-                // server that lost writes gave its sequence again). Then it
-                // goes, and the core takes again.
+                // Ours already (an earlier try's reply lost or late)? Then
+                // extend it, as a fresh take would (rule 4), unless its
+                // token is not above what this process saw before this
+                // claim's first try: a take written again at a sequence a
+                // server that lost writes gave again (or one `fresh`
+                // refused but could not remove). Then it goes, and the
+                // core takes again.
                 _ => match self
                     .inner
                     .extend(&self.key, &self.value.owner, None)
                     .await?
                 {
-                    Some((token, revision, _)) if token.get() <= before => {
-                        let token = token.get();
+                    Some((token, revision, _)) if token.get() <= first_before => {
+                        let (key, token) = (&self.key, token.get());
                         return Err(self
                             .inner
-                            .went_back(&self.key, revision, token, before)
+                            .went_back(key, revision, token, first_before)
                             .await);
                     }
                     other => other,

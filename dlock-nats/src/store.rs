@@ -118,12 +118,13 @@ impl Inner {
     }
 
     /// Removes this client's message of `key` at `revision`, whose token
-    /// would not be above `before`, the highest sequence this process saw,
-    /// and says why. Within [`MAX_SEQUENCE_GAP`] the error is `Unavailable`:
-    /// the core takes again, each try moves the sequence on, and the lock
-    /// is granted once it passes `before`, with a larger token. Farther
-    /// behind, waiting would cost a take per missing sequence: a `Protocol`
-    /// error names what happened.
+    /// would not be above `before` (the highest sequence this process saw
+    /// before the take), and says why. Within [`MAX_SEQUENCE_GAP`] the
+    /// stream's sequence is first moved past `before` (one small message
+    /// per missing sequence, published together, on a key no lock uses,
+    /// one kept), and the error is `Unavailable`: the core takes again, and
+    /// the lock is granted with a larger token. Farther behind, a
+    /// `Protocol` error names what happened.
     pub(crate) async fn went_back(
         self: &Arc<Self>,
         key: &str,
@@ -132,28 +133,55 @@ impl Inner {
         before: u64,
     ) -> Error {
         // (best effort: a message left behind expires after max_age)
-        let _ = self.remove(key, revision).await;
+        let _ = self.remove_exact(key, revision).await;
         let what = format!(
             "bucket {}: the stream's sequence went back (a take got {token} after {before} \
              was seen)",
             self.bucket
         );
-        if before - token > MAX_SEQUENCE_GAP {
-            Error::protocol(
+        let gap = before - token;
+        if gap >= MAX_SEQUENCE_GAP {
+            return Error::protocol(
                 SCHEME,
                 format!(
-                    "{what}, farther than a server that lost its last writes explains: the \
-                     bucket was deleted and made again, or restored from a backup; its tokens \
-                     would go back, so this client takes no lock from it (data fenced with \
-                     the old tokens must be reset before new clients use the bucket)"
+                    "{what}, {MAX_SEQUENCE_GAP} or more: the bucket was deleted and made \
+                     again, restored from a backup, or its server lost that many writes (a \
+                     host crash); its tokens would go back, so this client takes no lock from \
+                     it (data fenced with the old tokens must be reset before new clients use \
+                     the bucket)"
                 ),
-            )
-        } else {
-            Error::unavailable(
-                SCHEME,
-                format!("{what}; the server lost writes: taking again"),
-            )
+            );
         }
+        if let Err(e) = self.advance(gap + 1).await {
+            tracing::debug!(error = %e, "moving the stream's sequence on failed");
+        }
+        Error::unavailable(
+            SCHEME,
+            format!("{what}; the server lost writes: taking again"),
+        )
+    }
+
+    /// Moves the stream's sequence on by `count` messages on a key no lock
+    /// uses (`_dlock.advance`; the bucket keeps one).
+    async fn advance(self: &Arc<Self>, count: u64) -> Result<(), Error> {
+        let js = async_nats::jetstream::new(self.conn().client.clone());
+        let subject = self.subject("_dlock.advance");
+        let mut left = count;
+        while left > 0 {
+            let batch = left.min(1_000);
+            let mut acks = Vec::with_capacity(batch as usize);
+            for _ in 0..batch {
+                acks.push(
+                    self.bounded(js.publish(subject.clone(), Bytes::new()))
+                        .await?,
+                );
+            }
+            for ack in acks {
+                self.saw(self.bounded(ack.into_future()).await?.sequence);
+            }
+            left -= batch;
+        }
+        Ok(())
     }
 
     /// The keys of the lock names under `prefix` that have a message (a
@@ -288,29 +316,87 @@ impl Inner {
             {
                 return Ok(false);
             }
-            if self.remove(key, held.revision).await? {
-                self.released(key).await;
+            if self.remove_exact(key, held.revision).await? {
                 return Ok(true);
             }
         }
         Err(Error::unavailable(SCHEME, "the lock's key kept changing"))
     }
 
+    /// The stream subject of `key`.
+    pub(crate) fn subject(&self, key: &str) -> String {
+        format!("$KV.{}.{key}", self.bucket)
+    }
+
+    /// Removes `key`'s message only if it is at `revision`: `false` if the
+    /// key moved (a newer write, expired, or removed already). One
+    /// request, exact and scoped to the key: a purge marker written only if
+    /// the key's last message is at `revision`, which replaces it
+    /// (`Nats-Rollup: sub`), so a release whose reply is lost still takes
+    /// effect, and a sequence that a server which lost writes gave again,
+    /// to another key or to a newer hold of this one below `revision`, is
+    /// never touched. Waiters are then told (see [`released`](Self::released)),
+    /// and the marker is cleared (see [`remove`](Self::remove)), so the next
+    /// take is one write; until it is, a take writes on the marker (see
+    /// `try_take`).
+    pub(crate) async fn remove_exact(
+        self: &Arc<Self>,
+        key: &str,
+        revision: u64,
+    ) -> Result<bool, Error> {
+        use async_nats::jetstream::context::PublishErrorKind;
+        let js = async_nats::jetstream::new(self.conn().client.clone());
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert("KV-Operation", "PURGE");
+        headers.insert("Nats-Rollup", "sub");
+        headers.insert(
+            async_nats::header::NATS_EXPECTED_LAST_SUBJECT_SEQUENCE,
+            async_nats::HeaderValue::from(revision),
+        );
+        let subject = self.subject(key);
+        let sent = async move {
+            js.publish_with_headers(subject, headers, Bytes::new())
+                .await?
+                .await
+        };
+        match self.call(sent).await? {
+            Ok(ack) => {
+                let marker = self.saw(ack.sequence);
+                self.released(key).await;
+                self.clear_marker(key, marker).await;
+                Ok(true)
+            }
+            Err(e) if e.kind() == PublishErrorKind::WrongLastSequence => Ok(false),
+            Err(e) => Err(unavailable(e)),
+        }
+    }
+
+    /// Purges the marker `remove_exact` left at `marker` (best effort), only
+    /// while connected: a request the client holds back while it
+    /// reconnects could land after a server that lost writes gave the
+    /// marker's sequence again, to a newer hold of the key.
+    async fn clear_marker(self: &Arc<Self>, key: &str, marker: u64) {
+        let conn = self.conn();
+        if conn.client.connection_state() == async_nats::connection::State::Connected {
+            let _ = self.remove(key, marker).await;
+        }
+    }
+
     /// Removes `key`'s message if it is at `revision` or older: `false`
-    /// if the key has none (replaced by a newer write, expired, or removed
-    /// already). One request, scoped to the key (a purge of its subject
-    /// below `revision + 1`), never a delete by sequence alone: a server
-    /// that lost writes gives their sequences again, and a sequence this
-    /// client remembers may then be another key's hold. The message itself
-    /// goes, not covered by a delete marker: the subject is then empty,
-    /// and the next take is one write (see `try_take`).
+    /// if the key has none. A purge of the key's subject below
+    /// `revision + 1`, never a delete by sequence alone (a sequence given
+    /// again may be another key's): the subject is then empty, and the next
+    /// take is one write. Only for a message this client just wrote (the
+    /// marker of [`remove_exact`](Self::remove_exact)): below a sequence
+    /// remembered longer, a server that lost writes may have given a newer
+    /// hold of the key a sequence again.
     pub(crate) async fn remove(self: &Arc<Self>, key: &str, revision: u64) -> Result<bool, Error> {
         let conn = self.conn();
         let purge = conn
             .kv
             .stream
             .purge()
-            .filter(format!("$KV.{}.{key}", self.bucket))
+            .filter(self.subject(key))
             .sequence(revision + 1);
         let purged = self.bounded(purge.into_future()).await?;
         Ok(purged.purged > 0)

@@ -15,6 +15,16 @@ use crate::{Inner, REQUEST_TIMEOUT, SCHEME};
 pub(crate) struct Conn {
     pub(crate) client: async_nats::Client,
     pub(crate) kv: Store,
+    /// JetStream publishes with headers (removals, sequence catch-up).
+    pub(crate) js: async_nats::jetstream::Context,
+}
+
+impl Conn {
+    /// A connection's parts, with its own JetStream context.
+    pub(crate) fn new(client: async_nats::Client, kv: Store) -> Self {
+        let js = async_nats::jetstream::new(client.clone());
+        Self { client, kv, js }
+    }
 }
 
 /// Makes connections to the URL's servers.

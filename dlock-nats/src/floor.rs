@@ -1,8 +1,8 @@
 //! The floor of a NATS lock for `dlock bench` ([`dlock_core::floor`]): the
-//! two requests a dlock take and release send, a KV write only if the key
-//! has no message, a purge marker written only on that revision, and the
-//! purge of that marker (with the release announcement), on a connection
-//! of its own. NATS has no lock of its own (KV is the one).
+//! requests a dlock take and release send, a KV write only if the key has
+//! no message and a purge marker written only on that revision (the
+//! marker's purge and the release announcement follow in the background),
+//! on a connection of its own. NATS has no lock of its own (KV is the one).
 
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -53,7 +53,7 @@ impl NatsFloor {
 #[async_trait]
 impl Floor for NatsFloor {
     fn operations(&self) -> &'static str {
-        "KV update on revision 0 + purge marker on that revision + purge of the marker"
+        "KV update on revision 0 + purge marker on that revision (its purge and the release announcement in the background)"
     }
 
     async fn cycle(&self, key: &LockName) -> Result<(), Error> {
@@ -64,7 +64,7 @@ impl Floor for NatsFloor {
             .call(conn.kv.update(&key, Bytes::from_static(b"floor"), 0))
             .await?
             .map_err(unavailable)?;
-        if inner.remove_exact(&key, revision).await? {
+        if inner.remove_exact(&key, revision, true).await? {
             Ok(())
         } else {
             Err(Error::protocol(

@@ -9,7 +9,7 @@
 //! | token | the stream sequence of that write (the key's revision), increasing over every key of the bucket, kept across restarts with the stream's file storage |
 //! | expiry | the bucket's `max_age`: the server drops a value `max_age` after its last write, by its own clock |
 //! | renew | `update` on the key's last revision with the same owner and token (resets its age) |
-//! | release | a purge marker written only if the key's last message is at the sequence this session last wrote it at (exact and scoped to the key: a sequence the server gave again after losing writes, to another key or to a newer hold of this one, is never removed), else after reading owner and token; then the marker itself is purged, so the next take is one write |
+//! | release | a purge marker written only if the key's last message is at the sequence this session last wrote it at (exact and scoped to the key: a sequence the server gave again after losing writes, to another key or to a newer hold of this one, is never removed), else after reading owner and token; the marker is then purged in the background (only while connected), so the next take is one write, and waiters are told |
 //! | wake-up | a release is announced on a plain NATS subject that waiters subscribe to; an expiry sends nothing, so waiters also re-check at the holder's expiry |
 //!
 //! **`max_age` is the bucket's, not the session's.** NATS 2.9 has no TTL per
@@ -29,8 +29,9 @@
 //!
 //! **The bucket.** dlock creates it (file storage, one value per key, one
 //! replica, purges and roll-ups allowed). A bucket made otherwise (purges
-//! denied or sealed; history above 1, memory storage or replicas break what
-//! releases and tokens rest on) is refused with [`Error::Config`].
+//! denied or sealed, a mirror or sourced bucket; history above 1, memory
+//! storage or replicas break what releases and tokens rest on) is refused
+//! with [`Error::Config`].
 //!
 //! **Limits, found in review:**
 //! - A take given up while its write was still on the way (a lost or slow
@@ -45,10 +46,12 @@
 //!   and fencing cannot tell them apart. A take (also a retried take that
 //!   finds its own earlier message) whose sequence is not above what this
 //!   process saw of the bucket is removed and taken again, so one process's
-//!   tokens never go back: the stream's sequence is first moved past the
-//!   mark (small messages on a key no lock uses), and 100,000 or more below
-//!   is an [`Error::Protocol`] naming a bucket made again, restored from a
-//!   backup or a host crash, not a wait. Releases and removals are exact
+//!   tokens never go back (a retried take that finds its own message also
+//!   compares it with what its claim saw of the key); the stream's sequence
+//!   is moved past the mark in the background, once per backend at a time
+//!   (small messages on `_dlock.advance`, a key no lock uses), and 100,000
+//!   or more below is an [`Error::Protocol`] naming a bucket made again,
+//!   restored from a backup or a host crash, not a wait. Releases and removals are exact
 //!   and scoped to the lock's key, so a sequence given again never removes
 //!   another lock's hold or a newer hold of the same lock (the marker's own
 //!   purge is sent only while connected; one held back across a reconnect
@@ -127,6 +130,9 @@ struct Inner {
     dialer: Dialer,
     /// Whether a replacement is being made (one at a time).
     replacing: std::sync::atomic::AtomicBool,
+    /// Whether the stream's sequence is being moved on (one at a time, see
+    /// `Inner::went_back`).
+    advancing: std::sync::atomic::AtomicBool,
     /// The highest stream sequence this backend has seen: a new write must
     /// get a higher one (see `fresh`).
     highest: Arc<std::sync::atomic::AtomicU64>,
@@ -144,14 +150,26 @@ impl fmt::Debug for NatsBackend {
     }
 }
 
-/// The highest sequence seen of one bucket on one set of servers, shared by
-/// every backend of this process that opens it: a sequence one of them saw
-/// is then above what any of them may be granted.
-fn highest_of(servers: &[String], bucket: &str) -> Arc<std::sync::atomic::AtomicU64> {
+/// The highest sequence seen of one bucket on one set of servers as one
+/// user, shared by every backend of this process that opens it: a sequence
+/// one of them saw is then above what any of them may be granted. (Two
+/// users may be two accounts, each with its own stream of that name; a
+/// token is kept only as a hash.)
+fn highest_of(dialer: &Dialer, bucket: &str) -> Arc<std::sync::atomic::AtomicU64> {
+    use std::hash::{Hash, Hasher};
     type Marks = std::collections::HashMap<String, Arc<std::sync::atomic::AtomicU64>>;
     static MARKS: std::sync::Mutex<Option<Marks>> = std::sync::Mutex::new(None);
+    let user = match &dialer.credentials {
+        None => String::new(),
+        Some((user, Some(_))) => user.clone(),
+        Some((token, None)) => {
+            let mut hasher = std::collections::hash_map::DefaultHasher::new();
+            token.hash(&mut hasher);
+            format!("token-{:x}", hasher.finish())
+        }
+    };
     let mut marks = MARKS.lock().unwrap_or_else(|e| e.into_inner());
-    let key = format!("{}/{bucket}", servers.join(","));
+    let key = format!("{user}@{}/{bucket}", dialer.servers.join(","));
     marks
         .get_or_insert_with(Default::default)
         .entry(key)
@@ -217,6 +235,12 @@ impl NatsBackend {
         let kv = open_bucket(&client, &bucket, Some(max_age)).await?;
         let status = kv.status().await.map_err(unavailable)?;
         let config = &status.info.config;
+        if config.mirror.is_some() || config.sources.as_ref().is_some_and(|s| !s.is_empty()) {
+            return Err(Error::Config(format!(
+                "nats: bucket {bucket} is a mirror or has sources: its writes go to another \
+                 stream; give a bucket dlock creates"
+            )));
+        }
         if config.deny_purge || !config.allow_rollup || config.sealed {
             return Err(Error::Config(format!(
                 "nats: bucket {bucket} denies purges, roll-ups or any change (deny_purge \
@@ -247,10 +271,11 @@ impl NatsBackend {
         }
         Ok(Self {
             inner: Arc::new(Inner {
-                conn: std::sync::RwLock::new(Arc::new(Conn { client, kv })),
-                highest: highest_of(&dialer.servers, &bucket),
+                conn: std::sync::RwLock::new(Arc::new(Conn::new(client, kv))),
+                highest: highest_of(&dialer, &bucket),
                 dialer,
                 replacing: Default::default(),
+                advancing: Default::default(),
                 bucket,
                 max_age,
                 shown,

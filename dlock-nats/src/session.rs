@@ -86,7 +86,10 @@ impl NatsSession {
         }
         let key = key_of(&hold.name);
         if let Some(written) = self.known(hold, &key)
-            && self.inner.remove_exact(&key, written.revision).await?
+            && self
+                .inner
+                .remove_exact(&key, written.revision, true)
+                .await?
         {
             return Ok(());
         }
@@ -160,6 +163,7 @@ impl RawSession for NatsSession {
             watch: None,
             revisions: self.revisions.clone(),
             first_before: None,
+            key_seen: 0,
         }))
     }
 
@@ -211,6 +215,10 @@ pub(crate) struct NatsClaim {
     /// sent a take: a message of this claim (its owner value is its own)
     /// at or below it was given a sequence again.
     pub(crate) first_before: Option<u64>,
+    /// The highest revision of its key this claim saw another client's
+    /// hold at: a message of this claim at or below it was given a
+    /// sequence again.
+    pub(crate) key_seen: u64,
 }
 
 impl fmt::Debug for NatsClaim {
@@ -254,7 +262,21 @@ impl Claim for NatsClaim {
                 .bounded(self.inner.conn().kv.entry(&self.key))
                 .await?
             {
-                // A delete marker (another tool's delete): take on it.
+                // Freed between the two (a release's marker purged): one
+                // more write, so this try does not wait for a wake-up that
+                // was sent before it listened.
+                None => match self
+                    .inner
+                    .update_at(&self.key, self.value.encode(), 0)
+                    .await?
+                {
+                    Some(revision) => {
+                        Some(self.granted(self.inner.fresh(&self.key, revision, before).await?))
+                    }
+                    None => None,
+                },
+                // A purge marker (a release whose marker is not purged yet,
+                // or another tool's delete): take on it.
                 Some(entry) if entry.operation != Operation::Put => {
                     let value = self.value.encode();
                     match self
@@ -271,21 +293,21 @@ impl Claim for NatsClaim {
                 // Ours already (an earlier try's reply lost or late)? Then
                 // extend it, as a fresh take would (rule 4), unless its
                 // token is not above what this process saw before this
-                // claim's first try: a take written again at a sequence a
-                // server that lost writes gave again (or one `fresh`
-                // refused but could not remove). Then it goes, and the
-                // core takes again.
-                _ => match self
+                // claim's first try, or what this claim saw of its key
+                // since: a take written again at a sequence a server that
+                // lost writes gave again (or one `fresh` refused but could
+                // not remove). Then it goes, and the core takes again.
+                Some(_) => match self
                     .inner
                     .extend(&self.key, &self.value.owner, None)
                     .await?
                 {
-                    Some((token, revision, _)) if token.get() <= first_before => {
+                    Some((token, revision, _))
+                        if token.get() <= first_before.max(self.key_seen) =>
+                    {
+                        let seen = first_before.max(self.key_seen);
                         let (key, token) = (&self.key, token.get());
-                        return Err(self
-                            .inner
-                            .went_back(key, revision, token, first_before)
-                            .await);
+                        return Err(self.inner.went_back(key, revision, token, seen).await);
                     }
                     other => other,
                 },
@@ -300,11 +322,11 @@ impl Claim for NatsClaim {
                 key: self.value.owner.clone(),
             }));
         }
-        let retry_after = self
-            .inner
-            .held(&self.key)
-            .await?
-            .map(|held| self.inner.left(held.created));
+        let held = self.inner.held(&self.key).await?;
+        if let Some(held) = held.as_ref().filter(|h| h.value.owner != self.value.owner) {
+            self.key_seen = self.key_seen.max(held.revision);
+        }
+        let retry_after = held.map(|held| self.inner.left(held.created));
         Ok(Take::Busy(Busy { retry_after }))
     }
 

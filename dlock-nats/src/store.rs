@@ -22,6 +22,26 @@ pub(crate) struct Held {
     pub(crate) created: SystemTime,
 }
 
+/// Messages per batch of [`Inner::advance`].
+const ADVANCE_BATCH: u64 = 1_000;
+
+/// Publishes a batch of empty messages on `subject`: the sequence of the
+/// last one.
+async fn publish_batch(
+    js: &async_nats::jetstream::Context,
+    subject: &str,
+) -> Result<u64, async_nats::jetstream::context::PublishError> {
+    let mut acks = Vec::with_capacity(ADVANCE_BATCH as usize);
+    for _ in 0..ADVANCE_BATCH {
+        acks.push(js.publish(subject.to_owned(), Bytes::new()).await?);
+    }
+    let mut last = 0;
+    for ack in acks {
+        last = ack.await?.sequence;
+    }
+    Ok(last)
+}
+
 impl Inner {
     /// Bounds one request (NATS requests wait for a reconnect).
     pub(crate) async fn bounded<T, E>(
@@ -79,7 +99,7 @@ impl Inner {
                 && let Ok(kv) = open_bucket(&client, &inner.bucket, None).await
             {
                 *inner.conn.write().unwrap_or_else(|e| e.into_inner()) =
-                    Arc::new(Conn { client, kv });
+                    Arc::new(Conn::new(client, kv));
             }
             inner.replacing.store(false, Ordering::Release);
         });
@@ -120,11 +140,10 @@ impl Inner {
     /// Removes this client's message of `key` at `revision`, whose token
     /// would not be above `before` (the highest sequence this process saw
     /// before the take), and says why. Within [`MAX_SEQUENCE_GAP`] the
-    /// stream's sequence is first moved past `before` (one small message
-    /// per missing sequence, published together, on a key no lock uses,
-    /// one kept), and the error is `Unavailable`: the core takes again, and
-    /// the lock is granted with a larger token. Farther behind, a
-    /// `Protocol` error names what happened.
+    /// error is `Unavailable`, and the stream's sequence is moved past
+    /// `before` in the background (see [`advance`](Self::advance)): the
+    /// core takes again, and the lock is granted with a larger token.
+    /// Farther behind, a `Protocol` error names what happened.
     pub(crate) async fn went_back(
         self: &Arc<Self>,
         key: &str,
@@ -133,14 +152,13 @@ impl Inner {
         before: u64,
     ) -> Error {
         // (best effort: a message left behind expires after max_age)
-        let _ = self.remove_exact(key, revision).await;
+        let _ = self.remove_exact(key, revision, false).await;
         let what = format!(
             "bucket {}: the stream's sequence went back (a take got {token} after {before} \
              was seen)",
             self.bucket
         );
-        let gap = before - token;
-        if gap >= MAX_SEQUENCE_GAP {
+        if before - token >= MAX_SEQUENCE_GAP {
             return Error::protocol(
                 SCHEME,
                 format!(
@@ -152,36 +170,39 @@ impl Inner {
                 ),
             );
         }
-        if let Err(e) = self.advance(gap + 1).await {
-            tracing::debug!(error = %e, "moving the stream's sequence on failed");
-        }
+        self.advance(before);
         Error::unavailable(
             SCHEME,
             format!("{what}; the server lost writes: taking again"),
         )
     }
 
-    /// Moves the stream's sequence on by `count` messages on a key no lock
-    /// uses (`_dlock.advance`; the bucket keeps one).
-    async fn advance(self: &Arc<Self>, count: u64) -> Result<(), Error> {
-        let js = async_nats::jetstream::new(self.conn().client.clone());
-        let subject = self.subject("_dlock.advance");
-        let mut left = count;
-        while left > 0 {
-            let batch = left.min(1_000);
-            let mut acks = Vec::with_capacity(batch as usize);
-            for _ in 0..batch {
-                acks.push(
-                    self.bounded(js.publish(subject.clone(), Bytes::new()))
-                        .await?,
-                );
-            }
-            for ack in acks {
-                self.saw(self.bounded(ack.into_future()).await?.sequence);
-            }
-            left -= batch;
+    /// Moves the stream's sequence past `target`, in the background and
+    /// once per backend at a time (the waiters of every lock that met the
+    /// gap would otherwise each write it): small messages on a key no lock
+    /// uses (`_dlock.advance`, one kept), published a thousand at a time
+    /// until one is acknowledged above `target`, each batch bounded.
+    fn advance(self: &Arc<Self>, target: u64) {
+        use std::sync::atomic::Ordering;
+        if self.advancing.swap(true, Ordering::AcqRel) {
+            return;
         }
-        Ok(())
+        let inner = self.clone();
+        tokio::spawn(async move {
+            let conn = inner.conn();
+            let subject = inner.subject("_dlock.advance");
+            for _ in 0..=MAX_SEQUENCE_GAP / ADVANCE_BATCH {
+                match inner.bounded(publish_batch(&conn.js, &subject)).await {
+                    Ok(last) if inner.saw(last) > target => break,
+                    Ok(_) => {}
+                    Err(e) => {
+                        tracing::debug!(error = %e, "moving the stream's sequence on failed");
+                        break;
+                    }
+                }
+            }
+            inner.advancing.store(false, Ordering::Release);
+        });
     }
 
     /// The keys of the lock names under `prefix` that have a message (a
@@ -316,7 +337,7 @@ impl Inner {
             {
                 return Ok(false);
             }
-            if self.remove_exact(key, held.revision).await? {
+            if self.remove_exact(key, held.revision, true).await? {
                 return Ok(true);
             }
         }
@@ -343,9 +364,10 @@ impl Inner {
         self: &Arc<Self>,
         key: &str,
         revision: u64,
+        announce: bool,
     ) -> Result<bool, Error> {
         use async_nats::jetstream::context::PublishErrorKind;
-        let js = async_nats::jetstream::new(self.conn().client.clone());
+        let js = self.conn().js.clone();
         let mut headers = async_nats::HeaderMap::new();
         headers.insert("KV-Operation", "PURGE");
         headers.insert("Nats-Rollup", "sub");
@@ -362,8 +384,7 @@ impl Inner {
         match self.call(sent).await? {
             Ok(ack) => {
                 let marker = self.saw(ack.sequence);
-                self.released(key).await;
-                self.clear_marker(key, marker).await;
+                self.clear_marker(key, marker, announce);
                 Ok(true)
             }
             Err(e) if e.kind() == PublishErrorKind::WrongLastSequence => Ok(false),
@@ -371,15 +392,26 @@ impl Inner {
         }
     }
 
-    /// Purges the marker `remove_exact` left at `marker` (best effort), only
-    /// while connected: a request the client holds back while it
-    /// reconnects could land after a server that lost writes gave the
-    /// marker's sequence again, to a newer hold of the key.
-    async fn clear_marker(self: &Arc<Self>, key: &str, marker: u64) {
-        let conn = self.conn();
-        if conn.client.connection_state() == async_nats::connection::State::Connected {
-            let _ = self.remove(key, marker).await;
-        }
+    /// Purges the marker `remove_exact` left at `marker`, then (if
+    /// `announce`) wakes the key's waiters, in the background: the removal
+    /// took effect with the marker, so a release does not wait for this,
+    /// and waiters woken after the purge take with one write. Best effort,
+    /// and the purge only while connected: a request the client holds back
+    /// while it reconnects could land after a server that lost writes gave
+    /// the marker's sequence again, to a newer hold of the key. A marker
+    /// left behind is free to take (see `try_take`) and expires after
+    /// `max_age`.
+    fn clear_marker(self: &Arc<Self>, key: &str, marker: u64, announce: bool) {
+        let (inner, key) = (self.clone(), key.to_owned());
+        tokio::spawn(async move {
+            let conn = inner.conn();
+            if conn.client.connection_state() == async_nats::connection::State::Connected {
+                let _ = inner.remove(&key, marker).await;
+            }
+            if announce {
+                inner.released(&key).await;
+            }
+        });
     }
 
     /// Removes `key`'s message if it is at `revision` or older: `false`

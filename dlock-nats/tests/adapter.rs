@@ -38,6 +38,63 @@ async fn delete_bucket(client: &async_nats::Client, bucket: &str) {
         .expect("stream delete answered");
 }
 
+/// The URL of a `bucket` that does not exist yet, and a raw client.
+async fn fresh(bucket: &str) -> (String, async_nats::Client) {
+    let url = url(bucket);
+    let raw = raw_client(&url).await;
+    delete_bucket(&raw, bucket).await;
+    (url, raw)
+}
+
+/// A fresh `bucket` reached directly and through a fault proxy: the
+/// direct URL, the proxied one, a raw client and the proxy.
+async fn behind_a_proxy(
+    bucket: &str,
+) -> (
+    String,
+    String,
+    async_nats::Client,
+    dlock_conformance::wire::Proxy,
+) {
+    let (direct, raw) = fresh(bucket).await;
+    let authority = direct
+        .trim_start_matches("nats://")
+        .split('/')
+        .next()
+        .unwrap();
+    let proxy = dlock_conformance::wire::Proxy::start(authority)
+        .await
+        .unwrap();
+    let proxied = direct.replace(authority, &proxy.addr().to_string());
+    (direct, proxied, raw, proxy)
+}
+
+/// Starts `session`'s acquire of lock "x" (its proxy losing replies) and
+/// waits until its take reached the server: the acquire and the take's
+/// revision.
+async fn take_losing_its_reply(
+    session: &dlock_core::Session,
+    kv: &async_nats::jetstream::kv::Store,
+) -> (
+    tokio::task::JoinHandle<Result<dlock_core::LockGuard, Error>>,
+    u64,
+) {
+    let lock = session.lock("x").unwrap();
+    let acquiring =
+        tokio::spawn(async move { lock.acquire_timeout(Duration::from_secs(20)).await });
+    let landed = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            if let Some(entry) = kv.entry("l.78").await.unwrap() {
+                return entry.revision;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("the take reached the server");
+    (acquiring, landed)
+}
+
 /// S2: a server that lost its stream's sequence (here: the bucket's
 /// stream deleted and made again, as a kill that loses the last writes, or
 /// a restart that forgets an emptied stream's last sequence, would leave
@@ -48,9 +105,7 @@ async fn delete_bucket(client: &async_nats::Client, bucket: &str) {
 #[tokio::test]
 async fn tokens_never_go_back_when_the_stream_sequence_does() {
     let bucket = "dlock_seq_back";
-    let url = url(bucket);
-    let raw = raw_client(&url).await;
-    delete_bucket(&raw, bucket).await;
+    let (url, raw) = fresh(bucket).await;
     let backend = NatsBackend::connect(url.as_str()).await.unwrap();
     let session = backend
         .session(SessionOptions::new().ttl(Duration::from_secs(2)))
@@ -101,19 +156,10 @@ async fn tokens_never_go_back_when_the_stream_sequence_does() {
 /// after tokens of 5 and more.
 #[tokio::test]
 async fn a_retried_take_never_returns_a_token_that_went_back() {
-    use dlock_conformance::wire::{Fault, Proxy};
+    use dlock_conformance::wire::Fault;
 
     let bucket = "dlock_seq_back_retried";
-    let direct = url(bucket);
-    let raw = raw_client(&direct).await;
-    delete_bucket(&raw, bucket).await;
-    let authority = direct
-        .trim_start_matches("nats://")
-        .split('/')
-        .next()
-        .unwrap();
-    let proxy = Proxy::start(authority).await.unwrap();
-    let proxied = direct.replace(authority, &proxy.addr().to_string());
+    let (direct, proxied, raw, proxy) = behind_a_proxy(bucket).await;
     let backend = NatsBackend::connect(proxied.as_str()).await.unwrap();
     let session = backend
         .session(SessionOptions::new().ttl(Duration::from_secs(5)))
@@ -132,19 +178,7 @@ async fn a_retried_take_never_returns_a_token_that_went_back() {
         .await
         .unwrap();
     proxy.set(Fault::LOSE_REPLIES);
-    let lock = session.lock("x").unwrap();
-    let acquiring =
-        tokio::spawn(async move { lock.acquire_timeout(Duration::from_secs(20)).await });
-    let landed = tokio::time::timeout(Duration::from_secs(10), async {
-        loop {
-            if let Some(entry) = kv.entry("l.78").await.unwrap() {
-                return entry.revision;
-            }
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-    })
-    .await
-    .expect("the take reached the server");
+    let (acquiring, landed) = take_losing_its_reply(&session, &kv).await;
     assert!(landed <= last, "the take landed at {landed}, after {last}");
     proxy.set(Fault::Pass);
     let guard = acquiring.await.unwrap().unwrap();
@@ -166,19 +200,10 @@ async fn a_retried_take_never_returns_a_token_that_went_back() {
 /// token.
 #[tokio::test]
 async fn a_take_whose_reply_was_lost_is_granted_beside_other_traffic() {
-    use dlock_conformance::wire::{Fault, Proxy};
+    use dlock_conformance::wire::Fault;
 
     let bucket = "dlock_lost_reply_traffic";
-    let direct = url(bucket);
-    let raw = raw_client(&direct).await;
-    delete_bucket(&raw, bucket).await;
-    let authority = direct
-        .trim_start_matches("nats://")
-        .split('/')
-        .next()
-        .unwrap();
-    let proxy = Proxy::start(authority).await.unwrap();
-    let proxied = direct.replace(authority, &proxy.addr().to_string());
+    let (_, proxied, raw, proxy) = behind_a_proxy(bucket).await;
     let backend = NatsBackend::connect(proxied.as_str()).await.unwrap();
     let options = SessionOptions::new().ttl(Duration::from_secs(5));
     let a = backend.session(options.clone()).await.unwrap();
@@ -187,19 +212,7 @@ async fn a_take_whose_reply_was_lost_is_granted_beside_other_traffic() {
         .await
         .unwrap();
     proxy.set(Fault::LOSE_REPLIES);
-    let lock = a.lock("x").unwrap();
-    let acquiring =
-        tokio::spawn(async move { lock.acquire_timeout(Duration::from_secs(20)).await });
-    let landed = tokio::time::timeout(Duration::from_secs(10), async {
-        loop {
-            if let Some(entry) = kv.entry("l.78").await.unwrap() {
-                return entry.revision;
-            }
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-    })
-    .await
-    .expect("the take reached the server");
+    let (acquiring, landed) = take_losing_its_reply(&a, &kv).await;
     proxy.set(Fault::Pass);
     // (a backend of its own, on a new connection, but of the same servers
     // and bucket: it shares the process's mark)
@@ -251,9 +264,7 @@ async fn fill(js: &async_nats::jetstream::Context, bucket: &str, count: usize) {
 #[tokio::test]
 async fn a_sequence_far_behind_is_caught_up_or_an_error_not_a_wait() {
     let bucket = "dlock_seq_far_back";
-    let url = url(bucket);
-    let raw = raw_client(&url).await;
-    delete_bucket(&raw, bucket).await;
+    let (url, raw) = fresh(bucket).await;
     let backend = NatsBackend::connect(url.as_str()).await.unwrap();
     let js = async_nats::jetstream::new(raw.clone());
     let session = backend
@@ -309,55 +320,21 @@ async fn a_sequence_far_behind_is_caught_up_or_an_error_not_a_wait() {
     delete_bucket(&raw, bucket).await;
 }
 
-/// S1 after a server lost writes, on the same lock: A's release, on the
-/// sequence it last wrote, finds a newer hold of its lock whose sequence
-/// the server gave again below A's, and leaves it alone. Red before (a
-/// purge of the key below A's sequence): the newer hold was gone.
+/// S1 after a server lost writes: A's release, on the sequence it last
+/// wrote, leaves alone what now carries sequences the server gave again
+/// (here: the bucket made again, its sequences from 1): a newer hold of
+/// A's own lock below A's sequence, and another lock's hold at exactly
+/// A's sequence. Those holders would have lost their locks without
+/// knowing until their next renewal. Red before: with a delete by
+/// sequence, the other lock's hold was gone; with a purge of A's key up
+/// to A's sequence (c38a2e9), the newer hold of A's lock was gone.
 #[tokio::test]
-async fn a_release_never_removes_a_newer_hold_of_its_lock() {
-    let bucket = "dlock_seq_reuse_same";
-    let url = url(bucket);
-    let raw = raw_client(&url).await;
-    delete_bucket(&raw, bucket).await;
+async fn a_release_never_removes_holds_given_a_sequence_again() {
+    let bucket = "dlock_seq_reuse";
+    let (url, raw) = fresh(bucket).await;
     let backend = NatsBackend::connect(url.as_str()).await.unwrap();
     let js = async_nats::jetstream::new(raw.clone());
     fill(&js, bucket, 3).await;
-    let session = backend
-        .session(SessionOptions::new().ttl(Duration::from_secs(5)))
-        .await
-        .unwrap();
-    let guard = session.lock("a").unwrap().acquire().await.unwrap();
-    assert!(guard.token().get() > 3);
-    delete_bucket(&raw, bucket).await;
-    let _again = NatsBackend::connect(url.as_str()).await.unwrap();
-    let kv = js.get_key_value(bucket).await.unwrap();
-    // (the key of lock "a": another client's hold, at sequence 1)
-    let newer = kv.put("l.61", "another holder".into()).await.unwrap();
-    let _ = guard.release().await;
-    let entry = kv.entry("l.61").await.unwrap();
-    assert!(
-        entry.is_some_and(
-            |e| e.revision == newer && e.operation == async_nats::jetstream::kv::Operation::Put
-        ),
-        "A's release removed a newer hold of its lock"
-    );
-    session.close().await.unwrap();
-    delete_bucket(&raw, bucket).await;
-}
-
-/// S1 after a server lost writes: a release whose remembered sequence was
-/// given again, to another key's message (here: the bucket made again,
-/// its sequences from 1), leaves that message alone. A delete by sequence
-/// alone removed it, and that key's holder lost its lock without anyone
-/// knowing until its next renewal. Red before: the other key's message
-/// was gone.
-#[tokio::test]
-async fn a_release_never_removes_another_keys_message() {
-    let bucket = "dlock_seq_reuse";
-    let url = url(bucket);
-    let raw = raw_client(&url).await;
-    delete_bucket(&raw, bucket).await;
-    let backend = NatsBackend::connect(url.as_str()).await.unwrap();
     // (renewals every 1.7 s: the release below comes first, on the
     // revision of the take)
     let session = backend
@@ -366,25 +343,30 @@ async fn a_release_never_removes_another_keys_message() {
         .unwrap();
     let guard = session.lock("a").unwrap().acquire().await.unwrap();
     let taken_at = guard.token().get();
+    assert!(taken_at > 3);
     delete_bucket(&raw, bucket).await;
     let _again = NatsBackend::connect(url.as_str()).await.unwrap();
-    let kv = async_nats::jetstream::new(raw.clone())
-        .get_key_value(bucket)
-        .await
-        .unwrap();
-    let mut at = 0;
+    let kv = js.get_key_value(bucket).await.unwrap();
+    // (the key of lock "a": another client's hold, at sequence 1)
+    let newer = kv.put("l.61", "another holder".into()).await.unwrap();
+    let mut at = newer;
     while at < taken_at {
         at = kv.put("l.other", "another holder".into()).await.unwrap();
     }
-    assert_eq!(
-        at, taken_at,
-        "the other key's message has the take's sequence"
-    );
+    assert_eq!(at, taken_at, "the other key's message has A's sequence");
     let _ = guard.release().await;
+    let put = |e: &async_nats::jetstream::kv::Entry, at| {
+        e.revision == at && e.operation == async_nats::jetstream::kv::Operation::Put
+    };
+    let own = kv.entry("l.61").await.unwrap();
+    assert!(
+        own.is_some_and(|e| put(&e, newer)),
+        "A's release removed a newer hold of its lock"
+    );
     let other = kv.entry("l.other").await.unwrap();
     assert!(
-        other.is_some_and(|e| e.revision == at),
-        "the release of lock a removed another key's message"
+        other.is_some_and(|e| put(&e, at)),
+        "A's release removed another lock's hold"
     );
     session.close().await.unwrap();
     delete_bucket(&raw, bucket).await;
@@ -396,9 +378,7 @@ async fn a_release_never_removes_another_keys_message() {
 #[tokio::test]
 async fn a_bucket_with_history_is_refused() {
     let bucket = "dlock_history";
-    let url = url(bucket);
-    let raw = raw_client(&url).await;
-    delete_bucket(&raw, bucket).await;
+    let (url, raw) = fresh(bucket).await;
     let config = format!(
         r#"{{"name":"KV_{bucket}","subjects":["$KV.{bucket}.>"],"max_msgs_per_subject":5,
 "max_age":5000000000,"storage":"file","num_replicas":1,"discard":"new",

@@ -82,17 +82,40 @@ async fn take_losing_its_reply(
     let lock = session.lock("x").unwrap();
     let acquiring =
         tokio::spawn(async move { lock.acquire_timeout(Duration::from_secs(20)).await });
-    let landed = tokio::time::timeout(Duration::from_secs(10), async {
+    (acquiring, landed(kv).await)
+}
+
+/// The revision of the first value of lock "x" the server has, within 10 s.
+async fn landed(kv: &async_nats::jetstream::kv::Store) -> u64 {
+    tokio::time::timeout(Duration::from_secs(10), async {
         loop {
-            if let Some(entry) = kv.entry("l.78").await.unwrap() {
+            if let Some(entry) = kv.entry("l.78").await.unwrap()
+                && entry.operation == async_nats::jetstream::kv::Operation::Put
+            {
                 return entry.revision;
             }
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
     })
     .await
-    .expect("the take reached the server");
-    (acquiring, landed)
+    .expect("the take reached the server")
+}
+
+/// Lets replies through again and awaits the acquire: its lock, whose
+/// token must be above `floor`.
+async fn granted_above(
+    proxy: &dlock_conformance::wire::Proxy,
+    acquiring: tokio::task::JoinHandle<Result<dlock_core::LockGuard, Error>>,
+    floor: u64,
+) -> dlock_core::LockGuard {
+    proxy.set(dlock_conformance::wire::Fault::Pass);
+    let guard = acquiring.await.unwrap().unwrap();
+    assert!(
+        guard.token().get() > floor,
+        "a token went back: {} after {floor}",
+        guard.token()
+    );
+    guard
 }
 
 /// S2: a server that lost its stream's sequence (here: the bucket's
@@ -180,13 +203,62 @@ async fn a_retried_take_never_returns_a_token_that_went_back() {
     proxy.set(Fault::LOSE_REPLIES);
     let (acquiring, landed) = take_losing_its_reply(&session, &kv).await;
     assert!(landed <= last, "the take landed at {landed}, after {last}");
-    proxy.set(Fault::Pass);
-    let guard = acquiring.await.unwrap().unwrap();
-    assert!(
-        guard.token().get() > last,
-        "a token went back: {} after {last}",
-        guard.token()
-    );
+    let guard = granted_above(&proxy, acquiring, last).await;
+    guard.release().await.unwrap();
+    session.close().await.unwrap();
+    delete_bucket(&raw, bucket).await;
+}
+
+/// S2, a waiter's lost reply after the sequence went back: a claim that
+/// saw another client's hold of its lock at some sequence, and whose later
+/// take lands below it (the server gave sequences again) with its reply
+/// lost, is not granted that lower token when its next try finds it.
+/// Red before (a check against the process's mark at the claim's first
+/// try only, which was 0 here): granted a token below the hold it saw.
+#[tokio::test]
+async fn a_waiters_retried_take_never_goes_below_the_hold_it_waited_for() {
+    use dlock_conformance::wire::Fault;
+
+    let bucket = "dlock_seq_back_waiter";
+    let (direct, proxied, raw, proxy) = behind_a_proxy(bucket).await;
+    let backend = NatsBackend::connect(proxied.as_str()).await.unwrap();
+    let js = async_nats::jetstream::new(raw.clone());
+    let kv = js.get_key_value(bucket).await.unwrap();
+    fill(&js, bucket, 99).await;
+    // (another client's hold of lock "x", not a dlock value: nobody's)
+    let held_at = kv.put("l.78", "another holder".into()).await.unwrap();
+    assert_eq!(held_at, 100);
+    // (a waiter that tries again every 100 ms: a reply-losing link makes
+    // the client drop its connection after about a second)
+    let session = backend
+        .session(
+            SessionOptions::new()
+                .ttl(Duration::from_secs(5))
+                .poll_fallback(Duration::from_millis(100)),
+        )
+        .await
+        .unwrap();
+    let lock = session.lock("x").unwrap();
+    let acquiring =
+        tokio::spawn(async move { lock.acquire_timeout(Duration::from_secs(30)).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    delete_bucket(&raw, bucket).await;
+    let _again = NatsBackend::connect(direct.as_str()).await.unwrap();
+    let kv = js.get_key_value(bucket).await.unwrap();
+    kv.put("l.78", "another holder".into()).await.unwrap();
+    proxy.set(Fault::LOSE_REPLIES);
+    // (the key emptied, not covered by a marker: the waiter's next take is
+    // one write, which lands although its answer is lost)
+    js.get_stream(format!("KV_{bucket}"))
+        .await
+        .unwrap()
+        .purge()
+        .filter(format!("$KV.{bucket}.l.78"))
+        .await
+        .unwrap();
+    let landed = landed(&kv).await;
+    assert!(landed < held_at, "the take landed at {landed}");
+    let guard = granted_above(&proxy, acquiring, held_at).await;
     guard.release().await.unwrap();
     session.close().await.unwrap();
     delete_bucket(&raw, bucket).await;

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use crate::conn::open_bucket;
 use crate::value::key_prefix;
-use crate::{NatsBackend, NatsFence, SCHEME, unavailable};
+use crate::{NatsBackend, NatsFence, RACES, SCHEME};
 
 /// [`Floor`] of `nats://` URLs: a backend of its own, in whose bucket it
 /// writes keys no lock uses, and the bucket `<bucket>_fence` (no
@@ -59,11 +59,32 @@ impl Floor for NatsFloor {
     async fn cycle(&self, key: &LockName) -> Result<(), Error> {
         let inner = &self.backend.inner;
         let key = key_for('f', key);
-        let conn = inner.conn();
-        let revision = inner
-            .call(conn.kv.update(&key, Bytes::from_static(b"floor"), 0))
-            .await?
-            .map_err(unavailable)?;
+        let value = Bytes::from_static(b"floor");
+        // As a lock's take: one write if the key is empty; on the marker of
+        // the last cycle, if its purge (in the background) has not run yet,
+        // a read and a write on the marker.
+        let (mut on, mut written) = (0, None);
+        for _ in 0..RACES {
+            written = inner.update_at(&key, value.clone(), on).await?;
+            if written.is_some() {
+                break;
+            }
+            match inner.bounded(inner.conn().kv.entry(&key)).await? {
+                Some(entry) if entry.operation != async_nats::jetstream::kv::Operation::Put => {
+                    on = entry.revision;
+                }
+                None => on = 0,
+                Some(_) => {
+                    return Err(Error::protocol(
+                        SCHEME,
+                        format!("the floor's key {key} holds a value it did not write"),
+                    ));
+                }
+            }
+        }
+        let revision = written.ok_or_else(|| {
+            Error::unavailable(SCHEME, format!("the floor's key {key} kept changing"))
+        })?;
         if inner.remove_exact(&key, revision, true).await? {
             Ok(())
         } else {

@@ -484,23 +484,30 @@ pub async fn session_outlives_isolated_member(h: &dyn Harness) -> Outcome {
     let isolated = Instant::now();
     let held = t * 4;
     let lost = tokio::time::timeout(held, ga.lost()).await;
-    let kept = ga.is_held();
-    servers.rejoin(follower).await?;
     ensure!(
-        lost.is_err() && kept,
+        lost.is_err() && ga.is_held(),
         "A lost its lock {:?} after a member it first reached was cut off from its peers, \
          although it reached a majority all along ({lost:?})",
         isolated.elapsed()
     );
+    // All before the rejoin, whose election (etcd 3.4 has no pre-vote) may
+    // outlast a TTL on a busy machine: that is not what this case is about.
+    // (B's client may send to the isolated member, which refuses at once:
+    // an acquire tries again, a single try would not)
     let b = ctx.client().await?;
-    ensure!(
-        b.lock(&name)?.try_acquire().await?.is_none(),
-        "B got the lock A still holds"
-    );
+    match b.lock(&name)?.acquire_timeout(t / 2).await {
+        Err(dlock_core::Error::Timeout { .. }) => {}
+        Ok(_) => return Err(Failure("B got the lock A still holds".into())),
+        Err(e) => return Err(e.into()),
+    }
     ga.release().await?;
     let gb = b.lock(&name)?.acquire_timeout(t * 2).await?;
     increased(gb.token(), token, "")?;
-    gb.release().await?;
+    match gb.release().await {
+        Ok(()) | Err(dlock_core::Error::Lost { .. }) => {}
+        Err(e) => return Err(e.into()),
+    }
+    servers.rejoin(follower).await?;
     passed()
 }
 

@@ -13,6 +13,7 @@ use dlock_core::{Error, FencingToken, LockName};
 use std::time::Duration;
 
 use crate::conn::open_bucket;
+use crate::store::Free;
 use crate::value::key_prefix;
 use crate::{NatsBackend, NatsFence, RACES, SCHEME};
 
@@ -60,21 +61,16 @@ impl Floor for NatsFloor {
         let inner = &self.backend.inner;
         let key = key_for('f', key);
         let value = Bytes::from_static(b"floor");
-        // As a lock's take: one write if the key is empty; on the marker of
-        // the last cycle, if its purge (in the background) has not run yet,
-        // a read and a write on the marker.
-        let (mut on, mut written) = (0, None);
+        // As a lock's take (the last cycle's marker may not be purged yet).
+        let mut written = None;
         for _ in 0..RACES {
-            written = inner.update_at(&key, value.clone(), on).await?;
-            if written.is_some() {
-                break;
-            }
-            match inner.bounded(inner.conn().kv.entry(&key)).await? {
-                Some(entry) if entry.operation != async_nats::jetstream::kv::Operation::Put => {
-                    on = entry.revision;
+            match inner.write_if_free(&key, value.clone()).await? {
+                Free::Written(revision) => {
+                    written = Some(revision);
+                    break;
                 }
-                None => on = 0,
-                Some(_) => {
+                Free::Raced => {}
+                Free::Held => {
                     return Err(Error::protocol(
                         SCHEME,
                         format!("the floor's key {key} holds a value it did not write"),

@@ -5,7 +5,6 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_nats::jetstream::kv::Operation;
 use async_trait::async_trait;
 use bytes::Bytes;
 use dlock_core::backend::{Busy, Claim, ExpiryModel, Hold, RawSession, Take};
@@ -13,6 +12,7 @@ use dlock_core::{Error, FencingToken, LockName, SessionId};
 use futures::StreamExt;
 use tokio::time::Instant;
 
+use crate::store::Free;
 use crate::value::{Value, key_of};
 use crate::{Inner, RENEWALS_IN_FLIGHT};
 
@@ -252,65 +252,33 @@ impl Claim for NatsClaim {
         // marker, so a take whose first reply is lost could not take effect.
         let before = self.inner.highest();
         let first_before = *self.first_before.get_or_insert(before);
-        let taken = self.inner.update_at(&self.key, self.value.encode(), 0);
-        let granted = match taken.await? {
-            Some(revision) => {
+        let granted = match self
+            .inner
+            .write_if_free(&self.key, self.value.encode())
+            .await?
+        {
+            Free::Written(revision) => {
                 Some(self.granted(self.inner.fresh(&self.key, revision, before).await?))
             }
-            None => match self
+            Free::Raced => None,
+            // Ours already (an earlier try's reply lost or late)? Then
+            // extend it, as a fresh take would (rule 4), unless its
+            // token is not above what this process saw before this
+            // claim's first try, or what this claim saw of its key
+            // since: a take written again at a sequence a server that
+            // lost writes gave again (or one `fresh` refused but could
+            // not remove). Then it goes, and the core takes again.
+            Free::Held => match self
                 .inner
-                .bounded(self.inner.conn().kv.entry(&self.key))
+                .extend(&self.key, &self.value.owner, None)
                 .await?
             {
-                // Freed between the two (a release's marker purged): one
-                // more write, so this try does not wait for a wake-up that
-                // was sent before it listened.
-                None => match self
-                    .inner
-                    .update_at(&self.key, self.value.encode(), 0)
-                    .await?
-                {
-                    Some(revision) => {
-                        Some(self.granted(self.inner.fresh(&self.key, revision, before).await?))
-                    }
-                    None => None,
-                },
-                // A purge marker (a release whose marker is not purged yet,
-                // or another tool's delete): take on it.
-                Some(entry) if entry.operation != Operation::Put => {
-                    let value = self.value.encode();
-                    match self
-                        .inner
-                        .update_at(&self.key, value, entry.revision)
-                        .await?
-                    {
-                        Some(revision) => {
-                            Some(self.granted(self.inner.fresh(&self.key, revision, before).await?))
-                        }
-                        None => None,
-                    }
+                Some((token, revision, _)) if token.get() <= first_before.max(self.key_seen) => {
+                    let seen = first_before.max(self.key_seen);
+                    let (key, token) = (&self.key, token.get());
+                    return Err(self.inner.went_back(key, revision, token, seen).await);
                 }
-                // Ours already (an earlier try's reply lost or late)? Then
-                // extend it, as a fresh take would (rule 4), unless its
-                // token is not above what this process saw before this
-                // claim's first try, or what this claim saw of its key
-                // since: a take written again at a sequence a server that
-                // lost writes gave again (or one `fresh` refused but could
-                // not remove). Then it goes, and the core takes again.
-                Some(_) => match self
-                    .inner
-                    .extend(&self.key, &self.value.owner, None)
-                    .await?
-                {
-                    Some((token, revision, _))
-                        if token.get() <= first_before.max(self.key_seen) =>
-                    {
-                        let seen = first_before.max(self.key_seen);
-                        let (key, token) = (&self.key, token.get());
-                        return Err(self.inner.went_back(key, revision, token, seen).await);
-                    }
-                    other => other,
-                },
+                other => other,
             },
         };
         if let Some(grant) = granted {

@@ -14,6 +14,16 @@ use crate::conn::{Conn, InFlight, open_bucket};
 use crate::value::{Value, key_prefix};
 use crate::{Inner, MAX_SEQUENCE_GAP, RACES, RECHECK_FLOOR, REQUEST_TIMEOUT, SCHEME, unavailable};
 
+/// What [`Inner::write_if_free`] did.
+pub(crate) enum Free {
+    /// Wrote at this revision.
+    Written(u64),
+    /// The key holds a value (someone's hold, perhaps this client's own).
+    Held,
+    /// The key was free, but another write came first.
+    Raced,
+}
+
 /// A live lock entry: its value, revision, token and server timestamp.
 pub(crate) struct Held {
     pub(crate) value: Value,
@@ -299,6 +309,31 @@ impl Inner {
             }
         }
         Err(Error::unavailable(SCHEME, "the lock's key kept changing"))
+    }
+
+    /// Writes `value` to `key` if the key is free: one write if it has no
+    /// message, else a read and, on a purge marker (a release whose marker
+    /// is not purged yet, or another tool's delete), a write on it, or on
+    /// nothing again if the key was emptied between the two (a marker
+    /// purged: the wake-up it sent may have come before this client
+    /// listened). A take and the bench floor both take this way.
+    pub(crate) async fn write_if_free(
+        self: &Arc<Self>,
+        key: &str,
+        value: Bytes,
+    ) -> Result<Free, Error> {
+        if let Some(revision) = self.update_at(key, value.clone(), 0).await? {
+            return Ok(Free::Written(revision));
+        }
+        let on = match self.bounded(self.conn().kv.entry(key)).await? {
+            None => 0,
+            Some(entry) if entry.operation != Operation::Put => entry.revision,
+            Some(_) => return Ok(Free::Held),
+        };
+        Ok(match self.update_at(key, value, on).await? {
+            Some(revision) => Free::Written(revision),
+            None => Free::Raced,
+        })
     }
 
     /// Writes `value` to `key` only if the key's last message is at

@@ -189,6 +189,7 @@
 //!
 //! [`Registry`]: dlock_core::Registry
 
+mod conn;
 mod fence;
 mod floor;
 mod node;
@@ -330,7 +331,12 @@ impl RedisBackend {
                 "redlock: fenced data lives on one Redis server: use its redis:// URL".into(),
             ));
         };
-        node.request(ADMIN_TIMEOUT, |c| async move { Ok(c) }).await
+        node.request(ADMIN_TIMEOUT, |c| async move {
+            match c {
+                conn::Conn::Single(c) => Ok(c),
+            }
+        })
+        .await
     }
 
     /// Connects to `redis://`, `rediss://` or `redlock://` (see the crate

@@ -21,11 +21,11 @@ use dlock_core::wake::{Waiter, WakeHub};
 use dlock_core::{Error, FencingToken, LockInfo, LockName};
 use futures::StreamExt;
 use futures::future::{BoxFuture, FutureExt, Shared};
-use redis::aio::MultiplexedConnection;
 use redis::{AsyncConnectionConfig, Client, RedisError};
 use tokio::sync::{Notify, watch};
 use tokio::time::{Instant, sleep, timeout, timeout_at};
 
+use crate::conn::Conn;
 use crate::script;
 
 /// How long a single Redis keeps the last-token key after a release (after
@@ -237,7 +237,7 @@ struct Commands {
 #[derive(Clone)]
 struct Live {
     generation: u64,
-    conn: MultiplexedConnection,
+    conn: Conn,
     /// When it last answered anything, in µs since [`Commands::epoch`]: a
     /// connection that answered after a request was sent is alive (that
     /// request is queued behind others), one that did not may be dead.
@@ -316,7 +316,7 @@ impl Commands {
     }
 
     /// A new connection to a server dlock can use (see [`Commands::check`]).
-    async fn open(&self) -> Result<MultiplexedConnection, Error> {
+    async fn open(&self) -> Result<Conn, Error> {
         // No driver response timeout: requests are bounded by dlock's own
         // limits, which replace the connection when they expire.
         let config = AsyncConnectionConfig::new()
@@ -340,7 +340,7 @@ impl Commands {
             }
             Err(e) => return Err(map_err(&self.shown, &e).0),
         }
-        Ok(conn)
+        Ok(Conn::Single(conn))
     }
 
     /// Refuses servers dlock cannot use safely: Redis Cluster nodes,
@@ -517,7 +517,7 @@ impl Node {
     /// connection answered anything meanwhile.
     pub(crate) async fn request<T, F, Fut>(&self, limit: Duration, op: F) -> Result<T, Error>
     where
-        F: FnOnce(MultiplexedConnection) -> Fut,
+        F: FnOnce(Conn) -> Fut,
         Fut: Future<Output = Result<T, RedisError>>,
     {
         let deadline = Instant::now() + limit;

@@ -196,6 +196,7 @@ mod node;
 mod options;
 mod script;
 mod session;
+mod slots;
 
 use std::fmt;
 use std::sync::Arc;
@@ -227,8 +228,15 @@ pub const MIN_TTL: Duration = Duration::from_millis(100);
 /// the session's request timeout instead.
 const ADMIN_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// The URL schemes of this crate: `redis`, `rediss` (TLS) and `redlock`.
-pub const SCHEMES: &[&str] = &["redis", "rediss", "redlock"];
+/// The URL schemes of this crate: `redis`, `rediss` (TLS), `redlock`, and
+/// Redis Cluster's `redis+cluster` and `rediss+cluster` (TLS).
+pub const SCHEMES: &[&str] = &[
+    "redis",
+    "rediss",
+    "redlock",
+    "redis+cluster",
+    "rediss+cluster",
+];
 
 /// The Redis and Redlock [`Adapter`](dlock_core::Adapter): opens the [`SCHEMES`] with
 /// [`RedisBackend::connect`].
@@ -331,12 +339,21 @@ impl RedisBackend {
                 "redlock: fenced data lives on one Redis server: use its redis:// URL".into(),
             ));
         };
-        node.request(ADMIN_TIMEOUT, |c| async move {
-            match c {
-                conn::Conn::Single(c) => Ok(c),
-            }
-        })
-        .await
+        if node.cluster {
+            return Err(Error::Config(
+                "redis+cluster: RedisFence writes on any connection to the cluster (a \
+                 redis::cluster_async::ClusterConnection), with the fence key and the data \
+                 key in one hash slot; data_connection gives one server's"
+                    .into(),
+            ));
+        }
+        let conn = node
+            .request(ADMIN_TIMEOUT, |c| async move { Ok(c) })
+            .await?;
+        match conn {
+            conn::Conn::Single(c) => Ok(c),
+            conn::Conn::Cluster(_) => unreachable!("checked above"),
+        }
     }
 
     /// Connects to `redis://`, `rediss://` or `redlock://` (see the crate
@@ -364,32 +381,74 @@ impl RedisBackend {
             // application that installed its own keeps it.
             let _ = rustls::crypto::ring::default_provider().install_default();
         }
-        let mut nodes = Vec::with_capacity(options.nodes.len());
+        let invalid = |e: redis::RedisError| {
+            url.invalid(format!(
+                "not a valid Redis URL ({})",
+                e.detail().unwrap_or("bad syntax")
+            ))
+        };
+        // The driver gets the nodes' URLs with their password; nothing
+        // else ever shows it.
+        let mut clients = Vec::with_capacity(options.nodes.len());
         for node in &options.nodes {
-            // The driver gets the node's URL with its password; nothing
-            // else ever shows it.
-            let client = match &certificates {
-                Some(certs) => redis::Client::build_with_tls(node.url.expose(), certs.clone()),
-                None => redis::Client::open(node.url.expose()),
-            }
-            .map_err(|e| {
-                url.invalid(format!(
-                    "not a valid Redis URL ({})",
-                    e.detail().unwrap_or("bad syntax")
-                ))
-            })?;
-            nodes.push(Node::new(
-                client,
-                options.prefix.clone(),
-                node.shown.clone(),
-                options.allow_eviction,
-                if options.redlock {
-                    node::KEEP_LAST_FOREVER
-                } else {
-                    node::KEEP_LAST_MS
-                },
-            ));
+            clients.push(
+                match &certificates {
+                    Some(certs) => redis::Client::build_with_tls(node.url.expose(), certs.clone()),
+                    None => redis::Client::open(node.url.expose()),
+                }
+                .map_err(invalid)?,
+            );
         }
+        let keep_last_ms = if options.redlock {
+            node::KEEP_LAST_FOREVER
+        } else {
+            node::KEEP_LAST_MS
+        };
+        let node = |target, shown: &str| {
+            Node::new(
+                target,
+                options.prefix.clone(),
+                shown.to_owned(),
+                options.allow_eviction,
+                keep_last_ms,
+            )
+        };
+        let nodes = if options.cluster {
+            // No driver response timeout: requests are bounded by dlock's
+            // own limits. The driver follows MOVED and ASK redirections
+            // and refreshes its slot map after a failover by itself.
+            let mut builder = redis::cluster::ClusterClientBuilder::new(
+                options.nodes.iter().map(|n| n.url.expose()),
+            )
+            .connection_timeout(CONNECT_TIMEOUT);
+            if let Some(certs) = &certificates {
+                builder = builder.certs(certs.clone());
+            }
+            let client = builder.build().map_err(invalid)?;
+            let shown = format!(
+                "{}://{}",
+                url.scheme(),
+                options
+                    .nodes
+                    .iter()
+                    .map(|n| n.host.as_str())
+                    .collect::<Vec<_>>()
+                    .join(",")
+            );
+            vec![node(
+                node::Target::Cluster {
+                    client,
+                    seeds: clients,
+                },
+                &shown,
+            )]
+        } else {
+            clients
+                .into_iter()
+                .zip(&options.nodes)
+                .map(|(client, n)| node(node::Target::Single(client), &n.shown))
+                .collect()
+        };
         let inner = Arc::new(Inner { nodes, options });
         let results = join_all(inner.nodes.iter().map(|n| n.connect(CONNECT_TIMEOUT))).await;
         let total = results.len();
@@ -529,6 +588,8 @@ impl Backend for RedisBackend {
     fn scheme(&self) -> &'static str {
         if self.inner.options.redlock {
             "redlock"
+        } else if self.inner.options.cluster {
+            "redis+cluster"
         } else {
             "redis"
         }

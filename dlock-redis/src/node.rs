@@ -21,12 +21,13 @@ use dlock_core::wake::{Waiter, WakeHub};
 use dlock_core::{Error, FencingToken, LockInfo, LockName};
 use futures::StreamExt;
 use futures::future::{BoxFuture, FutureExt, Shared};
-use redis::{AsyncConnectionConfig, Client, RedisError};
+use redis::cluster::ClusterClient;
+use redis::{AsyncConnectionConfig, Client, FromRedisValue, RedisError, Value};
 use tokio::sync::{Notify, watch};
 use tokio::time::{Instant, sleep, timeout, timeout_at};
 
 use crate::conn::Conn;
-use crate::script;
+use crate::{script, slots};
 
 /// How long a single Redis keeps the last-token key after a release (after
 /// that its own clock in µs is the floor; see [`script`]). Redlock nodes
@@ -138,9 +139,35 @@ pub(crate) fn map_err(shown: &str, e: &RedisError) -> (Error, bool) {
 
 fn cluster_refused(shown: &str, what: &str) -> Error {
     Error::Config(format!(
-        "{shown} is a Redis Cluster node ({what}): dlock-redis does not support Redis Cluster; \
-         use a standalone Redis, or redlock:// over independent masters"
+        "{shown} is a Redis Cluster node ({what}): give the cluster's nodes as \
+         redis+cluster://h1:p1,h2:p2,... (or rediss+cluster:// for TLS)"
     ))
+}
+
+/// [`map_err`] for a Redis Cluster: a slot moving or failing over
+/// (`MOVED`, `ASK`, `TRYAGAIN`, `CLUSTERDOWN`) is transient, and the driver
+/// follows the new slot map itself, so the connection stays; `CROSSSLOT`
+/// would be a bug of dlock's (every script's keys share the name's slot).
+pub(crate) fn map_cluster_err(shown: &str, e: &RedisError) -> (Error, bool) {
+    use redis::ErrorKind as K;
+    use redis::ServerErrorKind as S;
+    match e.kind() {
+        K::Server(S::Moved | S::Ask | S::ClusterDown | S::TryAgain) => (
+            Error::unavailable(
+                BACKEND,
+                format!("{shown}: a slot is moving or failing over: {e}"),
+            ),
+            false,
+        ),
+        K::Server(S::CrossSlot) => (
+            Error::protocol(
+                BACKEND,
+                format!("{shown}: keys of several slots in one request: {e}"),
+            ),
+            false,
+        ),
+        _ => map_err(shown, e),
+    }
 }
 
 /// An [`Error`] that can be handed to every caller waiting on one connect.
@@ -190,19 +217,35 @@ pub(crate) struct Keys {
 }
 
 impl Keys {
-    pub(crate) fn new(prefix: &str, name: &LockName) -> Self {
+    /// The keys of `name`; on a Redis Cluster the restart guard's record is
+    /// the one of the name's slot (a script's keys must share a slot).
+    pub(crate) fn new(prefix: &str, name: &LockName, cluster: bool) -> Self {
         let lock = format!("{prefix}:{{{name}}}");
         Self {
             last: format!("{lock}:t"),
             channel: format!("{lock}:c"),
-            boot: boot_key(prefix),
+            boot: boot_key(prefix, cluster.then(|| slots::slot(name.as_str()))),
             lock,
         }
     }
+
+    /// The cluster slot of these keys (names contain no braces, so the
+    /// hash tag is the whole name).
+    fn slot(&self, prefix: &str) -> u16 {
+        let tag = &self.lock[prefix.len() + 2..self.lock.len() - 1];
+        slots::slot(tag)
+    }
 }
 
-fn boot_key(prefix: &str) -> String {
-    format!("{prefix}:boot")
+/// The restart guard's record: one per server (`P:boot`), or on a Redis
+/// Cluster one per slot (`P:boot:{T}`, `T` a tag of the slot), so that it
+/// sits in the slot of the locks it guards. Neither matches the lock-key
+/// pattern `P:{...`.
+fn boot_key(prefix: &str, slot: Option<u16>) -> String {
+    match slot {
+        None => format!("{prefix}:boot"),
+        Some(slot) => format!("{prefix}:boot:{{{}}}", slots::tag_of(slot)),
+    }
 }
 
 /// What a take script answered.
@@ -220,9 +263,38 @@ pub(crate) struct Record {
 
 type Connecting = Shared<BoxFuture<'static, Result<Live, SharedError>>>;
 
+/// What a node connects to.
+#[derive(Clone)]
+pub(crate) enum Target {
+    /// One server.
+    Single(Client),
+    /// A Redis Cluster: one driver client routing by slot, and a client per
+    /// seed for wake-ups (a `PUBLISH` reaches every node of a cluster, so
+    /// any one node serves a subscriber).
+    Cluster {
+        client: ClusterClient,
+        seeds: Vec<Client>,
+    },
+}
+
+impl Target {
+    fn is_cluster(&self) -> bool {
+        matches!(self, Target::Cluster { .. })
+    }
+
+    /// The servers a pub/sub connection may be opened on, in order of
+    /// preference.
+    fn pubsub_clients(&self) -> Vec<Client> {
+        match self {
+            Target::Single(c) => vec![c.clone()],
+            Target::Cluster { seeds, .. } => seeds.clone(),
+        }
+    }
+}
+
 /// The command connection of one node, and how to make a new one.
 struct Commands {
-    client: Client,
+    target: Target,
     shown: String,
     allow_eviction: bool,
     /// The eviction warning is logged once per node.
@@ -315,51 +387,121 @@ impl Commands {
         .shared()
     }
 
-    /// A new connection to a server dlock can use (see [`Commands::check`]).
-    async fn open(&self) -> Result<Conn, Error> {
-        // No driver response timeout: requests are bounded by dlock's own
-        // limits, which replace the connection when they expire.
-        let config = AsyncConnectionConfig::new()
-            .set_connection_timeout(Some(CONNECT_TIMEOUT))
-            .set_response_timeout(None);
-        let mut conn = self
-            .client
-            .get_multiplexed_async_connection_with_config(&config)
-            .await
-            .map_err(|e| map_err(&self.shown, &e).0)?;
-        match redis::cmd("INFO").query_async::<String>(&mut conn).await {
-            Ok(info) => self.check(&info)?,
-            Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoPerm) => {
-                if !self.warned.swap(true, Ordering::Relaxed) {
-                    tracing::warn!(
-                        node = %self.shown,
-                        "the Redis user may not run INFO: dlock cannot check maxmemory-policy \
-                         (an evicting policy can drop held locks)"
-                    );
-                }
-            }
-            Err(e) => return Err(map_err(&self.shown, &e).0),
+    fn map_err(&self, e: &RedisError) -> (Error, bool) {
+        if self.target.is_cluster() {
+            map_cluster_err(&self.shown, e)
+        } else {
+            map_err(&self.shown, e)
         }
-        Ok(Conn::Single(conn))
     }
 
-    /// Refuses servers dlock cannot use safely: Redis Cluster nodes,
-    /// Sentinels, and an eviction policy that may delete held locks (every
-    /// lock key has a TTL, so `volatile-*` policies evict them as readily as
-    /// `allkeys-*`) unless `allow_eviction=true` says the risk is accepted.
-    fn check(&self, info: &str) -> Result<(), Error> {
+    /// A new connection to a server (or cluster) dlock can use (see
+    /// [`Commands::check`]).
+    async fn open(&self) -> Result<Conn, Error> {
+        let no_info =
+            |e: &RedisError| e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoPerm);
+        match &self.target {
+            Target::Single(client) => {
+                // No driver response timeout: requests are bounded by
+                // dlock's own limits, which replace the connection when
+                // they expire.
+                let config = AsyncConnectionConfig::new()
+                    .set_connection_timeout(Some(CONNECT_TIMEOUT))
+                    .set_response_timeout(None);
+                let mut conn = client
+                    .get_multiplexed_async_connection_with_config(&config)
+                    .await
+                    .map_err(|e| self.map_err(&e).0)?;
+                match redis::cmd("INFO").query_async::<String>(&mut conn).await {
+                    Ok(info) => self.check(&self.shown, &info)?,
+                    Err(e) if no_info(&e) => self.cannot_check(),
+                    Err(e) => return Err(self.map_err(&e).0),
+                }
+                Ok(Conn::Single(conn))
+            }
+            Target::Cluster { client, .. } => {
+                let mut conn = client
+                    .get_async_connection()
+                    .await
+                    .map_err(|e| self.map_err(&e).0)?;
+                // The driver sends INFO to every master and answers a map
+                // of their addresses to their replies.
+                let per_master = match redis::cmd("INFO").query_async::<Value>(&mut conn).await {
+                    Ok(Value::Map(per_master)) => per_master,
+                    Ok(other) => {
+                        return Err(Error::protocol(
+                            BACKEND,
+                            format!("{}: INFO answered {other:?}", self.shown),
+                        ));
+                    }
+                    Err(e) if no_info(&e) => {
+                        self.cannot_check();
+                        Vec::new()
+                    }
+                    Err(e) => return Err(self.map_err(&e).0),
+                };
+                for (address, info) in per_master {
+                    let address =
+                        String::from_redis_value(address).unwrap_or_else(|_| "a master".to_owned());
+                    match info {
+                        Value::ServerError(e) => {
+                            let e = RedisError::from(e);
+                            if no_info(&e) {
+                                self.cannot_check();
+                            } else {
+                                return Err(self.map_err(&e).0);
+                            }
+                        }
+                        info => {
+                            let info = String::from_redis_value(info).map_err(|e| {
+                                Error::protocol(
+                                    BACKEND,
+                                    format!("{}: INFO of {address}: {e}", self.shown),
+                                )
+                            })?;
+                            self.check(&format!("{} ({address})", self.shown), &info)?;
+                        }
+                    }
+                }
+                Ok(Conn::Cluster(conn))
+            }
+        }
+    }
+
+    fn cannot_check(&self) {
+        if !self.warned.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                node = %self.shown,
+                "the Redis user may not run INFO: dlock cannot check maxmemory-policy \
+                 (an evicting policy can drop held locks)"
+            );
+        }
+    }
+
+    /// Refuses servers dlock cannot use safely: Redis Cluster nodes given
+    /// as one server (and servers given as a cluster), Sentinels, and an
+    /// eviction policy that may delete held locks (every lock key has a
+    /// TTL, so `volatile-*` policies evict them as readily as `allkeys-*`)
+    /// unless `allow_eviction=true` says the risk is accepted.
+    fn check(&self, shown: &str, info: &str) -> Result<(), Error> {
         let field = |name: &str| {
             info.lines()
                 .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
                 .map(str::trim)
         };
-        if field("redis_mode") == Some("cluster") || field("cluster_enabled") == Some("1") {
-            return Err(cluster_refused(&self.shown, "cluster_enabled:1"));
+        let is_cluster =
+            field("redis_mode") == Some("cluster") || field("cluster_enabled") == Some("1");
+        if is_cluster && !self.target.is_cluster() {
+            return Err(cluster_refused(shown, "cluster_enabled:1"));
+        }
+        if !is_cluster && self.target.is_cluster() {
+            return Err(Error::Config(format!(
+                "{shown} is not a Redis Cluster node (cluster_enabled:0): use redis://host:port"
+            )));
         }
         if field("redis_mode") == Some("sentinel") {
             return Err(Error::Config(format!(
-                "{} is a Redis Sentinel, not a Redis server: give the master's address",
-                self.shown
+                "{shown} is a Redis Sentinel, not a Redis server: give the master's address"
             )));
         }
         let policy = field("maxmemory_policy").unwrap_or("noeviction");
@@ -369,15 +511,14 @@ impl Commands {
         }
         if limit > 0 && !self.allow_eviction {
             return Err(Error::Config(format!(
-                "{}: maxmemory-policy {policy} with maxmemory {limit} may evict held locks (two \
-                 holders at once); set maxmemory-policy noeviction, use a Redis of its own for \
-                 locks, or add allow_eviction=true to the URL to accept the risk",
-                self.shown
+                "{shown}: maxmemory-policy {policy} with maxmemory {limit} may evict held locks \
+                 (two holders at once); set maxmemory-policy noeviction, use a Redis of its own \
+                 for locks, or add allow_eviction=true to the URL to accept the risk"
             )));
         }
         if !self.warned.swap(true, Ordering::Relaxed) {
             tracing::warn!(
-                node = %self.shown,
+                node = %shown,
                 policy,
                 maxmemory = limit,
                 "maxmemory-policy may evict held locks (now, or once a maxmemory is set): \
@@ -415,6 +556,8 @@ const RENEW_CHUNK: usize = 1000;
 /// One Redis server.
 pub(crate) struct Node {
     commands: Arc<Commands>,
+    /// A Redis Cluster, reached through one routing client.
+    pub(crate) cluster: bool,
     pub(crate) prefix: String,
     pub(crate) shown: String,
     /// How long the last-token key outlives a grant or release, in ms
@@ -472,16 +615,17 @@ impl Node {
     /// A node that connects at its first request (or [`Node::connect`]).
     /// Must be called inside a Tokio runtime (it starts the wake-up task).
     pub(crate) fn new(
-        client: Client,
+        target: Target,
         prefix: String,
         shown: String,
         allow_eviction: bool,
         keep_last_ms: u64,
     ) -> Self {
-        let wakeups = Wakeups::start(client.clone(), shown.clone());
+        let wakeups = Wakeups::start(target.pubsub_clients(), shown.clone());
         Self {
+            cluster: target.is_cluster(),
             commands: Arc::new(Commands {
-                client,
+                target,
                 shown: shown.clone(),
                 allow_eviction,
                 warned: AtomicBool::new(false),
@@ -538,7 +682,7 @@ impl Node {
                 Ok(v)
             }
             Ok(Err(e)) => {
-                let (error, replace) = map_err(&self.shown, &e);
+                let (error, replace) = self.commands.map_err(&e);
                 if replace {
                     self.retire(in_flight.live.generation, "connection error");
                 } else {
@@ -557,7 +701,7 @@ impl Node {
     }
 
     pub(crate) fn keys(&self, name: &LockName) -> Keys {
-        Keys::new(&self.prefix, name)
+        Keys::new(&self.prefix, name, self.cluster)
     }
 
     pub(crate) async fn ping(&self, limit: Duration) -> Result<(), Error> {
@@ -661,22 +805,39 @@ impl Node {
         if holds.is_empty() {
             return Ok(Vec::new());
         }
+        // On a cluster, a script's keys must share a slot: one group of
+        // holds per slot, each with its slot's guard record. The answers
+        // are put back in the holds' order.
+        let mut groups: Vec<(Option<u16>, Vec<usize>)> = Vec::new();
+        if self.cluster {
+            let mut by_slot: std::collections::BTreeMap<u16, Vec<usize>> = Default::default();
+            for (i, (keys, _, _)) in holds.iter().enumerate() {
+                by_slot.entry(keys.slot(&self.prefix)).or_default().push(i);
+            }
+            groups.extend(by_slot.into_iter().map(|(slot, at)| (Some(slot), at)));
+        } else {
+            groups.push((None, (0..holds.len()).collect()));
+        }
         // One script per RENEW_CHUNK holds, all sent at once on the one
         // connection (pipelined): still one round trip, but no single script
         // keeps the server from everyone else for long (a script is atomic:
         // 10,000 holds in one took ~35 ms).
-        let chunks = holds.chunks(RENEW_CHUNK).map(|chunk| {
+        let chunks = groups
+            .iter()
+            .flat_map(|(slot, at)| at.chunks(RENEW_CHUNK).map(move |chunk| (*slot, chunk)));
+        let chunks = chunks.map(|(slot, chunk)| {
             let mut invocation = script::RENEW.prepare_invoke();
             invocation
                 .arg(ttl.as_millis() as u64)
                 .arg(min_uptime.as_millis() as u64);
-            for (keys, owner, token) in chunk {
+            for &i in chunk {
+                let (keys, owner, token) = &holds[i];
                 invocation
                     .key(&keys.lock)
                     .arg(*owner)
                     .arg(token.get().to_string());
             }
-            invocation.key(boot_key(&self.prefix));
+            invocation.key(boot_key(&self.prefix, slot));
             async move {
                 let out: Vec<i64> = self
                     .request(limit, |mut c| async move {
@@ -689,29 +850,47 @@ impl Node {
                         "renew answered for a different number of locks",
                     ));
                 }
-                Ok(out)
+                Ok((chunk, out))
             }
         });
-        let mut renewed = Vec::with_capacity(holds.len());
+        let mut renewed = vec![false; holds.len()];
         for out in futures::future::join_all(chunks).await {
-            renewed.extend(out?.into_iter().map(|v| v == 1));
+            let (chunk, out) = out?;
+            for (&i, v) in chunk.iter().zip(out) {
+                renewed[i] = v == 1;
+            }
         }
         Ok(renewed)
     }
 
-    /// How long before this node may grant (the restart guard).
+    /// How long before this node may grant (the restart guard). On a
+    /// cluster, before every slot may: the guard's record of each of the
+    /// 16,384 slots is read (and started where missing), 64 requests at a
+    /// time.
     pub(crate) async fn ready_in(
         &self,
         min_uptime: Duration,
         limit: Duration,
     ) -> Result<Duration, Error> {
-        let mut invocation = script::READY.prepare_invoke();
-        invocation
-            .key(boot_key(&self.prefix))
-            .arg(min_uptime.as_millis() as u64);
-        let left: i64 = self
-            .request(limit, |mut c| async move {
-                invocation.invoke_async(&mut c).await
+        let slots: Vec<Option<u16>> = if self.cluster {
+            (0..slots::SLOTS).map(Some).collect()
+        } else {
+            vec![None]
+        };
+        let waits = futures::stream::iter(slots)
+            .map(|slot| {
+                let mut invocation = script::READY.prepare_invoke();
+                invocation
+                    .key(boot_key(&self.prefix, slot))
+                    .arg(min_uptime.as_millis() as u64);
+                self.request(limit, |mut c| async move {
+                    invocation.invoke_async::<i64>(&mut c).await
+                })
+            })
+            .buffer_unordered(64);
+        let left = waits
+            .fold(Ok::<i64, Error>(0), |most, left| async move {
+                Ok(most?.max(left?))
             })
             .await?;
         Ok(Duration::from_millis(left.max(0) as u64))
@@ -778,30 +957,63 @@ impl Node {
         }))
     }
 
-    /// Every key matching `pattern`, by `SCAN` (never `KEYS`); `limit` per
-    /// round trip.
-    async fn scan_keys(&self, pattern: &str, limit: Duration) -> Result<Vec<String>, Error> {
-        let mut cursor = 0u64;
-        let mut all = Vec::new();
-        loop {
-            let (next, keys): (u64, Vec<String>) = self
-                .request(limit, |mut c| async move {
-                    redis::cmd("SCAN")
-                        .arg(cursor)
-                        .arg("MATCH")
-                        .arg(pattern)
-                        .arg("COUNT")
-                        .arg(1000)
-                        .query_async(&mut c)
-                        .await
-                })
-                .await?;
-            all.extend(keys);
-            if next == 0 {
-                return Ok(all);
-            }
-            cursor = next;
+    /// The servers that hold keys: the one server, or on a cluster the
+    /// address (`host:port`) of every master, from the driver's answer to
+    /// `INFO`, which it sends to every master.
+    async fn servers(&self, limit: Duration) -> Result<Vec<Option<String>>, Error> {
+        if !self.cluster {
+            return Ok(vec![None]);
         }
+        let per_master: Value = self
+            .request(limit, |mut c| async move {
+                redis::cmd("INFO").arg("server").query_async(&mut c).await
+            })
+            .await?;
+        let Value::Map(per_master) = per_master else {
+            return Err(Error::protocol(
+                BACKEND,
+                format!("{}: INFO answered no map of masters", self.shown),
+            ));
+        };
+        per_master
+            .into_iter()
+            .map(|(address, _)| {
+                String::from_redis_value(address).map(Some).map_err(|e| {
+                    Error::protocol(BACKEND, format!("{}: a master's address: {e}", self.shown))
+                })
+            })
+            .collect()
+    }
+
+    /// Every key matching `pattern`, by `SCAN` (never `KEYS`) on every
+    /// server that holds keys; `limit` per round trip.
+    async fn scan_keys(&self, pattern: &str, limit: Duration) -> Result<Vec<String>, Error> {
+        let mut all = Vec::new();
+        for server in self.servers(limit).await? {
+            let mut cursor = 0u64;
+            loop {
+                let scan = redis::cmd("SCAN")
+                    .arg(cursor)
+                    .arg("MATCH")
+                    .arg(pattern)
+                    .arg("COUNT")
+                    .arg(1000)
+                    .to_owned();
+                let server = server.as_deref();
+                let (next, keys): (u64, Vec<String>) = self
+                    .request(
+                        limit,
+                        |mut c| async move { c.on_server(server, &scan).await },
+                    )
+                    .await?;
+                all.extend(keys);
+                if next == 0 {
+                    break;
+                }
+                cursor = next;
+            }
+        }
+        Ok(all)
     }
 
     /// Names of held locks under `prefix`, by `SCAN` (never `KEYS`).
@@ -970,7 +1182,9 @@ impl Drop for Subscription {
 }
 
 impl Wakeups {
-    fn start(client: Client, shown: String) -> Self {
+    /// Starts the wake-up task, subscribing through `servers` (the first
+    /// that answers; the next after a failure).
+    fn start(servers: Vec<Client>, shown: String) -> Self {
         let (served, _) = watch::channel(0);
         let shared = Arc::new(WakeShared {
             hub: Arc::default(),
@@ -979,7 +1193,7 @@ impl Wakeups {
             probe: Notify::new(),
             served,
         });
-        let task = tokio::spawn(run_wakeups(client, shown, shared.clone()));
+        let task = tokio::spawn(run_wakeups(servers, shown, shared.clone()));
         Self { shared, task }
     }
 
@@ -1007,8 +1221,11 @@ impl Wakeups {
 /// the waiters' (connecting, reconnecting with back-off), forwards messages,
 /// probes the connection when asked, and after a gap in the connection wakes
 /// every waiter (a release may have gone unseen meanwhile).
-async fn run_wakeups(client: Client, shown: String, shared: Arc<WakeShared>) {
+async fn run_wakeups(servers: Vec<Client>, shown: String, shared: Arc<WakeShared>) {
     const FIRST_BACKOFF: Duration = Duration::from_millis(50);
+    // The server the next pub/sub connection is opened on (a cluster's
+    // seeds in turn: any node relays every PUBLISH of the cluster).
+    let mut next = 0;
     let mut conn: Option<(redis::aio::PubSubSink, redis::aio::PubSubStream)> = None;
     let mut subscribed: HashSet<String> = HashSet::new();
     // Waiters lost notifications for a while: wake them once reconnected.
@@ -1021,6 +1238,7 @@ async fn run_wakeups(client: Client, shown: String, shared: Arc<WakeShared>) {
         let wanted: HashSet<String> = shared.hub.keys().into_iter().collect();
         let mut failure = None;
         if conn.is_none() && !wanted.is_empty() {
+            let client = &servers[next % servers.len()];
             match timeout(CONNECT_TIMEOUT, client.get_async_pubsub()).await {
                 Ok(Ok(pubsub)) => {
                     conn = Some(pubsub.split());
@@ -1054,6 +1272,7 @@ async fn run_wakeups(client: Client, shown: String, shared: Arc<WakeShared>) {
         }
         if let Some(why) = failure {
             tracing::warn!(node = %shown, error = %why, "redis pub/sub connection failed; waiters poll until it is back");
+            next += 1;
             conn = None;
             subscribed.clear();
             gap = true;
@@ -1095,6 +1314,7 @@ async fn run_wakeups(client: Client, shown: String, shared: Arc<WakeShared>) {
         }
         if dead {
             tracing::debug!(node = %shown, "redis pub/sub connection lost; reconnecting");
+            next += 1;
             conn = None;
             subscribed.clear();
             gap = true;

@@ -1,5 +1,5 @@
-//! The options of `redis://`, `rediss://` and `redlock://h1:p1,h2:p2,...`
-//! URLs, read from a [`StoreUrl`].
+//! The options of `redis://`, `rediss://`, `redlock://h1:p1,h2:p2,...` and
+//! `redis+cluster://h1:p1,h2:p2,...` URLs, read from a [`StoreUrl`].
 //!
 //! Every option dlock reads is listed in the [crate docs](crate#url-options);
 //! an unknown one is refused (a typo such as `max_tll=5s` must not be
@@ -31,6 +31,8 @@ const DRIVER_OPTIONS: &[&str] = &["protocol"];
 pub(crate) struct NodeUrl {
     pub(crate) url: StoreUrl,
     pub(crate) shown: String,
+    /// `host:port` as the URL gives it.
+    pub(crate) host: String,
 }
 
 /// PEM files for TLS (`tls_ca`, `tls_cert`, `tls_key`).
@@ -51,8 +53,11 @@ impl TlsFiles {
 #[derive(Clone)]
 pub(crate) struct RedisOptions {
     /// One driver URL per configured node (one for plain Redis).
+    /// (For a Redis Cluster: its seed nodes, one driver client in all.)
     pub(crate) nodes: Vec<NodeUrl>,
     pub(crate) redlock: bool,
+    /// A Redis Cluster (`redis+cluster://`, `rediss+cluster://`).
+    pub(crate) cluster: bool,
     pub(crate) prefix: String,
     /// Whether a node refuses grants (and vouches for no renewal) for
     /// `max_ttl` after dlock first sees a new server process on it: always
@@ -84,10 +89,13 @@ impl std::fmt::Debug for RedisOptions {
 impl RedisOptions {
     pub(crate) fn from_url(url: &StoreUrl) -> Result<Self, Error> {
         let scheme = url.scheme();
-        if !matches!(scheme, "redis" | "rediss" | "redlock") || !url.has_authority() {
-            return Err(url.invalid("expected redis://, rediss:// or redlock://"));
+        if !crate::SCHEMES.contains(&scheme) || !url.has_authority() {
+            return Err(url.invalid(
+                "expected redis://, rediss://, redlock://, redis+cluster:// or rediss+cluster://",
+            ));
         }
         let redlock = scheme == "redlock";
+        let cluster = scheme.ends_with("+cluster");
         // `#insecure` is the driver's spelling of "do not verify the
         // server's certificate"; `tls_insecure=true` is ours.
         let insecure_fragment = match url.fragment() {
@@ -125,10 +133,14 @@ impl RedisOptions {
                 dlock_core::MAX_TTL
             )));
         }
-        if scheme == "rediss" && tls_option == Some(false) {
-            return Err(url.invalid("rediss:// always uses TLS; drop tls=false"));
+        let tls_scheme = scheme.starts_with("rediss");
+        if tls_scheme && tls_option == Some(false) {
+            return Err(url.invalid(format!("{scheme}:// always uses TLS; drop tls=false")));
         }
-        let tls = tls_option.unwrap_or(scheme == "rediss");
+        if cluster && tls_option.is_some() {
+            return Err(url.invalid("tls= is for redlock://: use rediss+cluster:// for TLS"));
+        }
+        let tls = tls_option.unwrap_or(tls_scheme);
         let restart_guard = match (redlock, restart_guard) {
             (true, Some(false)) => {
                 return Err(url.invalid(
@@ -144,9 +156,10 @@ impl RedisOptions {
             );
         }
         if !tls && (insecure || !tls_files.is_empty()) {
-            return Err(
-                url.invalid("tls_* options need TLS: use rediss:// (or tls=true for redlock://)")
-            );
+            return Err(url.invalid(
+                "tls_* options need TLS: use rediss:// or rediss+cluster:// (or tls=true for \
+                 redlock://)",
+            ));
         }
         if tls_files.cert.is_some() != tls_files.key.is_some() {
             return Err(url.invalid("tls_cert and tls_key go together"));
@@ -176,8 +189,16 @@ impl RedisOptions {
             if distinct.len() != hosts.len() {
                 return Err(url.invalid("a Redlock host is listed twice"));
             }
+        } else if cluster {
+            // Redis Cluster serves only database 0.
+            if !matches!(url.path().trim_start_matches('/'), "" | "0") {
+                return Err(url.invalid("a Redis Cluster has only database 0: drop the /DB path"));
+            }
         } else if hosts.len() > 1 {
-            return Err(url.invalid("several hosts: use redlock://h1:p1,h2:p2,h3:p3 for Redlock"));
+            return Err(url.invalid(
+                "several hosts: use redlock://h1:p1,h2:p2,h3:p3 for Redlock, or \
+                 redis+cluster://h1:p1,h2:p2 for a Redis Cluster",
+            ));
         }
 
         // Each node's driver URL: the same credentials, database and driver
@@ -200,10 +221,12 @@ impl RedisOptions {
             nodes.push(NodeUrl {
                 url: node,
                 shown: format!("{node_scheme}://{host}"),
+                host: host.to_string(),
             });
         }
         Ok(Self {
             redlock,
+            cluster,
             nodes,
             prefix,
             restart_guard,

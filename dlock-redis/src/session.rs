@@ -83,7 +83,7 @@ impl RawSession for RedisSession {
 
     async fn claim(&self, name: &LockName, why: Option<&str>) -> Result<Box<dyn Claim>, Error> {
         Ok(Box::new(RedisClaim {
-            keys: Keys::new(&self.inner.options.prefix, name),
+            keys: Keys::new(&self.inner.options.prefix, name, self.inner.options.cluster),
             inner: self.inner.clone(),
             name: name.clone(),
             owner: self.id.claim_owner(),
@@ -101,10 +101,10 @@ impl RawSession for RedisSession {
         if holds.is_empty() {
             return Ok(Vec::new());
         }
-        let prefix = &self.inner.options.prefix;
+        let (prefix, cluster) = (&self.inner.options.prefix, self.inner.options.cluster);
         let request: Vec<_> = holds
             .iter()
-            .map(|h| (Keys::new(prefix, &h.name), h.key.as_str(), h.token))
+            .map(|h| (Keys::new(prefix, &h.name, cluster), h.key.as_str(), h.token))
             .collect();
         let min_uptime = self.inner.min_uptime();
         let answers = join_all(
@@ -135,7 +135,11 @@ impl RawSession for RedisSession {
         if !self.owns(hold) {
             return Err(not_held());
         }
-        let keys = Keys::new(&self.inner.options.prefix, &hold.name);
+        let keys = Keys::new(
+            &self.inner.options.prefix,
+            &hold.name,
+            self.inner.options.cluster,
+        );
         let released =
             release_everywhere(&self.inner, &keys, &hold.key, Some(hold.token), self.limit).await?;
         if released == 0 {
@@ -147,7 +151,11 @@ impl RawSession for RedisSession {
 
     async fn close(&self, holds: &[Hold]) -> Result<(), Error> {
         let releases = holds.iter().filter(|h| self.owns(h)).map(|h| async move {
-            let keys = Keys::new(&self.inner.options.prefix, &h.name);
+            let keys = Keys::new(
+                &self.inner.options.prefix,
+                &h.name,
+                self.inner.options.cluster,
+            );
             release_everywhere(&self.inner, &keys, &h.key, Some(h.token), self.limit).await
         });
         for r in join_all(releases).await {

@@ -10,6 +10,8 @@ use dlock_conformance::{AdapterHarness, conformance_tests};
 use dlock_redis::{RedisAdapter, RedisBackend};
 
 const REDIS: &str = "redis://127.0.0.1:16379";
+const CLUSTER: &str = "redis+cluster://127.0.0.1:16401,127.0.0.1:16402,127.0.0.1:16403,\
+                       127.0.0.1:16404,127.0.0.1:16405,127.0.0.1:16406";
 const REDLOCK: &str =
     "redlock://127.0.0.1:16380,127.0.0.1:16381,127.0.0.1:16382,127.0.0.1:16383,127.0.0.1:16384";
 
@@ -29,11 +31,18 @@ fn redis(store: &str, url: &str) -> AdapterHarness {
             "redis://127.0.0.1:16379?tls_ca=/etc/ca.pem",
             "redis://127.0.0.1:16379?max_ttl=5s",
             "redlock://127.0.0.1:1,127.0.0.1:2,127.0.0.1:3?restart_guard=false",
+            "redis+cluster://127.0.0.1:16401/3",
+            "redis+cluster://127.0.0.1:16401?tls=true",
         ])
 }
 
 conformance_tests!(mod redis, redis("redis", REDIS).services(["redis"]));
 conformance_tests!(mod redis_guarded, redis("redis", REDIS).url_option("restart_guard", "true")
     .url_option("max_ttl", "2s").services(["redis"]));
+conformance_tests!(mod redis_cluster, redis("redis-cluster", CLUSTER)
+    // The driver reaches the nodes the cluster announces, not the URL's
+    // hosts: a proxy in front of the seeds would carry almost nothing.
+    .no_proxies()
+    .services(["redis-c1", "redis-c2", "redis-c3", "redis-c4", "redis-c5", "redis-c6"]));
 conformance_tests!(mod redlock, redis("redlock", REDLOCK).url_option("max_ttl", "2s")
     .services(["redis-r1", "redis-r2", "redis-r3", "redis-r4", "redis-r5"]));

@@ -45,7 +45,7 @@ struct Links {
 /// |---|---|---|
 /// | a client ([`Harness::connect`]) | the adapter on the URL, then `ping()` and [`Backend::wait_ready`] | [`connect_with`](Self::connect_with), [`ready`](Self::ready) |
 /// | the profile | TTL 1 s + what the backend declares at the first connect (every later client must declare the same) | [`ttl`](Self::ttl), [`tweak`](Self::tweak) |
-/// | wire faults | one TCP proxy per host of the URL; clients use `url.with_hosts(proxies)` | [`proxied_option`](Self::proxied_option), [`no_proxies`](Self::no_proxies), [`links`](Self::links) |
+/// | wire faults | one TCP proxy per host of the URL; clients use `url.with_hosts(proxies)` | [`proxied_option`](Self::proxied_option), [`proxy_map_option`](Self::proxy_map_option), [`no_proxies`](Self::no_proxies), [`links`](Self::links) |
 /// | server faults | none (those cases say `SKIPPED`) | [`services`](Self::services) (+ [`group`](Self::group)), [`servers`](Self::servers) |
 /// | bad-URL checks | the adapter, through a [`Registry`] of its own | [`bad_urls`](Self::bad_urls) |
 /// | leak checks | none | [`leftovers`](Self::leftovers) |
@@ -75,6 +75,9 @@ pub struct AdapterHarness {
     url: Result<StoreUrl, String>,
     url_var: Option<String>,
     proxied_options: Vec<(String, String)>,
+    /// The option that tells a proxied client which proxy stands for
+    /// which server (see [`proxy_map_option`](Self::proxy_map_option)).
+    proxy_map_option: Option<String>,
     ttl: Duration,
     tweak: Option<Tweak>,
     connector: Option<Connector>,
@@ -113,6 +116,7 @@ impl AdapterHarness {
             url: Err("no URL: call .url(...) or .url_from_env(...)".into()),
             url_var: None,
             proxied_options: Vec::new(),
+            proxy_map_option: None,
             ttl: Duration::from_secs(1),
             tweak: None,
             connector: None,
@@ -186,6 +190,16 @@ impl AdapterHarness {
     pub fn proxied_option(mut self, key: &str, value: &str) -> Self {
         self.proxied_options
             .push((key.to_owned(), value.to_owned()));
+        self
+    }
+
+    /// Sets `key=H1:P1>X1:Q1,H2:P2>X2:Q2,...` on the URLs of clients that
+    /// reach the store through the wire-fault proxies: each host of the URL
+    /// and the proxy in front of it. For a driver that discovers the
+    /// servers and connects to the addresses they announce (Redis Cluster's
+    /// `address_map`), so that every connection crosses its proxy.
+    pub fn proxy_map_option(mut self, key: &str) -> Self {
+        self.proxy_map_option = Some(key.to_owned());
         self
     }
 
@@ -459,6 +473,15 @@ impl Harness for AdapterHarness {
         let mut url = self.store_url()?.with_hosts(via)?;
         for (key, value) in &self.proxied_options {
             url = url.with_option(key, value)?;
+        }
+        if let Some(key) = &self.proxy_map_option {
+            let pairs: Vec<String> = self
+                .endpoints()
+                .iter()
+                .zip(via)
+                .map(|(server, proxy)| format!("{server}>{proxy}"))
+                .collect();
+            url = url.with_option(key, &pairs.join(","))?;
         }
         let backend = self.open(url).await?;
         self.readied(backend).await

@@ -31,6 +31,12 @@ pub struct Capabilities {
     /// but another client may be granted first; fencing still refuses the
     /// old holder.
     pub restart_loses_locks: bool,
+    /// The URL's hosts are seeds of a store that shards names over its
+    /// masters (Redis Cluster): each name lives on one master, so a client
+    /// cut off from that master cannot lock the name, whatever the other
+    /// hosts say. `false` for a quorum (Redlock, etcd, ZooKeeper), where a
+    /// client cut off from a minority of the hosts still decides.
+    pub sharded: bool,
     /// Bound on release → a waiting client's grant, from the store's
     /// notification or poll period (generous: it catches a fixed slow poll).
     pub wakeup_bound: Duration,
@@ -50,6 +56,7 @@ impl Default for Capabilities {
             no_herd: false,
             survives_reconnect: false,
             restart_loses_locks: true,
+            sharded: false,
             wakeup_bound: Duration::from_millis(250),
             recovery_bound: Duration::from_secs(1),
         }
@@ -71,6 +78,7 @@ impl Capabilities {
             no_herd: true,
             survives_reconnect: true,
             restart_loses_locks: false,
+            sharded: false,
             wakeup_bound: Duration::from_millis(150),
             recovery_bound,
         }

@@ -415,14 +415,30 @@ impl RedisBackend {
         };
         let nodes = if options.cluster {
             // No driver response timeout: requests are bounded by dlock's
-            // own limits. The driver follows MOVED and ASK redirections
-            // and refreshes its slot map after a failover by itself.
+            // own limits. No driver retries either: a request the driver
+            // sent again after a lost reply (a release that took effect)
+            // would answer for the second sending only; dlock's own retries
+            // know that the first may have taken effect. A MOVED, ASK or
+            // TRYAGAIN reply is then an Unavailable error that dlock
+            // retries, and the driver refreshes its slot map meanwhile.
             let mut builder = redis::cluster::ClusterClientBuilder::new(
                 options.nodes.iter().map(|n| n.url.expose()),
             )
             .connection_timeout(CONNECT_TIMEOUT);
             if let Some(certs) = &certificates {
                 builder = builder.certs(certs.clone());
+            }
+            if !options.address_map.is_empty() {
+                let node = |(host, port): &(String, u16)| {
+                    redis::cluster::NodeAddress::new(host.as_str(), *port)
+                };
+                builder = builder.node_address_map(
+                    options
+                        .address_map
+                        .iter()
+                        .map(|(from, to)| (node(from), node(to)))
+                        .collect(),
+                );
             }
             let client = builder.build().map_err(invalid)?;
             let shown = format!(
@@ -741,6 +757,8 @@ fn capabilities(options: &RedisOptions) -> Capabilities {
     // Without persistence a restart forgets held locks; the restart guard
     // keeps a restarted node from granting until they have expired.
     caps.restart_loses_locks = !options.restart_guard;
+    // A Redis Cluster keeps each name on the master of its slot.
+    caps.sharded = options.cluster;
     caps
 }
 

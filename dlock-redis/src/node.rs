@@ -29,6 +29,11 @@ use tokio::time::{Instant, sleep, timeout, timeout_at};
 use crate::conn::Conn;
 use crate::{script, slots};
 
+/// How long a release's receipt is kept: the same release request sent
+/// again within this time (by the Cluster driver after a reconnect) answers
+/// "released" again (see [`script::RELEASE`]).
+const RECEIPT_MS: u64 = 10_000;
+
 /// How long a single Redis keeps the last-token key after a release (after
 /// that its own clock in µs is the floor; see [`script`]). Redlock nodes
 /// keep it for good ([`KEEP_LAST_FOREVER`]).
@@ -212,6 +217,8 @@ impl From<SharedError> for Error {
 pub(crate) struct Keys {
     pub(crate) lock: String,
     pub(crate) last: String,
+    /// The receipt of the last release (see [`script::RELEASE`]).
+    pub(crate) receipt: String,
     pub(crate) channel: String,
     pub(crate) boot: String,
 }
@@ -223,6 +230,7 @@ impl Keys {
         let lock = format!("{prefix}:{{{name}}}");
         Self {
             last: format!("{lock}:t"),
+            receipt: format!("{lock}:r"),
             channel: format!("{lock}:c"),
             boot: boot_key(prefix, cluster.then(|| slots::slot(name.as_str()))),
             lock,
@@ -781,10 +789,13 @@ impl Node {
         invocation
             .key(&keys.lock)
             .key(&keys.last)
+            .key(&keys.receipt)
             .arg(owner)
             .arg(token)
             .arg(&keys.channel)
-            .arg(self.keep_last_ms);
+            .arg(self.keep_last_ms)
+            .arg(RECEIPT_MS)
+            .arg(format!("{:016x}", rand::random::<u64>()));
         let released: i64 = self
             .request(limit, |mut c| async move {
                 invocation.invoke_async(&mut c).await

@@ -35,6 +35,35 @@ pub(crate) struct NodeUrl {
     pub(crate) host: String,
 }
 
+/// A server address, `(host, port)` (IPv6 hosts without brackets).
+pub(crate) type Address = (String, u16);
+
+/// Reads `host:port` (`[::1]:7000` for IPv6).
+fn address(text: &str) -> Option<Address> {
+    let (host, port) = text.trim().rsplit_once(':')?;
+    let host = host
+        .strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host);
+    let port = port.parse().ok()?;
+    (!host.is_empty()).then(|| (host.to_owned(), port))
+}
+
+/// Reads `address_map`: `announced>reached` pairs, comma-separated.
+fn address_map(url: &StoreUrl, text: &str) -> Result<Vec<(Address, Address)>, Error> {
+    text.split(',')
+        .map(|pair| {
+            pair.split_once('>')
+                .and_then(|(from, to)| Some((address(from)?, address(to)?)))
+                .ok_or_else(|| {
+                    url.invalid(format!(
+                        "address_map: {pair:?} is not ANNOUNCED_HOST:PORT>REACHED_HOST:PORT"
+                    ))
+                })
+        })
+        .collect()
+}
+
 /// PEM files for TLS (`tls_ca`, `tls_cert`, `tls_key`).
 #[derive(Debug, Clone, Default)]
 pub(crate) struct TlsFiles {
@@ -58,6 +87,9 @@ pub(crate) struct RedisOptions {
     pub(crate) redlock: bool,
     /// A Redis Cluster (`redis+cluster://`, `rediss+cluster://`).
     pub(crate) cluster: bool,
+    /// Redis Cluster: where to reach the nodes the cluster announces at
+    /// other addresses (NAT, containers, proxies): `(announced, reached)`.
+    pub(crate) address_map: Vec<(Address, Address)>,
     pub(crate) prefix: String,
     /// Whether a node refuses grants (and vouches for no renewal) for
     /// `max_ttl` after dlock first sees a new server process on it: always
@@ -111,6 +143,13 @@ impl RedisOptions {
         let max_ttl = options.duration("max_ttl")?;
         let restart_guard = options.flag("restart_guard")?;
         let allow_eviction = options.flag("allow_eviction")?.unwrap_or(false);
+        let address_map = match options.string("address_map")? {
+            Some(_) if !cluster => {
+                return Err(url.invalid("address_map applies to redis+cluster:// only"));
+            }
+            Some(text) => self::address_map(url, &text)?,
+            None => Vec::new(),
+        };
         let tls_option = options.flag("tls")?;
         let insecure = options.flag("tls_insecure")?.unwrap_or(insecure_fragment);
         let tls_files = TlsFiles {
@@ -227,6 +266,7 @@ impl RedisOptions {
         Ok(Self {
             redlock,
             cluster,
+            address_map,
             nodes,
             prefix,
             restart_guard,

@@ -100,16 +100,26 @@ return {1, token}
     )
 });
 
-/// Owner-checked release. KEYS: lock, last. ARGV: owner, token (`""`: any),
-/// channel, keep_last_ms. Returns 1 if released.
+/// Owner-checked release. KEYS: lock, last, receipt. ARGV: owner, token
+/// (`""`: any), channel, keep_last_ms, receipt_ms, request id. Returns 1 if
+/// released, by this request or by an earlier sending of the very same
+/// request: a release leaves its request id (64 random bits per request) as
+/// a receipt for `receipt_ms`, so that a request sent again after its reply
+/// was lost (the Redis Cluster client resends the requests of a connection
+/// that broke) reports what the first sending did, not "not held". A new
+/// release request of the same hold has a new id, and is "not held".
 pub(crate) static RELEASE: LazyLock<Script> = LazyLock::new(|| {
     with_set_last(
         r#"
-if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then
+  if redis.call('GET', KEYS[3]) == ARGV[6] then return 1 end
+  return 0
+end
 local token = redis.call('HGET', KEYS[1], 'token')
 if ARGV[2] ~= '' and token ~= ARGV[2] then return 0 end
 redis.call('DEL', KEYS[1])
 set_last(KEYS[2], token, tonumber(ARGV[4]))
+redis.call('SET', KEYS[3], ARGV[6], 'PX', ARGV[5])
 redis.call('PUBLISH', ARGV[3], '1')
 return 1
 "#,

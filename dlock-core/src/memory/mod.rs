@@ -266,6 +266,7 @@ impl Backend for MemoryBackend {
             survives_reconnect: true,
             // A killed server forgets its holds.
             restart_loses_locks: true,
+            sharded: false,
             wakeup_bound: Duration::from_millis(50),
             recovery_bound: Duration::from_millis(300),
         }

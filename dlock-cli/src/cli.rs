@@ -103,8 +103,8 @@ semaphore held more permits than it has).";
 #[command(name = "dlock", version, about = ABOUT, after_help = EXIT_STATUS)]
 pub(crate) struct Cli {
     /// The backend URL (sqlite://PATH, postgres://USER:PASS@HOST/DB, mysql://..., redis://,
-    /// rediss://, redlock://, etcd://, etcds://, zk://, mongodb://, nats://, memory://);
-    /// `bench` takes it several times.
+    /// rediss://, redlock://, redis+cluster://, etcd://, etcds://, zk://, mongodb://, nats://,
+    /// memory://); `bench` takes it several times.
     #[arg(
         long,
         global = true,

@@ -38,6 +38,12 @@ const BACKENDS: &[(&str, &str, &str, &str)] = &[
         // A restarted node waits max_ttl before it grants again.
         "max_ttl=3s",
     ),
+    (
+        "redis-cluster",
+        "DLOCK_TEST_REDIS_CLUSTER3_URL",
+        "redis-c1,redis-c2,redis-c3,redis-c4,redis-c5,redis-c6",
+        "",
+    ),
     ("etcd", "DLOCK_TEST_ETCD_URL", "etcd", ""),
     (
         "etcd-cluster",

@@ -1,5 +1,6 @@
-//! dlock on Redis: one instance (`redis://`, `rediss://`) or Redlock over N
-//! independent masters (`redlock://h1:p1,h2:p2,h3:p3`).
+//! dlock on Redis: one instance (`redis://`, `rediss://`), Redlock over N
+//! independent masters (`redlock://h1:p1,h2:p2,h3:p3`), or a Redis Cluster
+//! (`redis+cluster://h1:p1,h2:p2`, `rediss+cluster://`).
 //!
 //! # How it works
 //!
@@ -33,29 +34,74 @@
 //!   ¾ of it per node, so that one silent node fails alone while the
 //!   majority's answers still count).
 //! * **Keys** carry the name in a hash tag (`dlock:{name}`), so one lock's keys
-//!   share a Cluster slot. **Redis Cluster is not supported**: renewal batches
-//!   keys of many slots into one script. A Cluster node is refused with
-//!   [`Error::Config`] naming Redis Cluster (seen by `INFO` at connect, or by
-//!   a `MOVED`, `ASK`, `CLUSTERDOWN`, `CROSSSLOT` or `TRYAGAIN` reply), never
-//!   retried. `READONLY` (a replica, e.g. during a failover) is
+//!   (hold, last token, release receipt) and its channel share a Cluster
+//!   slot. A Cluster node given as `redis://` is refused with
+//!   [`Error::Config`] naming `redis+cluster://` (seen by `INFO` at connect,
+//!   or by a `MOVED`, `ASK`, `CLUSTERDOWN`, `CROSSSLOT` or `TRYAGAIN` reply),
+//!   never retried; so is a standalone server given as `redis+cluster://`.
+//!   `READONLY` (a replica, e.g. during a failover) is
 //!   [`Error::Unavailable`]: retried, on a new connection.
-//! * `list` uses `SCAN`, never `KEYS`.
+//! * `list` uses `SCAN` (on every master of a cluster), never `KEYS`.
+//!
+//! # Redis Cluster
+//!
+//! `redis+cluster://[user:password@]h1:p1,h2:p2,...` names seed nodes; the
+//! driver (`redis::cluster_async`) learns the slot map from them and sends
+//! each script to the master of its keys' slot, which every script's keys
+//! share. What changes against one server:
+//!
+//! * **Renewal**: one script per slot that holds a lock of the session (its
+//!   keys must share a slot), all sent at once: one round trip per period,
+//!   but O(slots held) requests, not O(1).
+//! * **The restart guard** keeps one record per slot (`P:boot:{T}`, with `T`
+//!   a tag that hashes to the slot), so that it sits in the slot of the
+//!   locks it guards; [`Backend::wait_ready`] starts and waits out the
+//!   records of all 16,384 slots (a slot first used later waits `max_ttl`
+//!   then).
+//! * **Wake-ups** subscribe on one seed (the next one after a failure): a
+//!   `PUBLISH` reaches every node of a cluster.
+//! * **Redirections and failover**: the driver follows no `MOVED` or `ASK`
+//!   itself and resends nothing (dlock's own retries know which requests
+//!   may have taken effect): such a reply is [`Error::Unavailable`],
+//!   retried by the acquire loop and renewal while the driver refreshes
+//!   its slot map. A release request that the driver nevertheless sends
+//!   again after its connection broke (it does) answers "released" again:
+//!   a release leaves a receipt of its request for 10 s.
+//! * **Failover** ([below](#eviction-and-failover)): a replica promoted
+//!   after its master died may lack the last grants (replication is
+//!   asynchronous), so without the restart guard a failover can lose a
+//!   held lock ([`Capabilities::restart_loses_locks`]); its holder hears of
+//!   it at its next renewal. With `restart_guard=true` the promoted replica
+//!   grants nothing in a slot for `max_ttl`. **Tokens never go back across
+//!   a failover** as long as the clocks of a master and its replicas differ
+//!   by less than the failover takes (at least `cluster-node-timeout`): the
+//!   new master's `TIME` floors them, as after a restart.
+//! * Names are sharded: a client cut off from the master of a name's slot
+//!   cannot lock that name ([`Capabilities::sharded`]).
+//! * `address_map=ANNOUNCED:PORT>REACHED:PORT,...` reaches nodes that
+//!   announce addresses the client cannot use (NAT, containers).
+//! * [`RedisBackend::data_connection`] is for one server; for fenced data
+//!   in a cluster, open a `redis::cluster_async::ClusterConnection` and use
+//!   [`RedisFence`] on it (its key and the data's in one hash slot).
 //!
 //! # URL options
 //!
 //! `redis://[user:password@]host:port[/db][?options]`, `rediss://...` (TLS),
 //! `redlock://[user:password@]h1:p1,h2:p2,h3:p3[/db][?options]` (the same
-//! credentials and options for every node). Passwords are percent-encoded
+//! credentials and options for every node),
+//! `redis+cluster://[user:password@]h1:p1,h2:p2[?options]` and
+//! `rediss+cluster://...` (TLS; a cluster has only database 0). Passwords are percent-encoded
 //! (`p%40ss` for `p@ss`) and never shown in errors or logs. Unknown options
 //! are refused.
 //!
 //! | option | meaning |
 //! |---|---|
 //! | `dlock_prefix=NAME` | key prefix (default `dlock`) |
-//! | `restart_guard=true` | plain Redis: turn the restart guard on (below); Redlock always has it |
+//! | `restart_guard=true` | Redis and Redis Cluster: turn the restart guard on (below); Redlock always has it |
 //! | `max_ttl=60s` | with the guard: the largest TTL a session may use, and how long a restarted node waits (default 60 s) |
 //! | `allow_eviction=true` | accept a server whose `maxmemory-policy` may evict held locks (below) |
 //! | `tls=true` | `redlock://`: reach the nodes over TLS (`rediss://` does for one node) |
+//! | `address_map=A:P>B:Q,...` | `redis+cluster://`: connect to `B:Q` when the cluster announces `A:P` |
 //! | `tls_ca=PATH` | PEM file of the CA that signed the server's certificate (default: the webpki roots) |
 //! | `tls_cert=PATH`, `tls_key=PATH` | PEM client certificate and key (mutual TLS) |
 //! | `tls_insecure=true` (or `#insecure`) | do not verify the server's certificate (tests only) |
@@ -180,7 +226,8 @@
 //! # As a pluggable adapter
 //!
 //! [`RedisAdapter`] is this crate's [`Adapter`](dlock_core::Adapter): it answers to
-//! [`SCHEMES`] (`redis`, `rediss`, `redlock`), so that a [`Registry`]
+//! [`SCHEMES`] (`redis`, `rediss`, `redlock`, `redis+cluster`,
+//! `rediss+cluster`), so that a [`Registry`]
 //! (`dlocks::connect` uses [`dlock_core::registry()`]) opens these URLs like
 //! any other store's. What a backend promises beyond the safety invariants
 //! is its [`Backend::capabilities`]: notified wake-ups (pub/sub), tokens that
@@ -188,6 +235,8 @@
 //! reconnect; held locks lost in a restart unless the restart guard is on.
 //!
 //! [`Registry`]: dlock_core::Registry
+//! [`Capabilities::restart_loses_locks`]: dlock_core::Capabilities::restart_loses_locks
+//! [`Capabilities::sharded`]: dlock_core::Capabilities::sharded
 
 mod conn;
 mod fence;
@@ -860,8 +909,17 @@ mod tests {
         for url in ["rediss://h:1", "redis://h?restart_guard=false"] {
             assert_eq!(caps(url), plain, "{url}");
         }
-        let mut guarded = plain;
+        let mut guarded = plain.clone();
         guarded.restart_loses_locks = false;
+        let mut cluster = plain.clone();
+        cluster.sharded = true;
+        assert_eq!(caps("redis+cluster://a:1,b:2"), cluster);
+        let mut guarded_cluster = cluster.clone();
+        guarded_cluster.restart_loses_locks = false;
+        assert_eq!(
+            caps("rediss+cluster://a:1?restart_guard=true&max_ttl=2s"),
+            guarded_cluster
+        );
         for url in [
             "redis://h?restart_guard=true",
             "rediss://h?restart_guard=true&max_ttl=2s",
@@ -874,13 +932,19 @@ mod tests {
 
     #[test]
     fn the_adapter_names_its_schemes() {
-        assert_eq!(
-            dlock_core::Adapter::schemes(&RedisAdapter),
-            ["redis", "rediss", "redlock"]
-        );
+        assert_eq!(dlock_core::Adapter::schemes(&RedisAdapter), SCHEMES);
         let registry = dlock_core::Registry::new();
         registry.register(RedisAdapter).unwrap();
-        assert_eq!(registry.schemes(), ["redis", "rediss", "redlock"]);
+        assert_eq!(
+            registry.schemes(),
+            [
+                "redis",
+                "redis+cluster",
+                "rediss",
+                "rediss+cluster",
+                "redlock"
+            ]
+        );
     }
 
     #[tokio::test]

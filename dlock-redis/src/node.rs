@@ -164,6 +164,13 @@ pub(crate) fn map_cluster_err(shown: &str, e: &RedisError) -> (Error, bool) {
             ),
             false,
         ),
+        _ if e.to_string().contains("cluster support disabled") => (
+            Error::Config(format!(
+                "{shown}: a server there is not a Redis Cluster node (cluster support \
+                 disabled): use redis://host:port for a standalone Redis"
+            )),
+            false,
+        ),
         K::Server(S::CrossSlot) => (
             Error::protocol(
                 BACKEND,
@@ -1361,6 +1368,37 @@ mod tests {
             );
             assert!(!e.is_retryable() && !replace, "{line}");
         }
+    }
+
+    #[test]
+    fn on_a_cluster_slot_moves_are_retried_and_cross_slot_is_a_bug() {
+        for line in [
+            "MOVED 3999 127.0.0.1:6381",
+            "ASK 3999 127.0.0.1:6381",
+            "CLUSTERDOWN Hash slot not served",
+            "TRYAGAIN Multiple keys request during rehashing of slot",
+        ] {
+            let (e, replace) = map_cluster_err("c", &server_error(line));
+            assert!(e.is_retryable() && !replace, "{line}: {e:?}");
+        }
+        let (e, _) = map_cluster_err(
+            "c",
+            &server_error("CROSSSLOT Keys in request don't hash to the same slot"),
+        );
+        assert!(matches!(e, Error::Protocol { .. }), "{e:?}");
+        let (e, _) = map_cluster_err(
+            "c",
+            &server_error("ERR This instance has cluster support disabled"),
+        );
+        assert!(
+            matches!(e, Error::Config(ref m) if m.contains("redis://")),
+            "{e:?}"
+        );
+        let (e, replace) = map_cluster_err(
+            "c",
+            &server_error("READONLY You can't write against a read only replica."),
+        );
+        assert!(e.is_retryable() && replace, "{e:?}");
     }
 
     #[test]

@@ -324,6 +324,29 @@ mod tests {
     }
 
     #[test]
+    fn parses_redis_cluster() {
+        let o = parse(
+            "redis+cluster://u:pw@a:1,b:2?address_map=a:1%3E10.0.0.1:7001,[::1]:2>[fd00::1]:7002",
+        )
+        .unwrap();
+        assert!(o.cluster && !o.redlock && !o.restart_guard && !o.tls);
+        assert_eq!(urls(&o), ["redis://u:pw@a:1", "redis://u:pw@b:2"]);
+        assert_eq!(o.nodes[1].host, "b:2");
+        assert_eq!(
+            o.address_map,
+            [
+                (("a".into(), 1), ("10.0.0.1".into(), 7001)),
+                (("::1".into(), 2), ("fd00::1".into(), 7002)),
+            ]
+        );
+        let o = parse("rediss+cluster://h:1/0?restart_guard=true&max_ttl=5s&tls_insecure=true")
+            .unwrap();
+        assert!(o.cluster && o.tls && o.restart_guard);
+        assert_eq!(urls(&o), ["rediss://h:1/0#insecure"]);
+        assert_eq!(o.max_ttl, Duration::from_secs(5));
+    }
+
+    #[test]
     fn parses_guard_tls_and_eviction_options() {
         let o = parse("redis://h:1?restart_guard=true&max_ttl=10s").unwrap();
         assert!(o.restart_guard);
@@ -388,6 +411,28 @@ mod tests {
             ("redis://", "no host"),
             ("redis://u:hunter2@", "no host"),
             ("memcached://h", "expected redis://"),
+            ("redis+cluster://u:hunter2@h:1/2", "only database 0"),
+            (
+                "redis+cluster://u:hunter2@h:1?tls=true",
+                "rediss+cluster://",
+            ),
+            ("rediss+cluster://u:hunter2@h:1?tls=false", "drop tls=false"),
+            (
+                "redis://u:hunter2@h:1?address_map=a:1>b:2",
+                "redis+cluster:// only",
+            ),
+            (
+                "redis+cluster://u:hunter2@h:1?address_map=a:1",
+                "ANNOUNCED_HOST:PORT",
+            ),
+            (
+                "redis+cluster://u:hunter2@h:1?address_map=a:1>b",
+                "ANNOUNCED_HOST:PORT",
+            ),
+            (
+                "redis+cluster://u:hunter2@h:1?max_ttl=5s",
+                "restart_guard=true",
+            ),
             ("redis:h", "expected redis://"),
         ] {
             dlock_conformance::unit::assert_refused(url, parse(url), why);

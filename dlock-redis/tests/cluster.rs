@@ -36,7 +36,7 @@ const NODES: [&str; 6] = [
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 fn cluster_url() -> String {
-    std::env::var("DLOCK_TEST_REDIS_CLUSTER_URL").unwrap_or_else(|_| {
+    std::env::var("DLOCK_TEST_REDIS_CLUSTER3_URL").unwrap_or_else(|_| {
         "redis+cluster://127.0.0.1:16401,127.0.0.1:16402,127.0.0.1:16403,\
          127.0.0.1:16404,127.0.0.1:16405,127.0.0.1:16406"
             .into()
@@ -45,7 +45,7 @@ fn cluster_url() -> String {
 
 /// `redis://host:port` of node `i`.
 fn node_url(i: usize) -> String {
-    let url = StoreUrl::parse(&cluster_url()).expect("DLOCK_TEST_REDIS_CLUSTER_URL");
+    let url = StoreUrl::parse(&cluster_url()).expect("DLOCK_TEST_REDIS_CLUSTER3_URL");
     format!("redis://{}", url.hosts()[i])
 }
 
@@ -69,6 +69,7 @@ impl Faults {
         for i in 0..NODES.len() {
             cluster_ok(i).await;
         }
+        every_master_replicated().await;
         Some(Self {
             _restore: StartAll(servers.clone()),
             servers,
@@ -90,6 +91,37 @@ async fn cluster_ok(i: usize) {
             return;
         }
         assert!(Instant::now() < until, "node {i}: the cluster is not ok");
+        sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Waits until every master has a replica that is online (a master killed
+/// by an earlier test rejoins as a replica, then syncs).
+async fn every_master_replicated() {
+    let until = Instant::now() + Duration::from_secs(60);
+    loop {
+        let mut masters = 0;
+        let mut replicated = 0;
+        for i in 0..NODES.len() {
+            let info: String = redis::cmd("INFO")
+                .arg("replication")
+                .query_async(&mut raw(&node_url(i)).await)
+                .await
+                .unwrap_or_default();
+            if info.contains("role:master") {
+                masters += 1;
+                if info.contains(",state=online,") {
+                    replicated += 1;
+                }
+            }
+        }
+        if masters == 3 && replicated == 3 {
+            return;
+        }
+        assert!(
+            Instant::now() < until,
+            "{replicated} of {masters} masters have an online replica"
+        );
         sleep(Duration::from_millis(100)).await;
     }
 }

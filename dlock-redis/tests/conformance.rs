@@ -1,6 +1,9 @@
 //! The conformance suite on a real Redis (plain, and with the opt-in restart
 //! guard: a restarted server grants nothing for `max_ttl`, short here for
-//! fast tests) and on Redlock over five real Redis servers. What the cases
+//! fast tests), on Redlock over five real Redis servers, and on a Redis
+//! Cluster of three masters with a replica each (its wire faults through a
+//! proxy per node: `address_map` sends the driver's connections to the
+//! nodes the cluster announces through them). What the cases
 //! expect is what `RedisBackend::capabilities` declares for each URL; server
 //! faults go through the supervisor in `DLOCK_SERVICES`.
 
@@ -39,7 +42,10 @@ fn redis(store: &str, url: &str) -> AdapterHarness {
 conformance_tests!(mod redis, redis("redis", REDIS).services(["redis"]));
 conformance_tests!(mod redis_guarded, redis("redis", REDIS).url_option("restart_guard", "true")
     .url_option("max_ttl", "2s").services(["redis"]));
+// DLOCK_TEST_REDIS_CLUSTER_URL names the one-node cluster that
+// `redis_cluster_is_refused` (setup.rs) connects to with redis://.
 conformance_tests!(mod redis_cluster, redis("redis-cluster", CLUSTER)
+    .url_from_env("DLOCK_TEST_REDIS_CLUSTER3_URL", CLUSTER)
     // The driver connects to the nodes the cluster announces: the map sends
     // each through its proxy.
     .proxy_map_option("address_map")

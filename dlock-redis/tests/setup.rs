@@ -12,6 +12,7 @@ mod common;
 use std::time::Duration;
 
 use common::{command, loud, node_url, redis_url, redlock_url, skipped, unique, with_options};
+use dlock_core::url::StoreUrl;
 use dlock_core::{Backend, Error, SessionOptions};
 use dlock_redis::RedisBackend;
 use tokio::time::Instant;
@@ -322,6 +323,36 @@ async fn redis_cluster_is_refused() {
         "{e:?}"
     );
     assert!(!e.is_retryable());
+}
+
+/// `redis+cluster://` given a standalone server is refused, typed, naming
+/// what to use instead; so is `redis://` given a node of a real cluster.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_and_standalone_urls_are_not_mixed_up() {
+    let _serial = SERIAL.lock().await;
+    if skipped("redis", "cluster_and_standalone_urls_are_not_mixed_up") {
+        return;
+    }
+    let standalone = redis_url().replacen("redis://", "redis+cluster://", 1);
+    let e = RedisBackend::connect(&standalone).await.unwrap_err();
+    assert!(
+        matches!(e, Error::Config(ref m) if m.contains("not a Redis Cluster node") && m.contains("redis://host")),
+        "{e:?}"
+    );
+    let Ok(cluster) = std::env::var("DLOCK_TEST_REDIS_CLUSTER3_URL") else {
+        loud(
+            "SKIPPED redis::cluster_and_standalone_urls_are_not_mixed_up (a cluster node given as redis://): DLOCK_TEST_REDIS_CLUSTER3_URL is not set",
+        );
+        return;
+    };
+    let first = StoreUrl::parse(&cluster).unwrap().hosts()[0].to_string();
+    let e = RedisBackend::connect(format!("redis://{first}").as_str())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(e, Error::Config(ref m) if m.contains("redis+cluster://")),
+        "{e:?}"
+    );
 }
 
 /// Item 20: TLS from the URL (`rediss://`, a private CA by `tls_ca`), end to

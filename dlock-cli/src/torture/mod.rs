@@ -217,6 +217,14 @@ impl Deployment {
         self.memory.is_some()
     }
 
+    /// Whether the URL's hosts are seeds of a sharded store (a Redis
+    /// Cluster), not a quorum.
+    pub(crate) fn is_sharded(&self) -> bool {
+        self.url
+            .split_once("://")
+            .is_some_and(|(s, _)| s.ends_with("+cluster"))
+    }
+
     /// A new link for one client.
     async fn link(&self) -> Result<Arc<dyn Link>, Failure> {
         if self.memory.is_some() {
@@ -336,6 +344,24 @@ async fn run_profile(
     })
 }
 
+/// `url` with its hosts replaced by their proxies `via` (in host order). A
+/// Redis Cluster client connects to the nodes the cluster announces, not to
+/// the URL's hosts: its `address_map` sends each through its proxy.
+fn proxied(url: &str, via: &[std::net::SocketAddr]) -> Result<StoreUrl, Error> {
+    let url = StoreUrl::parse(url)?;
+    let mut out = url.with_hosts(via)?;
+    if url.scheme().ends_with("+cluster") {
+        let map: Vec<String> = url
+            .hosts()
+            .iter()
+            .zip(via)
+            .map(|(host, proxy)| format!("{host}>{proxy}"))
+            .collect();
+        out = out.with_option("address_map", &map.join(","))?;
+    }
+    Ok(out)
+}
+
 /// What every client of a profile does.
 struct Plan {
     name: LockName,
@@ -362,8 +388,7 @@ impl ReOpen {
             (Some(m), Some(l)) => Arc::new(m.with_link(l.0.clone())),
             _ => match self.link.addrs() {
                 Some(addrs) if !addrs.is_empty() => {
-                    dlocks::connect(StoreUrl::parse(&self.url)?.with_hosts(&addrs)?.expose())
-                        .await?
+                    dlocks::connect(proxied(&self.url, &addrs)?.expose()).await?
                 }
                 _ => dlocks::connect(&self.url).await?,
             },

@@ -108,6 +108,9 @@ impl Profile {
             Profile::MinorityPartitions if deployment.endpoints.len() < 3 => {
                 Err("fewer than three nodes: no minority to cut off")
             }
+            Profile::MinorityPartitions if deployment.is_sharded() => {
+                Err("names are sharded over the nodes (Redis Cluster): no quorum of them decides")
+            }
             Profile::ServerPauses | Profile::ServerRestarts if deployment.servers().is_none() => {
                 Err("no --servers given for this URL")
             }
@@ -122,9 +125,17 @@ impl Profile {
     /// outside S4; a store without persistence forgets locks on a restart),
     /// with the reason; fencing must still refuse the stale holder.
     pub(crate) fn overlaps_by_design(self, url: &str) -> Option<&'static str> {
-        let forgets = ["redis://", "rediss://", "memory://"]
-            .iter()
-            .any(|s| url.starts_with(s));
+        // (a Redis Cluster without the restart guard: a failover can lose
+        // a lock, its replication being asynchronous)
+        let forgets = [
+            "redis",
+            "rediss",
+            "redis+cluster",
+            "rediss+cluster",
+            "memory",
+        ]
+        .iter()
+        .any(|s| url.starts_with(&format!("{s}://")));
         match self {
             Profile::ClockJumps => Some("a store clock that jumps ends leases early (outside S4)"),
             Profile::ServerRestarts if forgets => {

@@ -60,13 +60,17 @@
 //!   then).
 //! * **Wake-ups** subscribe on one seed (the next one after a failure): a
 //!   `PUBLISH` reaches every node of a cluster.
-//! * **Redirections and failover**: the driver follows no `MOVED` or `ASK`
-//!   itself and resends nothing (dlock's own retries know which requests
-//!   may have taken effect): such a reply is [`Error::Unavailable`],
-//!   retried by the acquire loop and renewal while the driver refreshes
-//!   its slot map. A release request that the driver nevertheless sends
-//!   again after its connection broke (it does) answers "released" again:
-//!   a release leaves a receipt of its request for 10 s.
+//! * **Redirections**: the driver follows `MOVED` and `ASK` and sends a
+//!   request again when its connection broke. A take or renewal sent twice
+//!   grants or extends the same attempt's hold; a release or force-release
+//!   leaves a receipt of its request for 10 s, so that sent twice it does
+//!   nothing more and answers as the first did (without it, a release that
+//!   took effect answered "not held", and a force-release sent again could
+//!   break the hold of whoever took the lock meanwhile). A request to a
+//!   master that stops answering replaces the cluster connection (make
+//!   before break: the other masters' requests go on) so that the slot
+//!   map is read afresh, and the driver gives a seed that accepts but never
+//!   answers 1.25 s before connecting without it.
 //! * **Failover** ([below](#eviction-and-failover)): a replica promoted
 //!   after its master died may lack the last grants (replication is
 //!   asynchronous), so without the restart guard a failover can lose a
@@ -464,16 +468,17 @@ impl RedisBackend {
         };
         let nodes = if options.cluster {
             // No driver response timeout: requests are bounded by dlock's
-            // own limits. No driver retries either: a request the driver
-            // sent again after a lost reply (a release that took effect)
-            // would answer for the second sending only; dlock's own retries
-            // know that the first may have taken effect. A MOVED, ASK or
-            // TRYAGAIN reply is then an Unavailable error that dlock
-            // retries, and the driver refreshes its slot map meanwhile.
+            // own limits. The driver follows MOVED and ASK and sends a
+            // request again when its connection broke: takes and renewals
+            // are the same attempt's again, releases and force-releases
+            // leave a receipt of their request (see script::RELEASE).
             let mut builder = redis::cluster::ClusterClientBuilder::new(
                 options.nodes.iter().map(|n| n.url.expose()),
             )
-            .connection_timeout(CONNECT_TIMEOUT);
+            // The driver connects to every seed at once and waits for all:
+            // a seed that accepts but never answers (a stopped host) must
+            // not take dlock's whole connect.
+            .connection_timeout(CONNECT_TIMEOUT / 4);
             if let Some(certs) = &certificates {
                 builder = builder.certs(certs.clone());
             }

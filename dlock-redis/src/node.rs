@@ -29,10 +29,15 @@ use tokio::time::{Instant, sleep, timeout, timeout_at};
 use crate::conn::Conn;
 use crate::{script, slots};
 
-/// How long a release's receipt is kept: the same release request sent
-/// again within this time (by the Cluster driver after a reconnect) answers
-/// "released" again (see [`script::RELEASE`]).
+/// How long a release's (or force-release's) receipt is kept: the same
+/// request sent again within this time (by the Cluster driver after a
+/// reconnect) answers as the first did (see [`script::RELEASE`]).
 const RECEIPT_MS: u64 = 10_000;
+
+/// A fresh id for a request that leaves a receipt.
+fn request_id() -> String {
+    format!("{:016x}", rand::random::<u64>())
+}
 
 /// How long a single Redis keeps the last-token key after a release (after
 /// that its own clock in µs is the floor; see [`script`]). Redlock nodes
@@ -549,19 +554,29 @@ impl Commands {
 
     /// Drops connection `generation` if it is still the live one: the next
     /// request connects anew. Returns whether it was.
-    fn retire(&self, generation: u64, why: &str) -> bool {
+    ///
+    /// A cluster connection is replaced make-before-break: requests go on
+    /// over it (its other masters still answer) while a new one, with the
+    /// slot map read afresh, connects in the background and takes over
+    /// when it is ready.
+    fn retire(self: &Arc<Self>, generation: u64, why: &str) -> bool {
         let mut state = self.state.lock().unwrap();
-        if state
+        if !state
             .live
             .as_ref()
             .is_some_and(|l| l.generation == generation)
         {
-            state.live = None;
-            tracing::debug!(node = %self.shown, generation, why, "replacing the connection");
-            true
-        } else {
-            false
+            return false;
         }
+        tracing::debug!(node = %self.shown, generation, why, "replacing the connection");
+        if self.target.is_cluster() {
+            if state.connecting.is_none() {
+                state.connecting = Some(self.spawn_connect());
+            }
+        } else {
+            state.live = None;
+        }
+        true
     }
 }
 
@@ -608,9 +623,15 @@ impl InFlight<'_> {
     /// The request went unanswered: replace the connection unless it
     /// answered something since this request was sent (then it is alive and
     /// busy, and replacing it would only add a connect to the load).
+    ///
+    /// On a cluster, answers from other masters say nothing of this
+    /// request's: the connection is always replaced, and the new one reads
+    /// the slot map afresh (a master stopped without closing its
+    /// connections, then replaced by its replica, would otherwise be asked
+    /// for ever: the driver learns of a failover only from an error).
     fn unanswered(&self, why: &str) {
         let sent = self.node.commands.micros(self.sent);
-        if self.live.answered.load(Ordering::Relaxed) < sent {
+        if self.node.cluster || self.live.answered.load(Ordering::Relaxed) < sent {
             self.node.retire(self.live.generation, why);
         }
     }
@@ -802,7 +823,7 @@ impl Node {
             .arg(&keys.channel)
             .arg(self.keep_last_ms)
             .arg(RECEIPT_MS)
-            .arg(format!("{:016x}", rand::random::<u64>()));
+            .arg(request_id());
         let released: i64 = self
             .request(limit, |mut c| async move {
                 invocation.invoke_async(&mut c).await
@@ -1115,8 +1136,11 @@ impl Node {
         invocation
             .key(&keys.lock)
             .key(&keys.last)
+            .key(&keys.receipt)
             .arg(&keys.channel)
-            .arg(self.keep_last_ms);
+            .arg(self.keep_last_ms)
+            .arg(RECEIPT_MS)
+            .arg(request_id());
         let done: i64 = self
             .request(limit, |mut c| async move {
                 invocation.invoke_async(&mut c).await

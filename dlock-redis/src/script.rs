@@ -108,6 +108,9 @@ return {1, token}
 /// was lost (the Redis Cluster client resends the requests of a connection
 /// that broke) reports what the first sending did, not "not held". A new
 /// release request of the same hold has a new id, and is "not held".
+/// (Takes and renewals need no receipt: sent again, they grant or extend
+/// the same attempt's hold, and an extension past the client's deadline
+/// errs on the safe side.)
 pub(crate) static RELEASE: LazyLock<Script> = LazyLock::new(|| {
     with_set_last(
         r#"
@@ -185,15 +188,19 @@ return 0
     )
 });
 
-/// Admin break. KEYS: lock, last. ARGV: channel, keep_last_ms. Returns 1 if
-/// it was held.
+/// Admin break. KEYS: lock, last, receipt. ARGV: channel, keep_last_ms,
+/// receipt_ms, request id. Returns 1 if it was held. Like a release it
+/// leaves a receipt: the same request sent again (after its connection
+/// broke) must not break the hold of whoever took the lock meanwhile.
 pub(crate) static FORCE: LazyLock<Script> = LazyLock::new(|| {
     with_set_last(
         r#"
+if redis.call('GET', KEYS[3]) == ARGV[4] then return 1 end
 local token = redis.call('HGET', KEYS[1], 'token')
 if not token then return 0 end
 redis.call('DEL', KEYS[1])
 set_last(KEYS[2], token, tonumber(ARGV[2]))
+redis.call('SET', KEYS[3], ARGV[4], 'PX', ARGV[3])
 redis.call('PUBLISH', ARGV[1], '1')
 return 1
 "#,

@@ -385,3 +385,42 @@ async fn with_the_guard_a_lost_hold_is_not_granted_before_its_deadline() {
     );
     gb.release().await.unwrap();
 }
+
+/// A master stopped without closing its connections (SIGSTOP: a hung host)
+/// is replaced by its replica; a client that keeps talking to the other
+/// masters meanwhile (a renewal of another lock) must still find the new
+/// master of the stopped one's slots, not wait for the stopped one to
+/// answer (L1: the lock is free again once its master is replaced).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_master_is_replaced_for_a_busy_client() {
+    let Some(faults) = Faults::begin("a_stopped_master_is_replaced").await else {
+        return;
+    };
+    let (_backend, b) = session(&cluster_url(), Duration::from_secs(1)).await;
+    let wanted = unique("behind-stopped-master");
+    let (master, _) = shard_of(&wanted, 0).await;
+    // A lock on another master, renewed every third of a second meanwhile.
+    let other = loop {
+        let name = unique("elsewhere");
+        if shard_of(&name, 0).await.0 != master {
+            break name;
+        }
+    };
+    let elsewhere = b.lock(&other).unwrap().acquire().await.unwrap();
+    faults.servers.pause(master).await.unwrap();
+    let _resume = Resume(faults.servers.clone(), master);
+    let start = Instant::now();
+    let got = b
+        .lock(&wanted)
+        .unwrap()
+        .acquire_timeout(Duration::from_secs(20))
+        .await;
+    assert!(
+        got.is_ok(),
+        "no grant {:?} after the master was stopped (its replica took over after ~2.5 s): {got:?}",
+        start.elapsed()
+    );
+    assert!(elsewhere.is_held(), "the lock on another master was lost");
+    got.unwrap().release().await.unwrap();
+    elsewhere.release().await.unwrap();
+}

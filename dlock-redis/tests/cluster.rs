@@ -396,10 +396,10 @@ async fn a_stopped_master_is_replaced_for_a_busy_client() {
     let Some(faults) = Faults::begin("a_stopped_master_is_replaced").await else {
         return;
     };
-    let (_backend, b) = session(&cluster_url(), Duration::from_secs(1)).await;
+    let (_backend, b) = session(&cluster_url(), Duration::from_secs(3)).await;
     let wanted = unique("behind-stopped-master");
     let (master, _) = shard_of(&wanted, 0).await;
-    // A lock on another master, renewed every third of a second meanwhile.
+    // A lock on another master, renewed every second meanwhile.
     let other = loop {
         let name = unique("elsewhere");
         if shard_of(&name, 0).await.0 != master {

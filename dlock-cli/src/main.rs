@@ -93,9 +93,12 @@ use crate::exit::{Failure, UNAVAILABLE};
 pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The default log filter: warnings, except the core's "lock lost" line, which
-/// `run` reports itself, and sqlx's "slow statement" notes, which a paused or
-/// busy dlock would print for every query in flight.
-const DEFAULT_LOG: &str = "warn,dlock_core::session=error,sqlx::query=error";
+/// `run` reports itself, sqlx's "slow statement" notes, which a paused or
+/// busy dlock would print for every query in flight, and the Redis Cluster
+/// client's reports of the reconnects and slot-map refreshes dlock asks for
+/// (a failover shows in dlock's own warnings).
+const DEFAULT_LOG: &str =
+    "warn,dlock_core::session=error,sqlx::query=error,redis::cluster_handling=off";
 
 fn main() -> ExitCode {
     let args: Vec<OsString> = std::env::args_os().collect();
@@ -122,7 +125,7 @@ fn main() -> ExitCode {
     };
     // Under injected faults, renewal and connection warnings are the point.
     init_logging(if matches!(cli.command, Command::Torture(_)) {
-        "error"
+        "error,redis::cluster_handling=off"
     } else {
         DEFAULT_LOG
     });

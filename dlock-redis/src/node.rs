@@ -284,6 +284,8 @@ pub(crate) struct Record {
 type Connecting = Shared<BoxFuture<'static, Result<Live, SharedError>>>;
 
 /// What a node connects to.
+// (One per node, made once: the size of the driver's clients does not matter.)
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone)]
 pub(crate) enum Target {
     /// One server.
@@ -561,10 +563,10 @@ impl Commands {
     /// when it is ready.
     fn retire(self: &Arc<Self>, generation: u64, why: &str) -> bool {
         let mut state = self.state.lock().unwrap();
-        if !state
+        if state
             .live
             .as_ref()
-            .is_some_and(|l| l.generation == generation)
+            .is_none_or(|l| l.generation != generation)
         {
             return false;
         }

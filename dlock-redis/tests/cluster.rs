@@ -19,12 +19,11 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{StartAll, raw, skipped, unique, with_options};
+use common::{Faults, raw, unique, with_options};
 use dlock_conformance::servers::{Servers, ServicesCommand};
 use dlock_core::url::StoreUrl;
 use dlock_core::{Backend, LockGuard, Session, SessionOptions};
 use dlock_redis::RedisBackend;
-use tokio::sync::MutexGuard;
 use tokio::time::{Instant, sleep};
 
 /// The cluster's nodes, in the URL's host order.
@@ -49,33 +48,22 @@ fn node_url(i: usize) -> String {
     format!("redis://{}", url.hosts()[i])
 }
 
-/// What a test holds while it runs: every node started again when it ends
-/// (also when it fails), and the lock that keeps these tests one at a time.
-struct Faults {
-    servers: Arc<dyn Servers>,
-    _restore: StartAll,
-    _serial: MutexGuard<'static, ()>,
-}
-
-impl Faults {
-    async fn begin(test: &str) -> Option<Self> {
-        let serial = SERIAL.lock().await;
-        if skipped("redis-cluster", test) {
-            return None;
-        }
-        let servers: Arc<dyn Servers> = Arc::new(ServicesCommand::new(common::SERVICES, NODES));
-        // A test before this one may have left a killed master rejoining.
-        servers.start_all().await.expect("the cluster starts");
-        for i in 0..NODES.len() {
-            cluster_ok(i).await;
-        }
-        every_master_replicated().await;
-        Some(Self {
-            _restore: StartAll(servers.clone()),
-            servers,
-            _serial: serial,
-        })
+/// A cluster fault test's servers and turn (see [`common::Faults`]), once
+/// the cluster is whole: every node up, every slot served, every master
+/// replicated (a test before may have left a killed master rejoining).
+async fn begin(test: &str) -> Option<Faults> {
+    let servers: Arc<dyn Servers> = Arc::new(ServicesCommand::new(common::SERVICES, NODES));
+    let faults = Faults::begin(&SERIAL, "redis-cluster", test, servers).await?;
+    faults
+        .servers
+        .start_all()
+        .await
+        .expect("the cluster starts");
+    for i in 0..NODES.len() {
+        cluster_ok(i).await;
     }
+    every_master_replicated().await;
+    Some(faults)
 }
 
 /// Waits until node `i` says the cluster serves every slot.
@@ -283,7 +271,7 @@ async fn failover_while_held(
 /// token is larger (S2).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replicated_hold_survives_a_failover() {
-    let Some(faults) = Faults::begin("a_replicated_hold_survives_a_failover").await else {
+    let Some(faults) = begin("a_replicated_hold_survives_a_failover").await else {
         return;
     };
     let name = unique("failover");
@@ -327,7 +315,7 @@ async fn a_replicated_hold_survives_a_failover() {
 /// loss at its next renewal, not never.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hold_lost_in_a_failover_is_heard_of_and_tokens_increase() {
-    let Some(faults) = Faults::begin("a_hold_lost_in_a_failover").await else {
+    let Some(faults) = begin("a_hold_lost_in_a_failover").await else {
         return;
     };
     let name = unique("lost-in-failover");
@@ -360,7 +348,7 @@ async fn a_hold_lost_in_a_failover_is_heard_of_and_tokens_increase() {
 /// token is larger (S2).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_the_guard_a_lost_hold_is_not_granted_before_its_deadline() {
-    let Some(faults) = Faults::begin("with_the_guard_a_lost_hold").await else {
+    let Some(faults) = begin("with_the_guard_a_lost_hold").await else {
         return;
     };
     let ttl = Duration::from_secs(8);
@@ -393,7 +381,7 @@ async fn with_the_guard_a_lost_hold_is_not_granted_before_its_deadline() {
 /// answer (L1: the lock is free again once its master is replaced).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopped_master_is_replaced_for_a_busy_client() {
-    let Some(faults) = Faults::begin("a_stopped_master_is_replaced").await else {
+    let Some(faults) = begin("a_stopped_master_is_replaced").await else {
         return;
     };
     let (_backend, b) = session(&cluster_url(), Duration::from_secs(3)).await;

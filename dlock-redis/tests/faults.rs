@@ -10,48 +10,23 @@
 
 mod common;
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use common::{
-    StartAll, command, node_url, redlock_servers, redlock_url, skipped, unique, with_options,
+    Faults, command, node_url, redlock_servers, redlock_url, skipped, unique, with_options,
 };
-use dlock_conformance::servers::Servers;
 use dlock_conformance::wire::{Fault, Link, ProxyLink};
 use dlock_core::url::StoreUrl;
 use dlock_core::{Backend, Error, LostReason, Session, SessionOptions};
 use dlock_redis::RedisBackend;
-use tokio::sync::MutexGuard;
 use tokio::time::{Instant, sleep};
 
 /// One fault test at a time: they restart shared servers.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-/// What a fault test holds while it runs: the Redlock servers, started
-/// again when it ends (also when it fails), and the lock that keeps the
-/// fault tests one at a time.
-struct Faults {
-    servers: Arc<dyn Servers>,
-    // Dropped in this order: the servers start before the next test runs.
-    _restore: StartAll,
-    _serial: MutexGuard<'static, ()>,
-}
-
-impl Faults {
-    /// Waits for the other fault tests; `None` when `DLOCK_TEST_SKIP` skips
-    /// `test` (it says so loudly).
-    async fn begin(test: &str) -> Option<Self> {
-        let serial = SERIAL.lock().await;
-        if skipped("redlock", test) {
-            return None;
-        }
-        let servers = redlock_servers();
-        Some(Self {
-            _restore: StartAll(servers.clone()),
-            servers,
-            _serial: serial,
-        })
-    }
+/// A Redlock fault test's servers and turn (see [`common::Faults`]).
+async fn begin(test: &str) -> Option<Faults> {
+    Faults::begin(&SERIAL, "redlock", test, redlock_servers()).await
 }
 
 /// A session on `backend` with lease `ttl`.
@@ -87,7 +62,7 @@ async fn holder_on(i: usize, name: &str) -> Option<String> {
 /// tokens.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn majority_down_fails_then_recovers() {
-    let Some(faults) = Faults::begin("majority_down_fails_then_recovers").await else {
+    let Some(faults) = begin("majority_down_fails_then_recovers").await else {
         return;
     };
     let servers = &faults.servers;
@@ -138,7 +113,7 @@ async fn majority_down_fails_then_recovers() {
 /// nodes, not of the 3 reachable) and takes part in grants once it is back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connect_needs_a_majority_and_keeps_the_others() {
-    let Some(faults) = Faults::begin("connect_needs_a_majority_and_keeps_the_others").await else {
+    let Some(faults) = begin("connect_needs_a_majority_and_keeps_the_others").await else {
         return;
     };
     let servers = &faults.servers;
@@ -238,7 +213,7 @@ async fn partial_acquire_is_cleaned_up() {
 /// expired, and A must learn it lost the lock before B gets it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restarted_nodes_do_not_regrant_early() {
-    let Some(faults) = Faults::begin("restarted_nodes_do_not_regrant_early").await else {
+    let Some(faults) = begin("restarted_nodes_do_not_regrant_early").await else {
         return;
     };
     let servers = &faults.servers;
@@ -295,8 +270,7 @@ async fn restarted_nodes_do_not_regrant_early() {
 /// 0, 1, 3 and 4 before then (S4), and its token is larger (S2).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nodes_restored_from_old_snapshots_do_not_regrant() {
-    let Some(faults) = Faults::begin("nodes_restored_from_old_snapshots_do_not_regrant").await
-    else {
+    let Some(faults) = begin("nodes_restored_from_old_snapshots_do_not_regrant").await else {
         return;
     };
     let servers = &faults.servers;
@@ -380,7 +354,7 @@ async fn nodes_restored_from_old_snapshots_do_not_regrant() {
 /// a minute behind the first token.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tokens_ordered_whatever_the_node_clocks() {
-    let Some(faults) = Faults::begin("tokens_ordered_whatever_the_node_clocks").await else {
+    let Some(faults) = begin("tokens_ordered_whatever_the_node_clocks").await else {
         return;
     };
     let servers = &faults.servers;

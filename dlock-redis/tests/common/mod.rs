@@ -96,6 +96,38 @@ impl Drop for StartAll {
     }
 }
 
+/// What a server-fault test holds while it runs: its servers, started
+/// again when it ends (also when it fails), and the lock that keeps the
+/// fault tests of its binary one at a time.
+pub(crate) struct Faults {
+    pub(crate) servers: Arc<dyn Servers>,
+    // Dropped in this order: the servers start before the next test runs.
+    _restore: StartAll,
+    _serial: tokio::sync::MutexGuard<'static, ()>,
+}
+
+impl Faults {
+    /// Waits for the other fault tests of `serial`; `None` when
+    /// `DLOCK_TEST_SKIP` names `store` (it says loudly that `test` was
+    /// skipped).
+    pub(crate) async fn begin(
+        serial: &'static tokio::sync::Mutex<()>,
+        store: &str,
+        test: &str,
+        servers: Arc<dyn Servers>,
+    ) -> Option<Self> {
+        let serial = serial.lock().await;
+        if skipped(store, test) {
+            return None;
+        }
+        Some(Self {
+            _restore: StartAll(servers.clone()),
+            servers,
+            _serial: serial,
+        })
+    }
+}
+
 /// Polls `check` every 20 ms until it holds, at most `limit`.
 pub(crate) async fn eventually<F, Fut>(limit: Duration, what: &str, mut check: F)
 where

@@ -11,6 +11,7 @@ use std::time::Duration;
 use tokio::time::timeout;
 use tracing::Instrument;
 
+use crate::backend::Renewed;
 use crate::clock::{self, sleep_until};
 use crate::error::Error;
 use crate::lost::LostReason;
@@ -41,7 +42,7 @@ pub(crate) async fn run(state: Arc<SessionState>) {
         let span = tracing::debug_span!("dlock.renew", backend = state.scheme, session = %state.id(), holds = request.len());
         let result = tokio::select! {
             _ = state.shutdown.cancelled() => return,
-            r = timeout(timing.request_timeout, state.raw.renew(&request)).instrument(span) => r,
+            r = timeout(timing.request_timeout, state.raw.renew_each(&request)).instrument(span) => r,
         };
         if !matches!(result, Ok(Ok(ref still_held)) if still_held.len() == tenures.len()) {
             telemetry::renewal_failed(state.scheme);
@@ -55,19 +56,33 @@ pub(crate) async fn run(state: Arc<SessionState>) {
                     .map(|deadline| deadline.saturating_duration_since(landed));
                 telemetry::renewed(state.scheme, landed - sent, lag);
                 let until = timing.valid_until(sent);
-                state.extend_session(until);
-                for (tenure, ok) in tenures.iter().zip(still_held) {
+                let unknown = still_held
+                    .iter()
+                    .filter(|r| **r == Renewed::Unknown)
+                    .count();
+                if unknown == 0 {
+                    state.extend_session(until);
+                }
+                for (tenure, renewed) in tenures.iter().zip(still_held) {
                     if tenure.reason().is_some() {
                         continue; // released or lost meanwhile
                     }
-                    if !ok {
-                        state.lose(tenure, LostReason::Revoked);
-                    } else if !tenure.extend(until) {
-                        state.lose(tenure, LostReason::Expired);
+                    match renewed {
+                        Renewed::Lost => state.lose(tenure, LostReason::Revoked),
+                        Renewed::Held if !tenure.extend(until) => {
+                            state.lose(tenure, LostReason::Expired);
+                        }
+                        // (Unknown: its deadline stays; tried again below)
+                        _ => {}
                     }
                 }
-                tracing::trace!(session = %state.id(), holds = tenures.len(), "renewed");
-                next = sent + timing.renew_every;
+                if unknown == 0 {
+                    tracing::trace!(session = %state.id(), holds = tenures.len(), "renewed");
+                    next = sent + timing.renew_every;
+                } else {
+                    tracing::warn!(session = %state.id(), unknown, holds = tenures.len(), "renewal not answered for some holds; retrying");
+                    next = clock::now() + retry_every;
+                }
             }
             Ok(Ok(still_held)) => {
                 Stats::bump(&state.stats.renewal_failures);

@@ -52,12 +52,17 @@
 //!
 //! * **Renewal**: one script per slot that holds a lock of the session (its
 //!   keys must share a slot), all sent at once: one round trip per period,
-//!   but O(slots held) requests, not O(1).
+//!   but O(slots held) requests, not O(1). A master that does not answer
+//!   costs only its own holds (they are
+//!   [`Renewed::Unknown`](dlock_core::backend::Renewed::Unknown) until its
+//!   replica takes over, lost if that outlasts their lease); set
+//!   `cluster-require-full-coverage no` on the cluster so that the other
+//!   masters serve on while one shard fails over.
 //! * **The restart guard** keeps one record per slot (`P:boot:{T}`, with `T`
 //!   a tag that hashes to the slot), so that it sits in the slot of the
 //!   locks it guards; [`Backend::wait_ready`] starts and waits out the
 //!   records of all 16,384 slots (a slot first used later waits `max_ttl`
-//!   then).
+//!   then; this runs 16,384 scripts, and reports the slowest slot).
 //! * **Wake-ups** subscribe on one seed (the next one after a failure): a
 //!   `PUBLISH` reaches every node of a cluster.
 //! * **Redirections**: the driver follows `MOVED` and `ASK` and sends a
@@ -76,10 +81,19 @@
 //!   asynchronous), so without the restart guard a failover can lose a
 //!   held lock ([`Capabilities::restart_loses_locks`]); its holder hears of
 //!   it at its next renewal. With `restart_guard=true` the promoted replica
-//!   grants nothing in a slot for `max_ttl`. **Tokens never go back across
-//!   a failover** as long as the clocks of a master and its replicas differ
-//!   by less than the failover takes (at least `cluster-node-timeout`): the
-//!   new master's `TIME` floors them, as after a restart.
+//!   grants nothing in a slot for `max_ttl` — after every failover, planned
+//!   ones too: the new master's holds are then lost, and its slots wait.
+//!   **Tokens** after a failover are floored by the new master's `TIME`, as
+//!   after a restart (the last-token key may not have reached it), so they
+//!   never go back as long as the new master's clock is not behind the old
+//!   one's by more than the time from the old master's last grant to the
+//!   new master's first: in a partition the old master may grant until it
+//!   notices, about `cluster-node-timeout`, and the replica is promoted
+//!   some 0.5–1 s after that, so keep the nodes' clocks within a few
+//!   hundred milliseconds (NTP). A forced failover (`CLUSTER FAILOVER
+//!   FORCE` or `TAKEOVER`) can leave less; a slot moved by resharding takes
+//!   its last-token key along while it lives (10 s after a release), then
+//!   has only the clock floor too.
 //! * Names are sharded: a client cut off from the master of a name's slot
 //!   cannot lock that name ([`Capabilities::sharded`]).
 //! * `address_map=ANNOUNCED:PORT>REACHED:PORT,...` reaches nodes that
@@ -142,22 +156,27 @@
 //! # The restart guard: what exactly is guaranteed
 //!
 //! A node with the guard on (always for Redlock; `restart_guard=true` for
-//! Redis) keeps a record `P:boot` = (`run_id`, `since`): the `run_id` of the
-//! server process (from `INFO server`: drawn at random by every Redis process
-//! when it starts, never persisted, so no RDB, AOF or replication can bring
-//! an old one back) and the server time at which dlock first saw it. The
-//! take and renew scripts read `run_id` **inside the same atomic script**
-//! that grants or renews; if the record is missing or names another process
-//! (a restart with or without data, a restore from any snapshot, a promoted
-//! replica, a `FLUSHALL`), the script writes a new record and refuses; until
-//! the record is `max_ttl` old it grants nothing and confirms no renewal.
+//! Redis; per slot on a Redis Cluster) keeps a record `P:boot` = (`run_id`
+//! and `master_replid`, `since`): the `run_id` of the server process (from
+//! `INFO server`: drawn at random by every Redis process when it starts,
+//! never persisted, so no RDB, AOF or replication can bring an old one back),
+//! its replication id (from `INFO replication`: drawn anew when a replica is
+//! promoted, so that a replica that was master before, demoted, and promoted
+//! again — keeping a record of its own first term — starts over), and the
+//! server time at which dlock first saw them. The take and renew scripts read
+//! both **inside the same atomic script** that grants or renews; if the
+//! record is missing or names another process or term (a restart with or
+//! without data, a restore from any snapshot, a promoted replica, a
+//! `FLUSHALL`), the script writes a new record and refuses; until the record
+//! is `max_ttl` old it grants nothing and confirms no renewal.
 //!
 //! **Guarantee**: a node grants a lock, or confirms a renewal, only while it
-//! runs a server process that dlock has seen for at least `max_ttl` by that
-//! server's clock. Any hold it granted or renewed before that process
-//! started — which the process may have forgotten, or may remember from an
-//! older snapshot — was granted or renewed at least `max_ttl` earlier, and
-//! has expired (its TTL is at most `max_ttl`). So no data loss or rollback
+//! runs a server process, in a term as master, that dlock has seen for at
+//! least `max_ttl` by that server's clock. Any hold it granted or renewed
+//! before that term started — which the process may have forgotten, or may
+//! remember from an older snapshot or an older term — was granted or renewed
+//! at least `max_ttl` earlier, and has expired (its TTL is at most
+//! `max_ttl`). So no data loss or rollback
 //! on the node lets it grant a lock it may still hold for someone, or vouch
 //! for a hold it may have lost.
 //!
@@ -367,9 +386,11 @@ impl Inner {
 
     /// How long one node may take to answer a session's request. With
     /// several nodes, less than the session's request timeout, so that one
-    /// silent node fails alone and the majority's answers still count.
+    /// silent node fails alone and the majority's answers still count; on
+    /// a cluster likewise, so that a renewal returns what the other masters
+    /// answered before the core cuts it off.
     pub(crate) fn node_limit(&self, request_timeout: Duration) -> Duration {
-        if self.nodes.len() > 1 {
+        if self.nodes.len() > 1 || self.options.cluster {
             request_timeout * 3 / 4
         } else {
             request_timeout

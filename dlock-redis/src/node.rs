@@ -34,9 +34,10 @@ use crate::{script, slots};
 /// reconnect) answers as the first did (see [`script::RELEASE`]).
 const RECEIPT_MS: u64 = 10_000;
 
-/// A fresh id for a request that leaves a receipt.
-fn request_id() -> String {
-    format!("{:016x}", rand::random::<u64>())
+/// A fresh receipt key for one release request of the lock of `keys`
+/// (64 random bits; in the lock's slot).
+fn receipt_key(keys: &Keys) -> String {
+    format!("{}:{:016x}", keys.receipt, rand::random::<u64>())
 }
 
 /// How long a single Redis keeps the last-token key after a release (after
@@ -169,6 +170,20 @@ pub(crate) fn map_cluster_err(shown: &str, e: &RedisError) -> (Error, bool) {
             ),
             false,
         ),
+        // The driver wraps a refusal of every seed in an I/O error
+        // ("Failed to create initial connections"), without its code.
+        _ if ["WRONGPASS", "NOAUTH", "invalid username-password"]
+            .iter()
+            .any(|refusal| e.to_string().contains(refusal)) =>
+        {
+            (
+                Error::Auth {
+                    backend: BACKEND,
+                    reason: format!("{shown}: {e}"),
+                },
+                true,
+            )
+        }
         _ if e.to_string().contains("cluster support disabled") => (
             Error::Config(format!(
                 "{shown}: a server there is not a Redis Cluster node (cluster support \
@@ -229,7 +244,7 @@ impl From<SharedError> for Error {
 pub(crate) struct Keys {
     pub(crate) lock: String,
     pub(crate) last: String,
-    /// The receipt of the last release (see [`script::RELEASE`]).
+    /// The prefix of a release's receipt key (see [`script::RELEASE`]).
     pub(crate) receipt: String,
     pub(crate) channel: String,
     pub(crate) boot: String,
@@ -386,6 +401,11 @@ impl Commands {
                 });
             let mut state = this.state.lock().unwrap();
             state.connecting = None;
+            if let (Err(e), Some(old)) = (&opened, &state.live) {
+                // A replacement made before breaking (a cluster's): nobody
+                // waits for it, so say here why the old one stays.
+                tracing::warn!(node = %this.shown, generation = old.generation, error = %e, "could not open a new connection; the old one serves on");
+            }
             let conn = opened.map_err(SharedError::from)?;
             let generation = this.generations.fetch_add(1, Ordering::Relaxed) + 1;
             let live = Live {
@@ -819,13 +839,12 @@ impl Node {
         invocation
             .key(&keys.lock)
             .key(&keys.last)
-            .key(&keys.receipt)
+            .key(receipt_key(keys))
             .arg(owner)
             .arg(token)
             .arg(&keys.channel)
             .arg(self.keep_last_ms)
-            .arg(RECEIPT_MS)
-            .arg(request_id());
+            .arg(RECEIPT_MS);
         let released: i64 = self
             .request(limit, |mut c| async move {
                 invocation.invoke_async(&mut c).await
@@ -836,13 +855,15 @@ impl Node {
 
     /// Renews every `(keys, owner, token)` in one script; with the restart
     /// guard on (`min_uptime > 0`), a node that restarted confirms none.
+    /// `None` for the holds of a script that got no answer (on a cluster,
+    /// their master failed while others answered); an error if none did.
     pub(crate) async fn renew(
         &self,
         holds: &[(Keys, &str, FencingToken)],
         ttl: Duration,
         min_uptime: Duration,
         limit: Duration,
-    ) -> Result<Vec<bool>, Error> {
+    ) -> Result<Vec<Option<bool>>, Error> {
         if holds.is_empty() {
             return Ok(Vec::new());
         }
@@ -880,28 +901,44 @@ impl Node {
             }
             invocation.key(boot_key(&self.prefix, slot));
             async move {
-                let out: Vec<i64> = self
+                let out: Result<Vec<i64>, Error> = self
                     .request(limit, |mut c| async move {
                         invocation.invoke_async(&mut c).await
                     })
-                    .await?;
-                if out.len() != chunk.len() {
-                    return Err(Error::protocol(
-                        BACKEND,
-                        "renew answered for a different number of locks",
-                    ));
-                }
-                Ok((chunk, out))
+                    .await;
+                let out = out.and_then(|out| {
+                    if out.len() == chunk.len() {
+                        Ok(out)
+                    } else {
+                        Err(Error::protocol(
+                            BACKEND,
+                            "renew answered for a different number of locks",
+                        ))
+                    }
+                });
+                (chunk, out)
             }
         });
-        let mut renewed = vec![false; holds.len()];
-        for out in futures::future::join_all(chunks).await {
-            let (chunk, out) = out?;
-            for (&i, v) in chunk.iter().zip(out) {
-                renewed[i] = v == 1;
+        let mut renewed = vec![None; holds.len()];
+        let mut first_error = None;
+        let mut answered = false;
+        for (chunk, out) in futures::future::join_all(chunks).await {
+            match out {
+                Ok(out) => {
+                    answered = true;
+                    for (&i, v) in chunk.iter().zip(out) {
+                        renewed[i] = Some(v == 1);
+                    }
+                }
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
             }
         }
-        Ok(renewed)
+        match first_error {
+            Some(e) if !answered => Err(e),
+            _ => Ok(renewed),
+        }
     }
 
     /// How long before this node may grant (the restart guard). On a
@@ -1138,11 +1175,10 @@ impl Node {
         invocation
             .key(&keys.lock)
             .key(&keys.last)
-            .key(&keys.receipt)
+            .key(receipt_key(&keys))
             .arg(&keys.channel)
             .arg(self.keep_last_ms)
-            .arg(RECEIPT_MS)
-            .arg(request_id());
+            .arg(RECEIPT_MS);
         let done: i64 = self
             .request(limit, |mut c| async move {
                 invocation.invoke_async(&mut c).await
@@ -1418,6 +1454,16 @@ mod tests {
         );
         assert!(
             matches!(e, Error::Config(ref m) if m.contains("redis://")),
+            "{e:?}"
+        );
+        let wrapped = RedisError::from((
+            redis::ErrorKind::Io,
+            "Failed to create initial connections",
+            "WRONGPASS invalid username-password pair or user is disabled.".to_owned(),
+        ));
+        let (e, _) = map_cluster_err("c", &wrapped);
+        assert!(
+            matches!(e, Error::Auth { .. }) && !e.is_retryable(),
             "{e:?}"
         );
         let (e, replace) = map_cluster_err(

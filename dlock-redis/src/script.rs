@@ -3,8 +3,10 @@
 //! Keys per lock name N (the name in a hash tag, so all of them map to one
 //! Cluster slot): `P:{N}` the lock hash (`owner`, `session`, `token`, `why`,
 //! `at`) with a `PX` expiry; `P:{N}:t` the last token, kept for 10 s after
-//! release on a single Redis and for good on Redlock nodes; channel `P:{N}:c` for release notifications. Per node: `P:boot`,
-//! the restart guard's record (`run`, `since`).
+//! release on a single Redis and for good on Redlock nodes; `P:{N}:r:ID`, the
+//! receipt of one release request, for 10 s; channel `P:{N}:c` for release
+//! notifications. Per node (per slot on a Redis Cluster, `P:boot:{T}`):
+//! `P:boot`, the restart guard's record (`run`, `since`).
 //!
 //! Tokens: `max(last + 1, TIME in µs)`. While the last-token key lives, that is
 //! `last + 1`; once it is gone (expired, or lost with a restart without
@@ -16,11 +18,14 @@
 //!
 //! Restart guard (when `min_uptime > 0`): the server's `run_id` (from `INFO
 //! server`, drawn at random by every server process at start and never
-//! persisted) is compared with the one recorded in `P:boot`. A different or
-//! missing record means a server process dlock has not seen before (a
-//! restart with or without data, a promoted replica, a `FLUSHALL`): the node
-//! records the new `run_id` with the server time and, for `min_uptime` from
-//! then, grants nothing and confirms no renewal.
+//! persisted) and its replication id (`master_replid`, from `INFO
+//! replication`: drawn anew whenever a replica is promoted) are compared
+//! with the ones recorded in `P:boot`. A different or missing record means
+//! a server process, or a term as master, dlock has not seen before (a
+//! restart with or without data, a promoted replica — also one that was
+//! master before and kept an old record of its own —, a `FLUSHALL`): the
+//! node records them with the server time and, for `min_uptime` from then,
+//! grants nothing and confirms no renewal.
 use redis::Script;
 use std::sync::LazyLock;
 
@@ -30,7 +35,10 @@ const GUARD: &str = r#"
 local function guard_wait(key, min_uptime, now_ms)
   if min_uptime <= 0 then return 0 end
   local run = string.match(redis.call('INFO', 'server'), 'run_id:(%x+)')
+  local replid = string.match(redis.call('INFO', 'replication'), 'master_replid:(%x+)')
   if not run then error('dlock: INFO server shows no run_id') end
+  if not replid then error('dlock: INFO replication shows no master_replid') end
+  run = run .. ':' .. replid
   local since = nil
   if redis.call('TYPE', key)['ok'] == 'hash' then
     local v = redis.call('HMGET', key, 'run', 'since')
@@ -101,28 +109,27 @@ return {1, token}
 });
 
 /// Owner-checked release. KEYS: lock, last, receipt. ARGV: owner, token
-/// (`""`: any), channel, keep_last_ms, receipt_ms, request id. Returns 1 if
-/// released, by this request or by an earlier sending of the very same
-/// request: a release leaves its request id (64 random bits per request) as
-/// a receipt for `receipt_ms`, so that a request sent again after its reply
+/// (`""`: any), channel, keep_last_ms, receipt_ms. Returns 1 if released,
+/// by this request or by an earlier sending of the very same request: a
+/// release leaves a receipt key of its own (named by 64 random bits per
+/// request) for `receipt_ms`, so that a request sent again after its reply
 /// was lost (the Redis Cluster client resends the requests of a connection
 /// that broke) reports what the first sending did, not "not held". A new
-/// release request of the same hold has a new id, and is "not held".
-/// (Takes and renewals need no receipt: sent again, they grant or extend
-/// the same attempt's hold, and an extension past the client's deadline
-/// errs on the safe side.)
+/// release request of the same hold has a new receipt key, and is "not
+/// held". (Takes and renewals need no receipt: sent again, they grant or
+/// extend the same attempt's hold, and an extension counted from after the
+/// client's send errs on the safe side.)
 pub(crate) static RELEASE: LazyLock<Script> = LazyLock::new(|| {
     with_set_last(
         r#"
 if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then
-  if redis.call('GET', KEYS[3]) == ARGV[6] then return 1 end
-  return 0
+  return redis.call('EXISTS', KEYS[3])
 end
 local token = redis.call('HGET', KEYS[1], 'token')
 if ARGV[2] ~= '' and token ~= ARGV[2] then return 0 end
 redis.call('DEL', KEYS[1])
 set_last(KEYS[2], token, tonumber(ARGV[4]))
-redis.call('SET', KEYS[3], ARGV[6], 'PX', ARGV[5])
+redis.call('SET', KEYS[3], '1', 'PX', ARGV[5])
 redis.call('PUBLISH', ARGV[3], '1')
 return 1
 "#,
@@ -189,18 +196,19 @@ return 0
 });
 
 /// Admin break. KEYS: lock, last, receipt. ARGV: channel, keep_last_ms,
-/// receipt_ms, request id. Returns 1 if it was held. Like a release it
-/// leaves a receipt: the same request sent again (after its connection
-/// broke) must not break the hold of whoever took the lock meanwhile.
+/// receipt_ms. Returns 1 if it was held. Like a release it leaves a
+/// receipt key of its own request: the same request sent again (after its
+/// connection broke) must not break the hold of whoever took the lock
+/// meanwhile.
 pub(crate) static FORCE: LazyLock<Script> = LazyLock::new(|| {
     with_set_last(
         r#"
-if redis.call('GET', KEYS[3]) == ARGV[4] then return 1 end
+if redis.call('EXISTS', KEYS[3]) == 1 then return 1 end
 local token = redis.call('HGET', KEYS[1], 'token')
 if not token then return 0 end
 redis.call('DEL', KEYS[1])
 set_last(KEYS[2], token, tonumber(ARGV[2]))
-redis.call('SET', KEYS[3], ARGV[4], 'PX', ARGV[3])
+redis.call('SET', KEYS[3], '1', 'PX', ARGV[3])
 redis.call('PUBLISH', ARGV[1], '1')
 return 1
 "#,

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use dlock_core::backend::{Busy, Claim, ExpiryModel, Hold, RawSession, Take};
+use dlock_core::backend::{Busy, Claim, ExpiryModel, Hold, RawSession, Renewed, Take};
 use dlock_core::{Error, FencingToken, LockName, SessionId};
 use futures::future::join_all;
 use tokio::time::{Instant, sleep_until};
@@ -98,6 +98,21 @@ impl RawSession for RedisSession {
     }
 
     async fn renew(&self, holds: &[Hold]) -> Result<Vec<bool>, Error> {
+        let each = self.renew_each(holds).await?;
+        if each.contains(&Renewed::Unknown) {
+            return Err(Error::unavailable(
+                "redis",
+                "the servers of some holds did not answer the renewal",
+            ));
+        }
+        Ok(each.into_iter().map(|r| r == Renewed::Held).collect())
+    }
+
+    /// On a cluster, the holds of a master that did not answer are
+    /// [`Renewed::Unknown`] (the others' holds are renewed); on Redlock, a
+    /// hold is held with a majority of votes, unknown while the nodes that
+    /// did not answer could still make one.
+    async fn renew_each(&self, holds: &[Hold]) -> Result<Vec<Renewed>, Error> {
         if holds.is_empty() {
             return Ok(Vec::new());
         }
@@ -114,17 +129,31 @@ impl RawSession for RedisSession {
                 .map(|n| n.renew(&request, self.ttl, min_uptime, self.limit)),
         )
         .await;
+        let nodes = self.inner.nodes.len();
         let mut votes = vec![0usize; holds.len()];
+        let mut refusals = vec![0usize; holds.len()];
         for answer in majority(&self.inner, answers)? {
-            for (vote, ok) in votes.iter_mut().zip(answer) {
-                *vote += usize::from(ok);
+            for (i, said) in answer.into_iter().enumerate() {
+                match said {
+                    Some(true) => votes[i] += 1,
+                    Some(false) => refusals[i] += 1,
+                    None => {}
+                }
             }
         }
         let quorum = self.inner.quorum();
         Ok(holds
             .iter()
-            .zip(votes)
-            .map(|(h, v)| self.owns(h) && v >= quorum)
+            .enumerate()
+            .map(|(i, h)| {
+                if !self.owns(h) || nodes - refusals[i] < quorum {
+                    Renewed::Lost
+                } else if votes[i] >= quorum {
+                    Renewed::Held
+                } else {
+                    Renewed::Unknown
+                }
+            })
             .collect())
     }
 

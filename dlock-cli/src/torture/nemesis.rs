@@ -126,7 +126,8 @@ impl Profile {
     /// with the reason; fencing must still refuse the stale holder.
     pub(crate) fn overlaps_by_design(self, url: &str) -> Option<&'static str> {
         // (a Redis Cluster without the restart guard: a failover can lose
-        // a lock, its replication being asynchronous)
+        // a lock, its replication being asynchronous; with the guard, a
+        // restarted or promoted Redis grants nothing for max_ttl)
         let forgets = [
             "redis",
             "rediss",
@@ -135,7 +136,8 @@ impl Profile {
             "memory",
         ]
         .iter()
-        .any(|s| url.starts_with(&format!("{s}://")));
+        .any(|s| url.starts_with(&format!("{s}://")))
+            && !url.contains("restart_guard=true");
         match self {
             Profile::ClockJumps => Some("a store clock that jumps ends leases early (outside S4)"),
             Profile::ServerRestarts if forgets => {

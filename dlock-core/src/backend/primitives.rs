@@ -56,6 +56,27 @@ pub enum ExpiryModel {
     Session,
 }
 
+/// What a renewal says of one hold ([`RawSession::renew_each`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Renewed {
+    /// Still ours: its local deadline moves on, counted from when the
+    /// renewal was sent.
+    Held,
+    /// No longer ours (expired, taken over, or revoked in the store).
+    Lost,
+    /// The server that keeps it did not answer: neither extended nor lost;
+    /// the core tries again soon, and the hold is lost only if its
+    /// deadline passes first.
+    Unknown,
+}
+
+impl From<bool> for Renewed {
+    fn from(held: bool) -> Self {
+        if held { Renewed::Held } else { Renewed::Lost }
+    }
+}
+
 /// The store side of a session (see the [module docs](crate::backend) for the rules).
 #[async_trait]
 pub trait RawSession: Send + Sync + Debug {
@@ -82,6 +103,24 @@ pub trait RawSession: Send + Sync + Debug {
     /// Must be cancel safe: the core cuts a renewal off at its request timeout
     /// and only trusts renewals it saw confirmed.
     async fn renew(&self, holds: &[Hold]) -> Result<Vec<bool>, Error>;
+
+    /// [`renew`](Self::renew), for a store whose holds live on independent
+    /// servers (a Redis Cluster's masters): the holds of a server that did
+    /// not answer are [`Renewed::Unknown`], so that one failing server does
+    /// not cost the holds the others confirmed (L3). An `Err` still means
+    /// that nothing was confirmed. What the core calls; the default calls
+    /// `renew`.
+    ///
+    /// # Cancel safety
+    /// As [`renew`](Self::renew).
+    async fn renew_each(&self, holds: &[Hold]) -> Result<Vec<Renewed>, Error> {
+        Ok(self
+            .renew(holds)
+            .await?
+            .into_iter()
+            .map(Renewed::from)
+            .collect())
+    }
 
     /// Releases `hold` if this session still holds it with that token; wakes
     /// the next waiter. [`Error::NotHeld`] otherwise (also when `hold` belongs

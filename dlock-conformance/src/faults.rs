@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use dlock_core::backend::{Claim, ExpiryModel, Hold, RawSession, Take};
+use dlock_core::backend::{Claim, ExpiryModel, Hold, RawSession, Renewed, Take};
 use dlock_core::{Backend, Error, LockName, SessionId, SessionOptions};
 use tokio::time::{Instant, sleep_until};
 
@@ -140,6 +140,23 @@ struct FaultySession {
     faults: Arc<Faults>,
 }
 
+impl FaultySession {
+    /// The faults of a renewal, before it reaches the store.
+    async fn renewal_faults(&self) -> Result<(), Error> {
+        self.faults.crashed()?;
+        if self.faults.stall_renewals.load(Ordering::SeqCst) {
+            std::future::pending::<()>().await;
+        }
+        if self.faults.panic_renewals.load(Ordering::SeqCst) {
+            // An unwinding panic as a bug would raise, without the panic
+            // hook (whose backtrace printing can stall a loaded machine for
+            // longer than a test TTL).
+            std::panic::resume_unwind(Box::new("renewal panicked (fault injection)"));
+        }
+        Ok(())
+    }
+}
+
 #[async_trait]
 impl RawSession for FaultySession {
     fn ttl(&self) -> Duration {
@@ -160,17 +177,13 @@ impl RawSession for FaultySession {
     }
 
     async fn renew(&self, holds: &[Hold]) -> Result<Vec<bool>, Error> {
-        self.faults.crashed()?;
-        if self.faults.stall_renewals.load(Ordering::SeqCst) {
-            std::future::pending::<()>().await;
-        }
-        if self.faults.panic_renewals.load(Ordering::SeqCst) {
-            // An unwinding panic as a bug would raise, without the panic
-            // hook (whose backtrace printing can stall a loaded machine for
-            // longer than a test TTL).
-            std::panic::resume_unwind(Box::new("renewal panicked (fault injection)"));
-        }
+        self.renewal_faults().await?;
         self.inner.renew(holds).await
+    }
+
+    async fn renew_each(&self, holds: &[Hold]) -> Result<Vec<Renewed>, Error> {
+        self.renewal_faults().await?;
+        self.inner.renew_each(holds).await
     }
 
     async fn release(&self, hold: &Hold) -> Result<(), Error> {

@@ -44,24 +44,29 @@ pub(crate) async fn run(state: Arc<SessionState>) {
             _ = state.shutdown.cancelled() => return,
             r = timeout(timing.request_timeout, state.raw.renew_each(&request)).instrument(span) => r,
         };
-        if !matches!(result, Ok(Ok(ref still_held)) if still_held.len() == tenures.len()) {
+        // (a round that left some holds unknown counts as a failed one)
+        let complete = matches!(result, Ok(Ok(ref still_held))
+            if still_held.len() == tenures.len() && !still_held.contains(&Renewed::Unknown));
+        if !complete {
             telemetry::renewal_failed(state.scheme);
         }
         match result {
             Ok(Ok(still_held)) if still_held.len() == tenures.len() => {
-                Stats::bump(&state.stats.renewals);
                 let landed = clock::now();
-                let lag = state
-                    .earliest_deadline()
-                    .map(|deadline| deadline.saturating_duration_since(landed));
-                telemetry::renewed(state.scheme, landed - sent, lag);
                 let until = timing.valid_until(sent);
                 let unknown = still_held
                     .iter()
                     .filter(|r| **r == Renewed::Unknown)
                     .count();
                 if unknown == 0 {
+                    Stats::bump(&state.stats.renewals);
+                    let lag = state
+                        .earliest_deadline()
+                        .map(|deadline| deadline.saturating_duration_since(landed));
+                    telemetry::renewed(state.scheme, landed - sent, lag);
                     state.extend_session(until);
+                } else {
+                    Stats::bump(&state.stats.renewal_failures);
                 }
                 for (tenure, renewed) in tenures.iter().zip(still_held) {
                     if tenure.reason().is_some() {
@@ -69,11 +74,13 @@ pub(crate) async fn run(state: Arc<SessionState>) {
                     }
                     match renewed {
                         Renewed::Lost => state.lose(tenure, LostReason::Revoked),
-                        Renewed::Held if !tenure.extend(until) => {
-                            state.lose(tenure, LostReason::Expired);
+                        Renewed::Held => {
+                            if !tenure.extend(until) {
+                                state.lose(tenure, LostReason::Expired);
+                            }
                         }
-                        // (Unknown: its deadline stays; tried again below)
-                        _ => {}
+                        // Its deadline stays; tried again below.
+                        Renewed::Unknown => {}
                     }
                 }
                 if unknown == 0 {

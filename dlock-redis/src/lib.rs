@@ -94,6 +94,9 @@
 //!   FORCE` or `TAKEOVER`) can leave less; a slot moved by resharding takes
 //!   its last-token key along while it lives (10 s after a release), then
 //!   has only the clock floor too.
+//! * Every request to a cluster may take ¾ of the session's request
+//!   timeout (as a Redlock node's), so that a renewal returns what the
+//!   other masters answered before the core gives up on it.
 //! * Names are sharded: a client cut off from the master of a name's slot
 //!   cannot lock that name ([`Capabilities::sharded`]).
 //! * `address_map=ANNOUNCED:PORT>REACHED:PORT,...` reaches nodes that
@@ -162,8 +165,10 @@
 //! never persisted, so no RDB, AOF or replication can bring an old one back),
 //! its replication id (from `INFO replication`: drawn anew when a replica is
 //! promoted, so that a replica that was master before, demoted, and promoted
-//! again — keeping a record of its own first term — starts over), and the
-//! server time at which dlock first saw them. The take and renew scripts read
+//! again — keeping a record of its own first term — starts over; a new id
+//! without a promotion, when the replication backlog is created or freed,
+//! is recorded without starting over), and the server time at which dlock
+//! first saw them. The take and renew scripts read
 //! both **inside the same atomic script** that grants or renews; if the
 //! record is missing or names another process or term (a restart with or
 //! without data, a restore from any snapshot, a promoted replica, a
@@ -232,6 +237,11 @@
 //! long as the nodes' clocks never step back and such a node stays out of
 //! quorums for `max_ttl` (the restart guard above enforces that) with a
 //! clock no more than `max_ttl` behind the node that issued the last token**.
+//! A renewal is confirmed by a majority of the nodes; a hold the answering
+//! nodes neither confirm nor rule out (some silent, the others split) is
+//! left as it is until its deadline, then reported lost (`Expired`), not
+//! revoked at once.
+//!
 //! Tokens are *not* monotonic if those assumptions break; when correctness
 //! matters more than availability, prefer a consensus store (etcd,
 //! ZooKeeper).

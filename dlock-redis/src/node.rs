@@ -31,8 +31,13 @@ use crate::{script, slots};
 
 /// How long a release's (or force-release's) receipt is kept: the same
 /// request sent again within this time (by the Cluster driver after a
-/// reconnect) answers as the first did (see [`script::RELEASE`]).
-const RECEIPT_MS: u64 = 10_000;
+/// reconnect, only while its caller waits, at most `limit`) answers as the
+/// first did (see [`script::RELEASE`]). At least 10 s.
+fn receipt_ms(limit: Duration) -> u64 {
+    u64::try_from(limit.as_millis().saturating_mul(2))
+        .unwrap_or(u64::MAX)
+        .max(10_000)
+}
 
 /// A fresh receipt key for one release request of the lock of `keys`
 /// (64 random bits; in the lock's slot).
@@ -844,7 +849,7 @@ impl Node {
             .arg(token)
             .arg(&keys.channel)
             .arg(self.keep_last_ms)
-            .arg(RECEIPT_MS);
+            .arg(receipt_ms(limit));
         let released: i64 = self
             .request(limit, |mut c| async move {
                 invocation.invoke_async(&mut c).await
@@ -1178,7 +1183,7 @@ impl Node {
             .key(receipt_key(&keys))
             .arg(&keys.channel)
             .arg(self.keep_last_ms)
-            .arg(RECEIPT_MS);
+            .arg(receipt_ms(limit));
         let done: i64 = self
             .request(limit, |mut c| async move {
                 invocation.invoke_async(&mut c).await

@@ -18,14 +18,19 @@
 //!
 //! Restart guard (when `min_uptime > 0`): the server's `run_id` (from `INFO
 //! server`, drawn at random by every server process at start and never
-//! persisted) and its replication id (`master_replid`, from `INFO
-//! replication`: drawn anew whenever a replica is promoted) are compared
-//! with the ones recorded in `P:boot`. A different or missing record means
-//! a server process, or a term as master, dlock has not seen before (a
-//! restart with or without data, a promoted replica — also one that was
-//! master before and kept an old record of its own —, a `FLUSHALL`): the
-//! node records them with the server time and, for `min_uptime` from then,
-//! grants nothing and confirms no renewal.
+//! persisted) is compared with the one recorded in `P:boot`, and its
+//! replication id (`master_replid`, from `INFO replication`) with the
+//! recorded one when the server was promoted (`master_replid2` set: a
+//! promotion draws a new id and keeps the old one there; creating or
+//! freeing the replication backlog draws a new id too but clears it, and
+//! is no new term). A missing record, another `run_id`, or another id after
+//! a promotion means a server process, or a term as master, dlock has not
+//! seen before (a restart with or without data, a promoted replica — also
+//! one that was master before and kept an old record of its own —, a
+//! `FLUSHALL`): the node records them with the server time and, for
+//! `min_uptime` from then, grants nothing and confirms no renewal. A
+//! record without the replication id (written by an earlier dlock) is
+//! adopted, so old and new clients can share a deployment.
 use redis::Script;
 use std::sync::LazyLock;
 
@@ -35,18 +40,27 @@ const GUARD: &str = r#"
 local function guard_wait(key, min_uptime, now_ms)
   if min_uptime <= 0 then return 0 end
   local run = string.match(redis.call('INFO', 'server'), 'run_id:(%x+)')
-  local replid = string.match(redis.call('INFO', 'replication'), 'master_replid:(%x+)')
   if not run then error('dlock: INFO server shows no run_id') end
-  if not replid then error('dlock: INFO replication shows no master_replid') end
-  run = run .. ':' .. replid
+  -- The replication ids ('' before Redis 4: the run_id alone counts then).
+  -- A promotion draws a new master_replid and keeps the old one as
+  -- master_replid2; creating or freeing the replication backlog draws a
+  -- new one too, but clears master_replid2: that is no new term.
+  local repl = redis.call('INFO', 'replication')
+  local replid = string.match(repl, 'master_replid:(%x+)') or ''
+  local replid2 = string.match(repl, 'master_replid2:(%x+)') or ''
+  local promoted = string.find(replid2, '[^0]') ~= nil
   local since = nil
   if redis.call('TYPE', key)['ok'] == 'hash' then
-    local v = redis.call('HMGET', key, 'run', 'since')
-    if v[1] == run then since = tonumber(v[2]) end
+    local v = redis.call('HMGET', key, 'run', 'since', 'replid')
+    -- (a record without replid, written before it was kept, is adopted)
+    if v[1] == run and not (v[3] and v[3] ~= replid and promoted) then
+      since = tonumber(v[2])
+      if v[3] ~= replid then redis.call('HSET', key, 'replid', replid) end
+    end
   end
   if not since then
     redis.call('DEL', key)
-    redis.call('HSET', key, 'run', run, 'since', string.format('%.0f', now_ms))
+    redis.call('HSET', key, 'run', run, 'replid', replid, 'since', string.format('%.0f', now_ms))
     return min_uptime
   end
   return math.max(0, math.ceil(min_uptime - (now_ms - since)))
@@ -197,15 +211,19 @@ return 0
 
 /// Admin break. KEYS: lock, last, receipt. ARGV: channel, keep_last_ms,
 /// receipt_ms. Returns 1 if it was held. Like a release it leaves a
-/// receipt key of its own request: the same request sent again (after its
-/// connection broke) must not break the hold of whoever took the lock
-/// meanwhile.
+/// receipt key of its own request, with its answer (also "it was free"):
+/// the same request sent again (after its connection broke) answers the
+/// same and must not break the hold of whoever took the lock meanwhile.
 pub(crate) static FORCE: LazyLock<Script> = LazyLock::new(|| {
     with_set_last(
         r#"
-if redis.call('EXISTS', KEYS[3]) == 1 then return 1 end
+local done = redis.call('GET', KEYS[3])
+if done then return tonumber(done) end
 local token = redis.call('HGET', KEYS[1], 'token')
-if not token then return 0 end
+if not token then
+  redis.call('SET', KEYS[3], '0', 'PX', ARGV[3])
+  return 0
+end
 redis.call('DEL', KEYS[1])
 set_last(KEYS[2], token, tonumber(ARGV[2]))
 redis.call('SET', KEYS[3], '1', 'PX', ARGV[3])

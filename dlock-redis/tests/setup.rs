@@ -257,6 +257,10 @@ async fn replica_then_failover() {
     let before = g.token();
     g.release().await.unwrap();
 
+    // Held while the replica attaches: a master given its first replica
+    // draws a new replication id, which is no new term for the guard.
+    let kept = sa.lock(unique("kept")).unwrap().acquire().await.unwrap();
+
     let host = master.trim_start_matches("redis://");
     let (h, p) = host.rsplit_once(':').expect("host:port");
     let _undo = undo(&replica, &[&["REPLICAOF", "NO", "ONE"]]);
@@ -266,6 +270,13 @@ async fn replica_then_failover() {
         info.contains("master_link_status:up")
     })
     .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(
+        kept.is_held(),
+        "a replica attaching to a guarded master cost its holds: {:?}",
+        kept.lost_reason()
+    );
+    kept.release().await.unwrap();
 
     let b = RedisBackend::connect(&with_options(&replica, guarded))
         .await

@@ -82,7 +82,9 @@
 //!   held lock ([`Capabilities::restart_loses_locks`]); its holder hears of
 //!   it at its next renewal. With `restart_guard=true` the promoted replica
 //!   grants nothing in a slot for `max_ttl` — after every failover, planned
-//!   ones too: the new master's holds are then lost, and its slots wait.
+//!   ones too (and an aborted `FAILOVER`, which gives the old master a new
+//!   replication id): the new master's holds are then lost, and its slots
+//!   wait.
 //!   **Tokens** after a failover are floored by the new master's `TIME`, as
 //!   after a restart (the last-token key may not have reached it), so they
 //!   never go back as long as the new master's clock is not behind the old
@@ -190,7 +192,12 @@
 //! the server's clock neither jumps forward (that shortens the wait, and
 //! expires keys early anyway) nor back (tokens); data is not rolled back
 //! without a new process (`DEBUG RELOAD`, disabled by default since Redis 7,
-//! is outside).
+//! is outside). The replication-id check needs Redis 4 or later (older
+//! servers report no `master_replid`: only the `run_id` counts there), and
+//! sees a promotion only until the promoted master's replication backlog is
+//! freed (`repl-backlog-ttl`, default 3600 s: keep it at least `max_ttl`, or
+//! 0 for never). A record written by a dlock before this check is adopted
+//! as it is; the check applies from the next record the node writes.
 //!
 //! **Cost**: after every restart or failover, and the first time dlock sees
 //! a server, the node waits `max_ttl` (default 60 s; set it close to the TTL

@@ -475,13 +475,7 @@ impl Harness for AdapterHarness {
             url = url.with_option(key, value)?;
         }
         if let Some(key) = &self.proxy_map_option {
-            let pairs: Vec<String> = self
-                .endpoints()
-                .iter()
-                .zip(via)
-                .map(|(server, proxy)| format!("{server}>{proxy}"))
-                .collect();
-            url = url.with_option(key, &pairs.join(","))?;
+            url = url.with_option(key, &crate::wire::proxy_map(&self.endpoints(), via))?;
         }
         let backend = self.open(url).await?;
         self.readied(backend).await

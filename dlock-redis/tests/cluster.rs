@@ -164,6 +164,16 @@ async fn shard_of(name: &str, asked: usize) -> (usize, Option<usize>) {
     panic!("slot {slot} is served by no master");
 }
 
+/// A fresh lock name whose slot another master than `master` serves.
+async fn name_elsewhere(master: usize) -> String {
+    loop {
+        let name = unique("elsewhere");
+        if shard_of(&name, 0).await.0 != master {
+            return name;
+        }
+    }
+}
+
 async fn session(url: &str, ttl: Duration) -> (RedisBackend, Session) {
     let backend = RedisBackend::connect(url)
         .await
@@ -404,12 +414,7 @@ async fn a_stopped_master_is_replaced_for_a_busy_client() {
     let wanted = unique("behind-stopped-master");
     let (master, _) = shard_of(&wanted, 0).await;
     // A lock on another master, renewed every second meanwhile.
-    let other = loop {
-        let name = unique("elsewhere");
-        if shard_of(&name, 0).await.0 != master {
-            break name;
-        }
-    };
+    let other = name_elsewhere(master).await;
     let elsewhere = b.lock(&other).unwrap().acquire().await.unwrap();
     faults.servers.pause(master).await.unwrap();
     let _resume = Resume(faults.servers.clone(), master);
@@ -444,12 +449,7 @@ async fn holds_on_other_masters_outlive_a_failover_longer_than_the_lease() {
     let (_backend, s) = session(&cluster_url(), Duration::from_secs(2)).await;
     let doomed = unique("on-the-killed-master");
     let (master, _) = shard_of(&doomed, 0).await;
-    let other = loop {
-        let name = unique("elsewhere");
-        if shard_of(&name, 0).await.0 != master {
-            break name;
-        }
-    };
+    let other = name_elsewhere(master).await;
     let g_doomed = s.lock(&doomed).unwrap().acquire().await.unwrap();
     let g_other = s.lock(&other).unwrap().acquire().await.unwrap();
     faults.servers.kill(master).await.unwrap();

@@ -351,13 +351,8 @@ fn proxied(url: &str, via: &[std::net::SocketAddr]) -> Result<StoreUrl, Error> {
     let url = StoreUrl::parse(url)?;
     let mut out = url.with_hosts(via)?;
     if url.scheme().ends_with("+cluster") {
-        let map: Vec<String> = url
-            .hosts()
-            .iter()
-            .zip(via)
-            .map(|(host, proxy)| format!("{host}>{proxy}"))
-            .collect();
-        out = out.with_option("address_map", &map.join(","))?;
+        let map = dlock_conformance::wire::proxy_map(url.hosts(), via);
+        out = out.with_option("address_map", &map)?;
     }
     Ok(out)
 }

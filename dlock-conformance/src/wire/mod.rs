@@ -20,6 +20,27 @@ use dlock_core::Error;
 pub use dlock_core::memory::{Fault, FaultSwitch, Flow, LinkState};
 pub use proxy::Proxy;
 
+/// `H1:P1>X1:Q1,H2:P2>X2:Q2,...`: each server endpoint and the proxy in front
+/// of it, in order. The value of an option that tells a driver which
+/// discovers the servers (Redis Cluster's `address_map`) where to reach each
+/// of them through its proxy.
+///
+/// ```
+/// let via = ["127.0.0.1:9001".parse().unwrap()];
+/// assert_eq!(
+///     dlock_conformance::wire::proxy_map(&["127.0.0.1:7000"], &via),
+///     "127.0.0.1:7000>127.0.0.1:9001"
+/// );
+/// ```
+pub fn proxy_map(endpoints: &[impl fmt::Display], via: &[SocketAddr]) -> String {
+    endpoints
+        .iter()
+        .zip(via)
+        .map(|(server, proxy)| format!("{server}>{proxy}"))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
 /// One client's controllable paths to the store's nodes.
 pub trait Link: Send + Sync + fmt::Debug {
     /// How many nodes (paths) the link has.

@@ -27,6 +27,9 @@ struct LockJson<'a> {
     why: Option<&'a str>,
     acquired_at: Option<String>,
     expires_at: Option<String>,
+    /// Where the store keeps the expiry to itself (ZooKeeper): it frees the
+    /// lock this many milliseconds after the holder's session falls silent.
+    session_timeout_ms: Option<u128>,
     waiters: Option<usize>,
 }
 
@@ -40,6 +43,7 @@ impl<'a> LockJson<'a> {
             why: None,
             acquired_at: None,
             expires_at: None,
+            session_timeout_ms: None,
             waiters: None,
         }
     }
@@ -53,6 +57,7 @@ impl<'a> LockJson<'a> {
             why: info.why.as_deref(),
             acquired_at: info.acquired_at.map(rfc3339),
             expires_at: info.expires_at.map(rfc3339),
+            session_timeout_ms: info.session_timeout.map(|t| t.as_millis()),
             waiters: info.waiters,
         }
     }
@@ -82,6 +87,15 @@ pub(crate) async fn status(url: &str, args: StatusArgs) -> Result<u8, Failure> {
             }
             if let Some(t) = info.expires_at {
                 line("expires-at:", &rfc3339(t));
+            } else if let Some(t) = info.session_timeout {
+                line(
+                    "expires:",
+                    &format!(
+                        "{} after the holder's session falls silent \
+                         (the store tells no one when it last heard from it)",
+                        humantime::format_duration(t)
+                    ),
+                );
             }
             if let Some(n) = info.waiters {
                 line("waiters:", &n.to_string());
@@ -146,7 +160,7 @@ fn table(locks: &[LockInfo]) -> String {
                 l.name.to_string(),
                 l.token.to_string(),
                 printable(&l.holder).into_owned(),
-                l.expires_at.map_or_else(|| "-".to_owned(), rfc3339),
+                expires_cell(l),
                 l.why
                     .as_deref()
                     .map_or(Cow::Borrowed("-"), printable)
@@ -174,6 +188,17 @@ fn table(locks: &[LockInfo]) -> String {
         out.push('\n');
     }
     out
+}
+
+/// `list`'s EXPIRES: the time, or `silent+T` where the store frees the lock
+/// T after the holder's session falls silent but keeps when that was to
+/// itself, or `-`.
+fn expires_cell(info: &LockInfo) -> String {
+    match (info.expires_at, info.session_timeout) {
+        (Some(t), _) => rfc3339(t),
+        (None, Some(t)) => format!("silent+{}", humantime::format_duration(t)),
+        (None, None) => "-".to_owned(),
+    }
 }
 
 /// RFC 3339 with milliseconds, UTC.

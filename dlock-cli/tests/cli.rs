@@ -867,3 +867,55 @@ fn redlock_names_its_restart_guard() {
     assert_eq!(ran.stdout, "ran\n", "{ran:#?}");
     assert!(ran.stderr.contains("waiting"), "{ran:#?}");
 }
+
+/// Issue 18 (first run): `status` and `list` tell when an etcd or ZooKeeper
+/// hold frees; both printed `-`. etcd tells the lease's expiry; ZooKeeper
+/// tells no client when it last heard from another's session, so dlock
+/// shows the holder's session timeout (recorded in the lock node). Red
+/// before: no `expires` line for ZooKeeper.
+#[cfg(all(feature = "etcd", feature = "zk"))]
+#[test]
+fn status_tells_when_etcd_and_zookeeper_holds_free() {
+    for (var, want_status, want_json, want_list) in [
+        ("DLOCK_TEST_ETCD_URL", "expires-at:", "expires_at", "Z"),
+        (
+            "DLOCK_TEST_ZK_URL",
+            "expires:     30s after the holder's session falls silent",
+            "session_timeout_ms",
+            "silent+30s",
+        ),
+    ] {
+        let Ok(url) = std::env::var(var) else {
+            println!("SKIPPED status_tells_when_etcd_and_zookeeper_holds_free: {var} is not set");
+            continue;
+        };
+        let store = Store { url, _dir: None };
+        let dir = tempfile::tempdir().unwrap();
+        let prefix = format!("{}/", unique("expiry"));
+        let name = format!("{prefix}job");
+        let holder = Running::start(&store, dir.path(), &["--ttl", "30s", &name], HOLD);
+
+        let ran = store.run(&["status", &name]);
+        assert_eq!(ran.code, Some(0), "{var}: {ran:#?}");
+        assert!(ran.stdout.contains(want_status), "{var}: {ran:#?}");
+        let ran = store.run(&["status", &name, "--json"]);
+        let v: Value = serde_json::from_str(&ran.stdout).unwrap();
+        assert!(!v[want_json].is_null(), "{var}: {v}");
+        if var == "DLOCK_TEST_ZK_URL" {
+            assert_eq!(v["session_timeout_ms"], 30_000, "{v}");
+            assert_eq!(v["expires_at"], Value::Null, "{v}");
+        }
+        let ran = store.run(&["list", &prefix]);
+        let row: Vec<_> = ran
+            .stdout
+            .lines()
+            .nth(1)
+            .unwrap()
+            .split_whitespace()
+            .collect();
+        assert!(row[3].ends_with(want_list), "{var}: {ran:#?}");
+
+        holder.signal(Signal::SIGINT);
+        assert_eq!(holder.wait().code, Some(128 + 2));
+    }
+}

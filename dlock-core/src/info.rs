@@ -2,7 +2,7 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::{FencingToken, LockName};
 
@@ -116,6 +116,11 @@ pub struct LockInfo {
     pub acquired_at: Option<SystemTime>,
     /// When the store will free it unless renewed.
     pub expires_at: Option<SystemTime>,
+    /// For a lock bound to its holder's session whose expiry the store keeps
+    /// to itself (ZooKeeper tells no other client when it last heard from a
+    /// session): the store frees the lock about this long after the holder's
+    /// session last reached it. `expires_at` is then `None`.
+    pub session_timeout: Option<Duration>,
     /// How many clients wait for it, where the store can tell.
     pub waiters: Option<usize>,
 }
@@ -130,6 +135,7 @@ impl LockInfo {
             why: None,
             acquired_at: None,
             expires_at: None,
+            session_timeout: None,
             waiters: None,
         }
     }

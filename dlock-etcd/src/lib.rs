@@ -118,8 +118,12 @@ use etcd_client::{
 use etcd_client::{GetResponse, TxnResponse};
 pub use fence::EtcdFence;
 pub use floor::EtcdFloor;
+use futures::StreamExt as _;
 
 const BACKEND: &str = "etcd";
+
+/// How many lease reads `list` keeps in flight (one per holding session).
+const LEASE_READS_IN_FLIGHT: usize = 16;
 
 /// The smallest TTL: etcd counts lease TTLs in whole seconds, and its
 /// minimum lease TTL depends on the election timeout (1 s with a 500 ms
@@ -605,6 +609,28 @@ fn tls_options(files: &TlsFiles) -> Result<TlsOptions, Error> {
 }
 
 impl EtcdBackend {
+    /// When `lease` (a holder's) runs out, by its time to live in etcd's
+    /// whole seconds from when the answer arrived; `None` if the key had
+    /// no lease, the lease is gone (the hold just ended) or the read failed
+    /// (an expiry is extra: it leaves it unknown).
+    async fn lease_expiry(&self, lease: i64) -> Option<std::time::SystemTime> {
+        if lease == 0 {
+            return None;
+        }
+        let ttl = self
+            .inner
+            .call(Repeat::Idempotent, |client| {
+                let mut leases = client.lease_client();
+                async move { leases.time_to_live(lease, None).await }
+            })
+            .await
+            .ok()?
+            .ttl();
+        // (-1: the lease is gone)
+        let ttl = u64::try_from(ttl).ok()?;
+        Some(std::time::SystemTime::now() + Duration::from_secs(ttl))
+    }
+
     /// Connects to the cluster (see the crate docs for the URL).
     ///
     /// # Errors
@@ -745,30 +771,13 @@ impl Backend for EtcdBackend {
         ))
     }
 
-    /// With `expires_at` from the holder's lease (its time to live, in
-    /// etcd's whole seconds, from when the answer arrived): one more request.
+    /// With `expires_at` from the holder's lease: one more request.
     async fn inspect(&self, name: &LockName) -> Result<Option<LockInfo>, Error> {
         let Some((kv, count)) = self.head(name).await? else {
             return Ok(None);
         };
         let mut info = info_of(name.clone(), &kv, count);
-        if kv.lease() != 0 {
-            let lease = kv.lease();
-            // (an expiry is extra: a failure to read it leaves it unknown)
-            let ttl = self
-                .inner
-                .call(Repeat::Idempotent, |client| {
-                    let mut leases = client.lease_client();
-                    async move { leases.time_to_live(lease, None).await }
-                })
-                .await
-                .map(|r| r.ttl())
-                .unwrap_or(-1);
-            // (-1: the lease is gone, the key with it: the hold just ended)
-            info.expires_at = u64::try_from(ttl)
-                .ok()
-                .map(|s| std::time::SystemTime::now() + Duration::from_secs(s));
-        }
+        info.expires_at = self.lease_expiry(kv.lease()).await;
         Ok(Some(info))
     }
 
@@ -796,12 +805,28 @@ impl Backend for EtcdBackend {
                 entry.0 = item.clone();
             }
         }
-        Ok(by_name
+        let mut locks: Vec<(LockInfo, i64)> = by_name
             .into_iter()
             .filter_map(|(flat, (kv, count))| {
-                Some(info_of(LockName::unflat(&flat).ok()?, &kv, count))
+                Some((
+                    info_of(LockName::unflat(&flat).ok()?, &kv, count),
+                    kv.lease(),
+                ))
             })
-            .collect())
+            .collect();
+        // One request per lease (a session's holds share its lease), a few
+        // at a time.
+        let leases: std::collections::BTreeSet<i64> = locks.iter().map(|(_, l)| *l).collect();
+        let expiries: std::collections::HashMap<i64, Option<std::time::SystemTime>> =
+            futures::stream::iter(leases)
+                .map(|lease| async move { (lease, self.lease_expiry(lease).await) })
+                .buffer_unordered(LEASE_READS_IN_FLIGHT)
+                .collect()
+                .await;
+        for (info, lease) in &mut locks {
+            info.expires_at = expiries.get(lease).copied().flatten();
+        }
+        Ok(locks.into_iter().map(|(info, _)| info).collect())
     }
 
     async fn validate(&self, name: &LockName, token: FencingToken) -> Result<bool, Error> {

@@ -56,6 +56,14 @@
 //!   against each node's ACL, so `connect` reads the root once: a wrong
 //!   password (or a user the root's ACL does not admit) is
 //!   [`Error::Auth`] there, not later.
+//! * **`inspect` and `list`** cannot tell when a hold expires: ZooKeeper
+//!   tells no client when the ensemble last heard from another client's
+//!   session (its `dump` command shows it only to the leader's operators,
+//!   with one-second dates in the server's time zone). Each lock node
+//!   records its holder, its negotiated session timeout and the `why`, and
+//!   [`LockInfo::session_timeout`] reports the timeout: the lock frees
+//!   about that long after the holder's session falls silent (`dlock
+//!   status` prints it so). Nodes written by earlier versions report none.
 //!
 //! # Why a renewal syncs, and the bound the deadline subtracts (S4)
 //!
@@ -112,6 +120,7 @@
 
 mod fence;
 mod floor;
+mod node_data;
 mod session;
 
 use std::fmt;
@@ -550,10 +559,10 @@ impl fmt::Debug for ZkBackend {
 }
 
 fn info_of(name: LockName, data: &[u8], stat: &zk::Stat, queue: usize) -> LockInfo {
-    let text = String::from_utf8_lossy(data);
-    let (holder, why) = text.split_once('\n').unwrap_or((&text, ""));
-    let mut info = LockInfo::new(name, holder, FencingToken::new(stat.czxid as u64));
-    info.why = (!why.is_empty()).then(|| why.to_owned());
+    let data = node_data::decode(data);
+    let mut info = LockInfo::new(name, data.holder, FencingToken::new(stat.czxid as u64));
+    info.why = data.why;
+    info.session_timeout = data.timeout;
     info.acquired_at = Some(UNIX_EPOCH + Duration::from_millis(stat.ctime.max(0) as u64));
     info.waiters = Some(queue.saturating_sub(1));
     info
@@ -638,7 +647,7 @@ impl Backend for ZkBackend {
         let admin = self.inner.admin().await?;
         match admin.delete(&path, Some(stat.version)).await {
             Ok(()) => {
-                tracing::info!(lock = %name, holder = %String::from_utf8_lossy(&data).lines().next().unwrap_or(""), token = stat.czxid, "force-released");
+                tracing::info!(lock = %name, holder = %node_data::decode(&data).holder, token = stat.czxid, "force-released");
                 Ok(true)
             }
             Err(zk::Error::NoNode) => Ok(false),

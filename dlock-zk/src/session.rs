@@ -61,6 +61,9 @@ pub(crate) struct ZkSession {
     /// The TTL the core counts with: the negotiated session timeout less
     /// the leader's report lag (see the crate docs).
     ttl: Duration,
+    /// The session timeout the ensemble granted, recorded in every lock node
+    /// for `inspect` (see [`crate::node_data`]).
+    negotiated: Duration,
     /// The ZooKeeper session id in hex: every node of this session starts
     /// with it (ownership check, protected mode).
     zk_id: String,
@@ -134,6 +137,7 @@ impl ZkSession {
         Ok(Self {
             _touching: touching,
             ttl,
+            negotiated,
             zk_id: format!("{:x}", client.session_id().0),
             inner,
             client,
@@ -237,7 +241,7 @@ impl RawSession for ZkSession {
             name: name.clone(),
             parent: self.inner.parent(name),
             guid: format!("{}-{:016x}", self.zk_id, rand::random::<u64>()),
-            data: format!("{}\n{}", self.id, why.unwrap_or_default()).into_bytes(),
+            data: crate::node_data::encode(self.id.as_str(), self.negotiated, why),
             node: None,
             sent: false,
             ahead: None,

@@ -10,7 +10,26 @@ use tokio::time::sleep;
 use super::{ensure, eventually, passed, queued, start};
 use crate::{Ctx, Failure, Harness, Outcome};
 
-/// S2, S3: `inspect` reports holder, token and reason; `validate` accepts only
+/// What `dlock status` and `list` show of when a held lock frees: the
+/// store's time, or (where the store keeps that to itself) the holder's
+/// session timeout, which is at least the TTL the holder counts with.
+fn tells_expiry(call: &str, info: &dlock_core::LockInfo, ttl: Duration) -> Result<(), Failure> {
+    match (info.expires_at, info.session_timeout) {
+        (Some(_), _) => Ok(()),
+        (None, Some(timeout)) => {
+            ensure!(
+                timeout >= ttl,
+                "{call}: session_timeout {timeout:?} shorter than the holder's TTL {ttl:?}"
+            );
+            Ok(())
+        }
+        (None, None) => Err(Failure(format!(
+            "{call} of a held lock tells neither expires_at nor session_timeout"
+        ))),
+    }
+}
+
+/// S2, S3: `inspect` reports holder, token, reason and expiry; `validate` accepts only
 /// the current token; `list` finds held locks by prefix; all change with the
 /// next holder.
 pub async fn inspect_and_validate(h: &dyn Harness) -> Outcome {
@@ -50,6 +69,10 @@ pub async fn inspect_and_validate(h: &dyn Harness) -> Outcome {
     if let (Some(at), Some(exp)) = (info.acquired_at, info.expires_at) {
         ensure!(exp > at, "expires_at {exp:?} not after acquired_at {at:?}");
     }
+    // What `dlock status` shows of when the lock frees: the store's time, or
+    // (where it keeps that to itself) the holder's session timeout, which is
+    // at least the TTL the holder counts with.
+    tells_expiry("inspect", &info, a.ttl())?;
     let t0 = ga.token().get();
     ensure!(
         admin.validate(&name, ga.token()).await?,
@@ -75,6 +98,7 @@ pub async fn inspect_and_validate(h: &dyn Harness) -> Outcome {
             .map(|i| i.name.to_string())
             .collect::<Vec<_>>()
     );
+    tells_expiry("list", &listed[0], a.ttl())?;
     let lock = b.lock(&name)?;
     let waiter = tokio::spawn(async move { lock.acquire_timeout(Duration::from_secs(30)).await });
     queued(&*admin, &name, 1, t / 3).await?;

@@ -93,7 +93,7 @@ pub(crate) async fn status(url: &str, args: StatusArgs) -> Result<u8, Failure> {
                     &format!(
                         "{} after the holder's session falls silent \
                          (the store tells no one when it last heard from it)",
-                        humantime::format_duration(t)
+                        seconds(t)
                     ),
                 );
             }
@@ -196,8 +196,20 @@ fn table(locks: &[LockInfo]) -> String {
 fn expires_cell(info: &LockInfo) -> String {
     match (info.expires_at, info.session_timeout) {
         (Some(t), _) => rfc3339(t),
-        (None, Some(t)) => format!("silent+{}", humantime::format_duration(t)),
+        (None, Some(t)) => format!("silent+{}", seconds(t)),
         (None, None) => "-".to_owned(),
+    }
+}
+
+/// A duration as one word of seconds, to the millisecond: `30s`, `1.5s`
+/// (a table cell that splits on whitespace stays one cell).
+fn seconds(d: Duration) -> String {
+    let ms = d.as_millis();
+    let (whole, frac) = (ms / 1000, ms % 1000);
+    if frac == 0 {
+        format!("{whole}s")
+    } else {
+        format!("{whole}.{}s", format!("{frac:03}").trim_end_matches('0'))
     }
 }
 
@@ -264,6 +276,15 @@ async fn request<T>(fut: impl Future<Output = Result<T, Error>>) -> Result<T, Fa
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn seconds_are_one_word() {
+        assert_eq!(seconds(Duration::from_secs(30)), "30s");
+        assert_eq!(seconds(Duration::from_millis(1500)), "1.5s");
+        assert_eq!(seconds(Duration::from_millis(200)), "0.2s");
+        assert_eq!(seconds(Duration::from_millis(1234)), "1.234s");
+        assert_eq!(seconds(Duration::from_millis(90_050)), "90.05s");
+    }
     use dlocks::FencingToken;
 
     #[test]

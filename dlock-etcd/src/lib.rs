@@ -125,6 +125,9 @@ const BACKEND: &str = "etcd";
 /// How many lease reads `list` keeps in flight (one per holding session).
 const LEASE_READS_IN_FLIGHT: usize = 16;
 
+/// How long `list` spends reading leases for the expiries it shows.
+const LEASE_READS_LIMIT: Duration = Duration::from_secs(2);
+
 /// The smallest TTL: etcd counts lease TTLs in whole seconds, and its
 /// minimum lease TTL depends on the election timeout (1 s with a 500 ms
 /// election timeout, 2 s with etcd's defaults; etcd raises smaller TTLs and
@@ -815,14 +818,18 @@ impl Backend for EtcdBackend {
             })
             .collect();
         // One request per lease (a session's holds share its lease), a few
-        // at a time.
+        // at a time, all within LEASE_READS_LIMIT: an etcd slow to answer
+        // them leaves expiries unknown rather than the list late.
         let leases: std::collections::BTreeSet<i64> = locks.iter().map(|(_, l)| *l).collect();
-        let expiries: std::collections::HashMap<i64, Option<std::time::SystemTime>> =
-            futures::stream::iter(leases)
-                .map(|lease| async move { (lease, self.lease_expiry(lease).await) })
-                .buffer_unordered(LEASE_READS_IN_FLIGHT)
-                .collect()
-                .await;
+        let reads = futures::stream::iter(leases)
+            .map(|lease| async move { (lease, self.lease_expiry(lease).await) })
+            .buffer_unordered(LEASE_READS_IN_FLIGHT);
+        futures::pin_mut!(reads);
+        let until = tokio::time::Instant::now() + LEASE_READS_LIMIT;
+        let mut expiries = std::collections::HashMap::new();
+        while let Ok(Some((lease, at))) = tokio::time::timeout_at(until, reads.next()).await {
+            expiries.insert(lease, at);
+        }
         for (info, lease) in &mut locks {
             info.expires_at = expiries.get(lease).copied().flatten();
         }

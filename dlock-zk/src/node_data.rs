@@ -1,11 +1,14 @@
 //! What a lock node holds: who took it, for how long a silent session keeps
 //! it, and why.
 //!
-//! `HOLDER\tTIMEOUT_MS\nWHY`. Only `inspect` reads it (ownership is checked
-//! by the node's stat, never by its data). The timeout is there because
-//! ZooKeeper tells no other client when it last heard from a session: it is
-//! the one figure about the lock's expiry that `dlock status` can show.
-//! Nodes written before the timeout was recorded read as `HOLDER\nWHY`.
+//! `HOLDER\tTIMEOUT_MS\nWHY`. Only `inspect` and `list` (and the
+//! force-release log) decode it: ownership is checked by the node's stat,
+//! never by its data. The timeout is there because ZooKeeper tells no other
+//! client when it last heard from a session: it is the one figure about the
+//! lock's expiry that `dlock status` can show. Nodes written before the
+//! timeout was recorded read as `HOLDER\nWHY`; a dlock from before reads
+//! `HOLDER\tTIMEOUT_MS` as the holder (upgrade readers first where
+//! programs compare holders or leaders by id).
 
 use std::time::Duration;
 

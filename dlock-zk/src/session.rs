@@ -16,8 +16,10 @@ use zookeeper_client as zk;
 
 use crate::{Inner, map_err};
 
-/// Reads per renewal multi-read: a lock node's data and stat are well under
-/// 200 bytes, so a chunk's answer stays far below `jute.maxbuffer`.
+/// Reads per renewal multi-read. A lock node answers its data (holder id,
+/// session timeout and a `why` of at most 512 bytes: under 800 bytes) and
+/// its stat (~70 bytes), so a chunk's answer stays below `jute.maxbuffer`
+/// (1 MiB) even with every `why` at its longest.
 const MULTI_READ_CHUNK: usize = 1000;
 
 /// How long an emptied lock parent stays after this session's last release

@@ -29,11 +29,15 @@ use tokio::time::{Instant, sleep, timeout, timeout_at};
 use crate::conn::Conn;
 use crate::{script, slots};
 
-/// How long a release's (or force-release's) receipt is kept: the same
-/// request sent again within this time (by the Cluster driver after a
-/// reconnect, only while its caller waits, at most `limit`) answers as the
-/// first did (see [`script::RELEASE`]). At least 10 s.
-fn receipt_ms(limit: Duration) -> u64 {
+/// How long a release's (or force-release's) receipt is kept on a cluster:
+/// the same request sent again within this time (by the Cluster driver
+/// after a reconnect, only while its caller waits, at most `limit`) answers
+/// as the first did (see [`script::RELEASE`]). At least 10 s. 0 (none) on
+/// one server and Redlock nodes, whose connections never resend.
+fn receipt_ms(cluster: bool, limit: Duration) -> u64 {
+    if !cluster {
+        return 0;
+    }
     u64::try_from(limit.as_millis().saturating_mul(2))
         .unwrap_or(u64::MAX)
         .max(10_000)
@@ -849,7 +853,7 @@ impl Node {
             .arg(token)
             .arg(&keys.channel)
             .arg(self.keep_last_ms)
-            .arg(receipt_ms(limit));
+            .arg(receipt_ms(self.commands.target.is_cluster(), limit));
         let released: i64 = self
             .request(limit, |mut c| async move {
                 invocation.invoke_async(&mut c).await
@@ -1183,7 +1187,7 @@ impl Node {
             .key(receipt_key(&keys))
             .arg(&keys.channel)
             .arg(self.keep_last_ms)
-            .arg(receipt_ms(limit));
+            .arg(receipt_ms(self.commands.target.is_cluster(), limit));
         let done: i64 = self
             .request(limit, |mut c| async move {
                 invocation.invoke_async(&mut c).await

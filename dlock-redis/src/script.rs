@@ -132,18 +132,24 @@ return {1, token}
 /// release request of the same hold has a new receipt key, and is "not
 /// held". (Takes and renewals need no receipt: sent again, they grant or
 /// extend the same attempt's hold, and an extension counted from after the
-/// client's send errs on the safe side.)
+/// client's send errs on the safe side.) `receipt_ms` 0 keeps none: only
+/// the Cluster driver resends (one server's and Redlock's connections never
+/// do; dlock-core's own retries of a release know their first try's reply
+/// was lost and take "not held" for done, S4), so a receipt there would be
+/// a key written per release for nothing.
 pub(crate) static RELEASE: LazyLock<Script> = LazyLock::new(|| {
     with_set_last(
         r#"
+local keep_receipt = tonumber(ARGV[5]) > 0
 if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then
-  return redis.call('EXISTS', KEYS[3])
+  if keep_receipt then return redis.call('EXISTS', KEYS[3]) end
+  return 0
 end
 local token = redis.call('HGET', KEYS[1], 'token')
 if ARGV[2] ~= '' and token ~= ARGV[2] then return 0 end
 redis.call('DEL', KEYS[1])
 set_last(KEYS[2], token, tonumber(ARGV[4]))
-redis.call('SET', KEYS[3], '1', 'PX', ARGV[5])
+if keep_receipt then redis.call('SET', KEYS[3], '1', 'PX', ARGV[5]) end
 redis.call('PUBLISH', ARGV[3], '1')
 return 1
 "#,
@@ -211,22 +217,26 @@ return 0
 
 /// Admin break. KEYS: lock, last, receipt. ARGV: channel, keep_last_ms,
 /// receipt_ms. Returns 1 if it was held. Like a release it leaves a
-/// receipt key of its own request, with its answer (also "it was free"):
-/// the same request sent again (after its connection broke) answers the
-/// same and must not break the hold of whoever took the lock meanwhile.
+/// receipt key of its own request (on a cluster: `receipt_ms` > 0), with
+/// its answer (also "it was free"): the same request sent again (after its
+/// connection broke) answers the same and must not break the hold of
+/// whoever took the lock meanwhile.
 pub(crate) static FORCE: LazyLock<Script> = LazyLock::new(|| {
     with_set_last(
         r#"
-local done = redis.call('GET', KEYS[3])
-if done then return tonumber(done) end
+local keep_receipt = tonumber(ARGV[3]) > 0
+if keep_receipt then
+  local done = redis.call('GET', KEYS[3])
+  if done then return tonumber(done) end
+end
 local token = redis.call('HGET', KEYS[1], 'token')
 if not token then
-  redis.call('SET', KEYS[3], '0', 'PX', ARGV[3])
+  if keep_receipt then redis.call('SET', KEYS[3], '0', 'PX', ARGV[3]) end
   return 0
 end
 redis.call('DEL', KEYS[1])
 set_last(KEYS[2], token, tonumber(ARGV[2]))
-redis.call('SET', KEYS[3], '1', 'PX', ARGV[3])
+if keep_receipt then redis.call('SET', KEYS[3], '1', 'PX', ARGV[3]) end
 redis.call('PUBLISH', ARGV[1], '1')
 return 1
 "#,

@@ -6,18 +6,23 @@
 //! crashed holder's permit comes back after its own TTL (the lock's expiry),
 //! and each grant carries that lock's fencing token. Waiters line up on the
 //! lock `name/queue` (first come, first served on the stores that declare
-//! `fair`); the head of the line claims every permit at once and keeps the
-//! first one granted, so it wakes as soon as any permit is freed.
+//! `fair`); the head of the line tries every permit at once, and if none
+//! is free claims every permit at once and keeps the first one granted, so
+//! it wakes as soon as any permit is freed.
 //!
 //! Every client of one semaphore must give the same number of permits: the
 //! bound is the number of permit locks, and a client that counts more
 //! permits can hold the others' and its own extra ones at once.
 //!
-//! Cost: a wait takes the queue lock, claims every permit at once (one
-//! round trip for a free one; N requests), withdraws the N - 1 claims it
-//! does not keep and gives the queue lock back; `try_acquire` skips the
-//! line and tries the permits one after another. On a free semaphore those
-//! claims may be granted several permits for a moment: until they are
+//! Cost: a wait takes the queue lock, tries every permit at once (one
+//! round trip, N requests; a try of a held permit leaves nothing behind),
+//! and only if none was free claims every permit at once and withdraws the
+//! N - 1 claims it does not keep; then it gives the queue lock back.
+//! (Claiming at once without the tries halved PostgreSQL's permit grants/s
+//! in `dlock bench`: a waiting claim enters the permit's queue in the
+//! database and must be withdrawn from it.) `try_acquire` skips the line
+//! and tries the permits one after another. On a free semaphore the tries
+//! or claims may be granted several permits for a moment: until they are
 //! given back (in the background) other clients' tries may find them
 //! taken, and on stores without notifications the next waiter may wait for
 //! its poll.
@@ -186,6 +191,11 @@ impl Semaphore {
     /// in the background). Each claim retries transient errors as
     /// [`Lock::acquire`](crate::Lock::acquire) does.
     async fn claim_all(&self, wait: Option<Duration>) -> Result<Permit, Error> {
+        let started = Instant::now();
+        if let Some(permit) = self.try_all(wait).await {
+            return Ok(permit);
+        }
+        let wait = wait.map(|w| w.saturating_sub(started.elapsed()));
         let mut claims = JoinSet::new();
         for i in 0..self.slots.len() {
             let lock = self.permit_lock(i)?;
@@ -211,6 +221,40 @@ impl Semaphore {
             }
         }
         Err(last.unwrap_or_else(|| Error::protocol("dlock", "a semaphore without permits")))
+    }
+
+    /// One try of every permit at once (one round trip), within `wait`: the
+    /// first granted, if any. A try of a held permit answers at once and
+    /// leaves nothing behind, where a waiting claim enters that permit's
+    /// queue (on fair stores, the database's lock queue) and must then be
+    /// withdrawn. The other tries finish in the background; what they were
+    /// granted is given back. Errors are left to the waiting claims, which
+    /// retry what is transient.
+    async fn try_all(&self, wait: Option<Duration>) -> Option<Permit> {
+        let mut tries = JoinSet::new();
+        for i in 0..self.slots.len() {
+            let lock = self.permit_lock(i).ok()?;
+            tries.spawn(async move {
+                let guard = lock.try_acquire().await.ok().flatten()?;
+                Some(Permit { guard, slot: i })
+            });
+        }
+        let first = async {
+            while let Some(done) = tries.join_next().await {
+                if let Ok(Some(permit)) = done {
+                    return Some(permit);
+                }
+            }
+            None
+        };
+        let permit = match wait {
+            None => first.await,
+            Some(wait) => tokio::time::timeout(wait, first).await.ok().flatten(),
+        };
+        // (not aborted mid-request: a granted permit is dropped, so given
+        // back, when its task ends)
+        tries.detach_all();
+        permit
     }
 
     pub(crate) fn permit_lock(&self, slot: usize) -> Result<crate::Lock, Error> {

@@ -14,8 +14,9 @@
 //! bound is the number of permit locks, and a client that counts more
 //! permits can hold the others' and its own extra ones at once.
 //!
-//! Cost: a wait takes the queue lock, tries every permit at once (one
-//! round trip, N requests; a try of a held permit leaves nothing behind),
+//! Cost: a wait takes the queue lock, tries every permit at once (a round
+//! trip, N requests; two round trips on Redis, whose busy try is followed
+//! by a clean-up; a try of a held permit leaves nothing behind),
 //! and only if none was free claims every permit at once and withdraws the
 //! N - 1 claims it does not keep; then it gives the queue lock back.
 //! (Claiming at once without the tries halved PostgreSQL's permit grants/s
@@ -192,10 +193,23 @@ impl Semaphore {
     /// [`Lock::acquire`](crate::Lock::acquire) does.
     async fn claim_all(&self, wait: Option<Duration>) -> Result<Permit, Error> {
         let started = Instant::now();
-        if let Some(permit) = self.try_all(wait).await {
-            return Ok(permit);
+        let all_busy = match self.try_all(wait).await? {
+            Tried::Granted(permit) => return Ok(permit),
+            Tried::AllBusy => true,
+            Tried::Unknown => false,
+        };
+        let tried_for = started.elapsed();
+        let wait = wait.map(|w| w.saturating_sub(tried_for));
+        if all_busy && wait.is_some_and(|left| left <= tried_for) {
+            // Busy, not silent: a timeout without a cause. A claim sent now
+            // would likely get no answer in time (a try just took longer),
+            // and its timeout would blame the store for not answering.
+            return Err(Error::Timeout {
+                name: self.name.to_string(),
+                waited: Duration::ZERO,
+                cause: None,
+            });
         }
-        let wait = wait.map(|w| w.saturating_sub(started.elapsed()));
         let mut claims = JoinSet::new();
         for i in 0..self.slots.len() {
             let lock = self.permit_lock(i)?;
@@ -223,38 +237,50 @@ impl Semaphore {
         Err(last.unwrap_or_else(|| Error::protocol("dlock", "a semaphore without permits")))
     }
 
-    /// One try of every permit at once (one round trip), within `wait`: the
-    /// first granted, if any. A try of a held permit answers at once and
-    /// leaves nothing behind, where a waiting claim enters that permit's
-    /// queue (on fair stores, the database's lock queue) and must then be
-    /// withdrawn. The other tries finish in the background; what they were
-    /// granted is given back. Errors are left to the waiting claims, which
-    /// retry what is transient.
-    async fn try_all(&self, wait: Option<Duration>) -> Option<Permit> {
+    /// One try of every permit at once, within `wait`: the first granted,
+    /// if any. A try of a held permit leaves nothing behind, where a waiting
+    /// claim enters that permit's queue (on fair stores, the database's lock
+    /// queue) and must then be withdrawn. A try costs a round trip (two on
+    /// stores whose busy answer is followed by a clean-up, as Redis's). The
+    /// other tries are dropped with this call's `JoinSet`: like any dropped
+    /// acquire, each withdraws its claim, and gives back what it was
+    /// granted, in a task of the session (S5). Errors are left to the
+    /// waiting claims, which retry what is transient; a session that ends
+    /// meanwhile ends the wait at once.
+    async fn try_all(&self, wait: Option<Duration>) -> Result<Tried, Error> {
+        let state = self.session.state().clone();
         let mut tries = JoinSet::new();
         for i in 0..self.slots.len() {
-            let lock = self.permit_lock(i).ok()?;
-            tries.spawn(async move {
-                let guard = lock.try_acquire().await.ok().flatten()?;
-                Some(Permit { guard, slot: i })
-            });
+            let lock = self.permit_lock(i)?;
+            tries.spawn(async move { (i, lock.try_acquire().await) });
         }
+        let busy = std::sync::atomic::AtomicUsize::new(0);
         let first = async {
             while let Some(done) = tries.join_next().await {
-                if let Ok(Some(permit)) = done {
-                    return Some(permit);
+                match done {
+                    Ok((slot, Ok(Some(guard)))) => return Some(Permit { guard, slot }),
+                    Ok((_, Ok(None))) => {
+                        busy.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    }
+                    _ => {}
                 }
             }
             None
         };
-        let permit = match wait {
-            None => first.await,
-            Some(wait) => tokio::time::timeout(wait, first).await.ok().flatten(),
+        let permit = tokio::select! {
+            _ = state.ended() => return Err(state.lost_error()),
+            permit = async {
+                match wait {
+                    None => first.await,
+                    Some(wait) => tokio::time::timeout(wait, first).await.ok().flatten(),
+                }
+            } => permit,
         };
-        // (not aborted mid-request: a granted permit is dropped, so given
-        // back, when its task ends)
-        tries.detach_all();
-        permit
+        Ok(match permit {
+            Some(permit) => Tried::Granted(permit),
+            None if busy.into_inner() == self.slots.len() => Tried::AllBusy,
+            None => Tried::Unknown,
+        })
     }
 
     pub(crate) fn permit_lock(&self, slot: usize) -> Result<crate::Lock, Error> {
@@ -273,6 +299,17 @@ impl std::fmt::Debug for Semaphore {
             .field("permits", &self.slots.len())
             .finish()
     }
+}
+
+/// What [`Semaphore::try_all`] found.
+enum Tried {
+    /// A permit, the first granted.
+    Granted(Permit),
+    /// Every permit answered busy.
+    AllBusy,
+    /// None granted, and not every permit answered busy (an error, or the
+    /// wait ran out first).
+    Unknown,
 }
 
 /// One permit of a [`Semaphore`]: the guard of its permit lock.
@@ -391,6 +428,45 @@ mod tests {
         assert!(next.token() > token);
         assert_eq!(holders(&backend, "pool").await.unwrap().len(), 2);
         drop((one, next));
+    }
+
+    /// A wait that the tries leave too little of ends as busy (no cause),
+    /// not as "no answer before the deadline" from a claim cut off before
+    /// its reply (the adversarial review of 329fa58; red before its fix for
+    /// waits a little longer than the line plus the tries). Paused time: the
+    /// link's delays are exact.
+    #[tokio::test(start_paused = true)]
+    async fn a_busy_semaphore_times_out_as_busy() {
+        use crate::memory::Fault;
+        let backend = MemoryBackend::new();
+        let a = session(&backend).await;
+        let _held = a.semaphore("pool", 1).unwrap().acquire().await.unwrap();
+        let (linked, link) = backend.linked();
+        let b = session(&linked).await;
+        link.set(Fault::delay(
+            Duration::from_millis(20),
+            Duration::from_millis(20),
+        ));
+        let sem = b.semaphore("pool", 1).unwrap();
+        // What the line and a try cost on this link.
+        let t = Instant::now();
+        drop(b.lock("other").unwrap().acquire().await.unwrap());
+        let line = t.elapsed();
+        let t = Instant::now();
+        assert!(sem.try_acquire().await.unwrap().is_none());
+        let tries = t.elapsed();
+        let mut wait = line + tries + Duration::from_millis(5);
+        while wait <= line + tries * 3 {
+            // (the last wait's place in line is given back in the background)
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            match sem.acquire_timeout(wait).await {
+                Err(Error::Timeout { cause, .. }) => {
+                    assert!(cause.is_none(), "waited {wait:?}: {cause:?}")
+                }
+                other => panic!("waited {wait:?}: {other:?}"),
+            }
+            wait += Duration::from_millis(5);
+        }
     }
 
     #[tokio::test]

@@ -330,8 +330,15 @@ impl Inner {
             Some(entry) if entry.operation != Operation::Put => entry.revision,
             Some(_) => return Ok(Free::Held),
         };
-        Ok(match self.update_at(key, value, on).await? {
+        Ok(match self.update_at(key, value.clone(), on).await? {
             Some(revision) => Free::Written(revision),
+            // The marker was purged between the read and this write (the
+            // releaser clears it in the background right after its
+            // release): the key may have no message again.
+            None if on != 0 => match self.update_at(key, value, 0).await? {
+                Some(revision) => Free::Written(revision),
+                None => Free::Raced,
+            },
             None => Free::Raced,
         })
     }

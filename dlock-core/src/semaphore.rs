@@ -193,23 +193,31 @@ impl Semaphore {
     /// [`Lock::acquire`](crate::Lock::acquire) does.
     async fn claim_all(&self, wait: Option<Duration>) -> Result<Permit, Error> {
         let started = Instant::now();
-        let all_busy = match self.try_all(wait).await? {
+        let heard_busy = match self.try_all(wait).await? {
             Tried::Granted(permit) => return Ok(permit),
-            Tried::AllBusy => true,
-            Tried::Unknown => false,
+            Tried::NotGranted { busy_only } => busy_only,
         };
-        let tried_for = started.elapsed();
-        let wait = wait.map(|w| w.saturating_sub(tried_for));
-        if all_busy && wait.is_some_and(|left| left <= tried_for) {
-            // Busy, not silent: a timeout without a cause. A claim sent now
-            // would likely get no answer in time (a try just took longer),
-            // and its timeout would blame the store for not answering.
-            return Err(Error::Timeout {
-                name: self.name.to_string(),
-                waited: Duration::ZERO,
+        let wait = wait.map(|w| w.saturating_sub(started.elapsed()));
+        match self.claim_each(wait).await {
+            // Busy, not silent: the tries heard "busy" within this wait, and
+            // the claims heard nothing more before it ran out (as a lock's
+            // timeout tells the last thing it heard).
+            Err(Error::Timeout {
+                name,
+                waited,
+                cause: Some(cause),
+            }) if heard_busy && crate::lock::is_no_answer(&cause) => Err(Error::Timeout {
+                name,
+                waited,
                 cause: None,
-            });
+            }),
+            other => other,
         }
+    }
+
+    /// Claims every permit at once, keeping the first granted (see
+    /// [`claim_all`](Self::claim_all)).
+    async fn claim_each(&self, wait: Option<Duration>) -> Result<Permit, Error> {
         let mut claims = JoinSet::new();
         for i in 0..self.slots.len() {
             let lock = self.permit_lock(i)?;
@@ -254,16 +262,17 @@ impl Semaphore {
             let lock = self.permit_lock(i)?;
             tries.spawn(async move { (i, lock.try_acquire().await) });
         }
+        // (atomics: counted inside the raced future, read after it)
         let busy = std::sync::atomic::AtomicUsize::new(0);
+        let failed = std::sync::atomic::AtomicUsize::new(0);
         let first = async {
             while let Some(done) = tries.join_next().await {
-                match done {
+                let count = match done {
                     Ok((slot, Ok(Some(guard)))) => return Some(Permit { guard, slot }),
-                    Ok((_, Ok(None))) => {
-                        busy.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    }
-                    _ => {}
-                }
+                    Ok((_, Ok(None))) => &busy,
+                    _ => &failed,
+                };
+                count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             }
             None
         };
@@ -278,8 +287,9 @@ impl Semaphore {
         };
         Ok(match permit {
             Some(permit) => Tried::Granted(permit),
-            None if busy.into_inner() == self.slots.len() => Tried::AllBusy,
-            None => Tried::Unknown,
+            None => Tried::NotGranted {
+                busy_only: busy.into_inner() > 0 && failed.into_inner() == 0,
+            },
         })
     }
 
@@ -305,11 +315,9 @@ impl std::fmt::Debug for Semaphore {
 enum Tried {
     /// A permit, the first granted.
     Granted(Permit),
-    /// Every permit answered busy.
-    AllBusy,
-    /// None granted, and not every permit answered busy (an error, or the
-    /// wait ran out first).
-    Unknown,
+    /// None granted; `busy_only`: some tries answered busy and none failed
+    /// (the others, if any, were still in flight when the wait ran out).
+    NotGranted { busy_only: bool },
 }
 
 /// One permit of a [`Semaphore`]: the guard of its permit lock.
@@ -431,16 +439,17 @@ mod tests {
     }
 
     /// A wait that the tries leave too little of ends as busy (no cause),
-    /// not as "no answer before the deadline" from a claim cut off before
-    /// its reply (the adversarial review of 329fa58; red before its fix for
-    /// waits a little longer than the line plus the tries). Paused time: the
-    /// link's delays are exact.
+    /// not as "no answer before the deadline" from claims cut off before
+    /// their reply (the adversarial review of 329fa58; red before its fix
+    /// for waits a little longer than the line plus the tries). And a
+    /// permit freed while the tries answer is still granted to the claims.
+    /// Paused time: the link's delays are exact.
     #[tokio::test(start_paused = true)]
     async fn a_busy_semaphore_times_out_as_busy() {
         use crate::memory::Fault;
         let backend = MemoryBackend::new();
         let a = session(&backend).await;
-        let _held = a.semaphore("pool", 1).unwrap().acquire().await.unwrap();
+        let held = a.semaphore("pool", 1).unwrap().acquire().await.unwrap();
         let (linked, link) = backend.linked();
         let b = session(&linked).await;
         link.set(Fault::delay(
@@ -455,8 +464,13 @@ mod tests {
         let t = Instant::now();
         assert!(sem.try_acquire().await.unwrap().is_none());
         let tries = t.elapsed();
-        let mut wait = line + tries + Duration::from_millis(5);
+        assert!(
+            line >= Duration::from_millis(40) && tries >= line,
+            "{line:?} {tries:?}"
+        );
+        let (mut wait, mut rounds) = (line + tries + Duration::from_millis(5), 0);
         while wait <= line + tries * 3 {
+            rounds += 1;
             // (the last wait's place in line is given back in the background)
             tokio::time::sleep(Duration::from_millis(500)).await;
             match sem.acquire_timeout(wait).await {
@@ -467,6 +481,17 @@ mod tests {
             }
             wait += Duration::from_millis(5);
         }
+        assert!(rounds >= 10, "{rounds} waits tried");
+        // A permit freed while the tries answer: the claims get it.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let waiting = tokio::spawn(async move { sem.acquire_timeout(line + tries * 3).await });
+        tokio::time::sleep(line + tries / 2).await;
+        held.release().await.unwrap();
+        let permit = waiting.await.unwrap();
+        assert!(
+            permit.is_ok(),
+            "a permit freed during the tries: {permit:?}"
+        );
     }
 
     #[tokio::test]

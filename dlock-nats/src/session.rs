@@ -247,8 +247,8 @@ impl Claim for NatsClaim {
     async fn try_take(&mut self) -> Result<Take, Error> {
         self.sent = true;
         // One write, judged by the server: only if the key has no message
-        // (free, expired or released; releases remove the message, see
-        // `delete_if`). KV's `create` would be two requests after a delete
+        // (free, expired, or released and its purge marker cleared; on a
+        // marker, `write_if_free` writes on it, see `delete_if`). KV's `create` would be two requests after a delete
         // marker, so a take whose first reply is lost could not take effect.
         let before = self.inner.highest();
         let first_before = *self.first_before.get_or_insert(before);

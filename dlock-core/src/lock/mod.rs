@@ -7,6 +7,8 @@
 
 mod acquire;
 mod pacing;
+
+pub(crate) use pacing::is_no_answer;
 mod pending;
 
 use std::fmt;

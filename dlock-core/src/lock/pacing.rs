@@ -31,10 +31,7 @@ impl Last {
         let cause = cause.or(match std::mem::replace(self, Last::Nothing) {
             Last::Busy => None,
             Last::Failed(e) => Some(Box::new(e)),
-            Last::Nothing => Some(Box::new(Error::unavailable(
-                scheme,
-                "no answer before the deadline",
-            ))),
+            Last::Nothing => Some(Box::new(Error::unavailable(scheme, NO_ANSWER))),
         });
         Error::Timeout {
             name,
@@ -66,4 +63,13 @@ impl Backoff {
         self.0 = (self.0 * 2).min(Duration::from_secs(1));
         jitter(now)
     }
+}
+
+/// The cause of a timeout whose acquire heard nothing from the store.
+const NO_ANSWER: &str = "no answer before the deadline";
+
+/// Whether `cause` is [`Last::explain`]'s "heard nothing" (a semaphore
+/// whose tries heard "busy" within the same wait reports busy instead).
+pub(crate) fn is_no_answer(cause: &Error) -> bool {
+    matches!(cause, Error::Unavailable { source, .. } if source.to_string() == NO_ANSWER)
 }

@@ -233,7 +233,10 @@ impl Semaphore {
         while let Some(done) = claims.join_next().await {
             match done {
                 Ok(Ok(permit)) => return Ok(permit),
-                Ok(Err(e)) => last = Some(e),
+                // (a claim that heard something outranks one that heard
+                // nothing before the deadline, whatever order they end in)
+                Ok(Err(e)) if last.as_ref().is_none_or(heard_nothing) => last = Some(e),
+                Ok(Err(_)) => {}
                 Err(e) => {
                     last = Some(Error::protocol(
                         "dlock",
@@ -309,6 +312,11 @@ impl std::fmt::Debug for Semaphore {
             .field("permits", &self.slots.len())
             .finish()
     }
+}
+
+/// A timeout whose acquire heard nothing from the store before it.
+fn heard_nothing(e: &Error) -> bool {
+    matches!(e, Error::Timeout { cause: Some(cause), .. } if crate::lock::is_no_answer(cause))
 }
 
 /// What [`Semaphore::try_all`] found.
@@ -484,7 +492,10 @@ mod tests {
         assert!(rounds >= 10, "{rounds} waits tried");
         // A permit freed while the tries answer: the claims get it.
         tokio::time::sleep(Duration::from_millis(500)).await;
-        let waiting = tokio::spawn(async move { sem.acquire_timeout(line + tries * 3).await });
+        // (a wait the tries leave less than their own time of: the claims,
+        // not an early "busy", must answer)
+        let wait = line + tries + Duration::from_millis(60);
+        let waiting = tokio::spawn(async move { sem.acquire_timeout(wait).await });
         tokio::time::sleep(line + tries / 2).await;
         held.release().await.unwrap();
         let permit = waiting.await.unwrap();

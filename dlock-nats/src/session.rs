@@ -246,10 +246,12 @@ impl NatsClaim {
 impl Claim for NatsClaim {
     async fn try_take(&mut self) -> Result<Take, Error> {
         self.sent = true;
-        // One write, judged by the server: only if the key has no message
-        // (free, expired, or released and its purge marker cleared; on a
-        // marker, `write_if_free` writes on it, see `delete_if`). KV's `create` would be two requests after a delete
-        // marker, so a take whose first reply is lost could not take effect.
+        // Writes judged by the server (`write_if_free`): one write if the key
+        // has no message (free, expired, or released with its purge marker
+        // cleared), else a read and a write on the marker (a release not yet
+        // cleared), then on nothing again if the marker went meanwhile. KV's
+        // `create` would be two requests after a delete marker, so a take
+        // whose first reply is lost could not take effect.
         let before = self.inner.highest();
         let first_before = *self.first_before.get_or_insert(before);
         let granted = match self

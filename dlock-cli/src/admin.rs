@@ -276,6 +276,7 @@ async fn request<T>(fut: impl Future<Output = Result<T, Error>>) -> Result<T, Fa
 #[cfg(test)]
 mod tests {
     use super::*;
+    use dlocks::FencingToken;
 
     #[test]
     fn seconds_are_one_word() {
@@ -285,7 +286,6 @@ mod tests {
         assert_eq!(seconds(Duration::from_millis(1234)), "1.234s");
         assert_eq!(seconds(Duration::from_millis(90_050)), "90.05s");
     }
-    use dlocks::FencingToken;
 
     #[test]
     fn table_is_aligned_and_escaped() {

@@ -63,9 +63,6 @@ pub(crate) struct ZkSession {
     /// The TTL the core counts with: the negotiated session timeout less
     /// the leader's report lag (see the crate docs).
     ttl: Duration,
-    /// The session timeout the ensemble granted, recorded in every lock node
-    /// for `inspect` (see [`crate::node_data`]).
-    negotiated: Duration,
     /// The ZooKeeper session id in hex: every node of this session starts
     /// with it (ownership check, protected mode).
     zk_id: String,
@@ -139,7 +136,6 @@ impl ZkSession {
         Ok(Self {
             _touching: touching,
             ttl,
-            negotiated,
             zk_id: format!("{:x}", client.session_id().0),
             inner,
             client,
@@ -243,7 +239,8 @@ impl RawSession for ZkSession {
             name: name.clone(),
             parent: self.inner.parent(name),
             guid: format!("{}-{:016x}", self.zk_id, rand::random::<u64>()),
-            data: crate::node_data::encode(self.id.as_str(), self.negotiated, why),
+            // (the timeout the ensemble granted: see `crate::node_data`)
+            data: crate::node_data::encode(self.id.as_str(), self.client.session_timeout(), why),
             node: None,
             sent: false,
             ahead: None,

@@ -7,9 +7,9 @@
 
 mod acquire;
 mod pacing;
+mod pending;
 
 pub(crate) use pacing::is_no_answer;
-mod pending;
 
 use std::fmt;
 use std::sync::{Arc, Mutex, Weak};

@@ -31,7 +31,7 @@ impl Last {
         let cause = cause.or(match std::mem::replace(self, Last::Nothing) {
             Last::Busy => None,
             Last::Failed(e) => Some(Box::new(e)),
-            Last::Nothing => Some(Box::new(Error::unavailable(scheme, NO_ANSWER))),
+            Last::Nothing => Some(Box::new(Error::unavailable(scheme, NoAnswer))),
         });
         Error::Timeout {
             name,
@@ -65,11 +65,43 @@ impl Backoff {
     }
 }
 
-/// The cause of a timeout whose acquire heard nothing from the store.
-const NO_ANSWER: &str = "no answer before the deadline";
+/// The cause of a timeout whose acquire heard nothing from the store: a
+/// type of its own, so that [`is_no_answer`] tells it by type, never by a
+/// text that a store's own error could also carry.
+#[derive(Debug, thiserror::Error)]
+#[error("no answer before the deadline")]
+struct NoAnswer;
 
 /// Whether `cause` is [`Last::explain`]'s "heard nothing" (a semaphore
 /// whose tries heard "busy" within the same wait reports busy instead).
 pub(crate) fn is_no_answer(cause: &Error) -> bool {
-    matches!(cause, Error::Unavailable { source, .. } if source.to_string() == NO_ANSWER)
+    matches!(cause, Error::Unavailable { source, .. } if source.is::<NoAnswer>())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn no_answer_is_told_by_type_not_text() {
+        let timeout = || Error::Timeout {
+            name: "x".into(),
+            waited: Duration::from_millis(5),
+            cause: None,
+        };
+        let Error::Timeout {
+            cause: Some(cause), ..
+        } = Last::Nothing.explain(timeout(), "memory")
+        else {
+            panic!("a timeout that heard nothing has a cause");
+        };
+        assert!(is_no_answer(&cause));
+        assert_eq!(
+            cause.to_string(),
+            "memory is unavailable: no answer before the deadline"
+        );
+        // A store's error with the same text is the store's, not silence.
+        let same_text = Error::unavailable("memory", "no answer before the deadline");
+        assert!(!is_no_answer(&same_text));
+    }
 }

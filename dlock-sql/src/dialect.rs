@@ -165,6 +165,11 @@ pub(crate) struct Statements {
     pub(crate) validate: Sql,
     pub(crate) force: Sql,
     pub(crate) count_held: Sql,
+    /// The held locks among the names listed in `?1`, a JSON array
+    /// (SQLite: what a write to the database's files freed, see
+    /// `file_wake`).
+    #[cfg(feature = "sqlite")]
+    pub(crate) held_among: Option<Sql>,
 }
 
 impl Statements {
@@ -388,6 +393,13 @@ impl Statements {
                 "SELECT COUNT(*) FROM {t} WHERE name >= ?1 AND name < ?2 AND holder IS NOT NULL \
                  AND expires_at > {now}",
             ),
+            #[cfg(feature = "sqlite")]
+            held_among: (dialect == Dialect::Sqlite).then(|| {
+                sql(
+                    "SELECT name FROM {t} WHERE name IN (SELECT value FROM json_each(?1)) \
+                     AND holder IS NOT NULL AND expires_at > {now}",
+                )
+            }),
         }
     }
 

@@ -89,8 +89,19 @@
 //!   PostgreSQL releases `pg_notify` in the same statement and waiters
 //!   `LISTEN` on one connection per backend; MySQL and SQLite waiters poll
 //!   with a bounded backoff (5 ms doubling to 100 ms) and wake at the
-//!   holder's `expires_at`. A release (local, or a notification) wakes the
-//!   longest-waiting such waiter of this process only (L6); if it loses the
+//!   holder's `expires_at`. SQLite waiters also wake when the database's
+//!   files are written (its WAL: every commit, a release in another process
+//!   too), seen through the OS's file notifications (inotify, FSEvents; the
+//!   `notify` crate) on a watch of the database's directory that the first
+//!   wait starts (one per file and process, shared by its backends: an
+//!   inotify instance and a thread, while a backend on the file lives). A
+//!   write names no lock: each backend with waiters answers it with one
+//!   read of which of the locks it waits for are held, and wakes the
+//!   longest-waiting waiter of each one that is not (no herd; a busy take
+//!   writes nothing, so waiting wakes no one). Where the OS reports nothing (network file systems) or
+//!   the watch cannot be set up (a warning), waiters poll as before; this
+//!   is why SQLite does not declare `notify_wakeup`. A release (local, or a
+//!   notification) wakes the longest-waiting such waiter of this process only (L6); if it loses the
 //!   race, the winner's release wakes the next, and a woken waiter that goes
 //!   away passes the wake-up on (L2). The first `LISTEN` is in place before
 //!   [`SqlBackend::connect`] returns; each time its connection is
@@ -175,6 +186,8 @@
 mod conns;
 mod dialect;
 mod fence;
+#[cfg(feature = "sqlite")]
+mod file_wake;
 mod floor;
 #[cfg(feature = "postgres")]
 mod notify;
@@ -223,7 +236,8 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// let registry = dlock_core::Registry::new();
 /// registry.register(dlock_sql::SqlAdapter)?;
 /// let backend = registry.connect("sqlite://dlock.db?dlock_table=jobs").await?;
-/// assert!(!backend.capabilities().notify_wakeup); // SQLite polls
+/// // SQLite polls (and watches its files, where the OS reports writes)
+/// assert!(!backend.capabilities().notify_wakeup);
 /// # Ok(()) }
 /// ```
 #[derive(Debug, Clone, Copy, Default)]
@@ -251,9 +265,45 @@ pub(crate) struct Inner {
     pub(crate) hub: Arc<WakeHub>,
     pub(crate) options: SqlOptions,
     _listener: Option<AbortOnDrop>,
+    /// SQLite: the watch on the database's files, started by the first
+    /// wait (`None` inside: it could not be set up; waiters poll).
+    #[cfg(feature = "sqlite")]
+    file_wake: std::sync::OnceLock<Option<file_wake::FileWake>>,
 }
 
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
+impl Inner {
+    /// SQLite: starts the watch on the database's files unless it was
+    /// started before; whether it started now (a commit before it went
+    /// unseen, so the caller should look again at once).
+    #[cfg(feature = "sqlite")]
+    pub(crate) fn watch_files(self: &Arc<Self>) -> bool {
+        if self.options.dialect != Dialect::Sqlite || self.file_wake.get().is_some() {
+            return false;
+        }
+        let mut started = false;
+        self.file_wake.get_or_init(|| {
+            started = true;
+            let path = std::path::Path::new(sqlite_path(&self.options));
+            match file_wake::FileWake::start(path, Arc::downgrade(self)) {
+                Ok(watch) => Some(watch),
+                Err(e) => {
+                    tracing::warn!(backend = "sqlite", error = %e, "cannot watch the database's files; waiters poll (5 ms to 100 ms)");
+                    None
+                }
+            }
+        });
+        started
+    }
+
+    /// Without SQLite there is nothing to watch.
+    #[cfg(not(feature = "sqlite"))]
+    pub(crate) fn watch_files(self: &Arc<Self>) -> bool {
+        false
+    }
+}
+
+/// A task that ends with its owner.
+pub(crate) struct AbortOnDrop(tokio::task::JoinHandle<()>);
 
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {
@@ -371,6 +421,8 @@ impl SqlBackend {
                 hub,
                 options,
                 _listener: listener,
+                #[cfg(feature = "sqlite")]
+                file_wake: std::sync::OnceLock::new(),
             }),
         })
     }
@@ -569,13 +621,7 @@ fn cannot_open(e: &sqlx::Error) -> bool {
 /// the path: most often a directory that does not exist (SQLite creates
 /// the file, never its directory).
 fn sqlite_cannot_open(options: &SqlOptions) -> Error {
-    let url = options.driver_url();
-    let path = url
-        .strip_prefix("sqlite://")
-        .unwrap_or(url)
-        .split('?')
-        .next()
-        .unwrap_or_default();
+    let path = sqlite_path(options);
     let dir = match std::path::Path::new(path).parent() {
         Some(d) if d.as_os_str().is_empty() => std::path::Path::new("."),
         Some(d) => d,
@@ -592,6 +638,17 @@ fn sqlite_cannot_open(options: &SqlOptions) -> Error {
             .to_owned()
     };
     Error::Config(format!("sqlite: cannot open {path}: {why}"))
+}
+
+/// The database file of a `sqlite://` URL, as SQLite opens it (relative
+/// to the working directory unless absolute).
+fn sqlite_path(options: &SqlOptions) -> &str {
+    let url = options.driver_url();
+    url.strip_prefix("sqlite://")
+        .unwrap_or(url)
+        .split('?')
+        .next()
+        .unwrap_or_default()
 }
 
 /// Prepares `statements` on a new connection (PostgreSQL, MySQL). A

@@ -869,6 +869,13 @@ impl Claim for SqlClaim {
         let waiter = self
             .waiter
             .get_or_insert_with(|| hub.subscribe(name.as_str()));
+        // SQLite: commits are seen as writes to the database's files (see
+        // `file_wake`). The waiter is registered first, so a write seen
+        // from the watch's start on is kept; one before it may have been
+        // missed, so the first wait after the start looks again at once.
+        if self.inner.watch_files() {
+            return Ok(());
+        }
         tokio::select! {
             _ = waiter.notified() => {}
             _ = sleep_until(until) => {}

@@ -733,3 +733,88 @@ async fn fence_on_any_connection(store: &str) {
 }
 
 on_stores!(fence_on_any_connection: postgres, mysql, sqlite);
+
+/// L2 on SQLite: a release by another connection pool (as by another
+/// process) wakes a waiter at once, through the watch on the database's
+/// files, instead of at its next poll. The waiter first polls until its
+/// poll interval is the longest (100 ms, no jitter), then a release in the
+/// other backend must end its wait well before that poll. Without the
+/// watch no wait can end early (nothing else wakes it), so this is red
+/// whatever the timing; a commit slower than ~85 ms (a stalled disk) can
+/// make one round inconclusive, hence up to three.
+#[tokio::test]
+async fn sqlite_release_elsewhere_wakes_a_waiter() {
+    let Some(url) = url("sqlite", "sqlite_release_elsewhere_wakes_a_waiter") else {
+        return;
+    };
+    let (ours, theirs) = (connect(&url).await, connect(&url).await);
+    let holder = theirs.session(SessionOptions::new()).await.unwrap();
+    let waiters = ours.session(SessionOptions::new()).await.unwrap();
+    let lock = name("file-wake");
+    let far = Instant::now() + Duration::from_secs(60);
+    let mut rounds = Vec::new();
+    for _ in 0..3 {
+        let held = holder.lock(&lock).unwrap().acquire().await.unwrap();
+        let mut attempt = raw::session(&waiters).claim(&lock, None).await.unwrap();
+        assert!(matches!(attempt.try_take().await.unwrap(), Take::Busy(_)));
+        // The first wait starts the watch and returns; then 5, 10, 20, 40
+        // and 80 ms polls: the next poll is 100 ms away.
+        for _ in 0..6 {
+            attempt.wait(far).await.unwrap();
+        }
+        let started = Instant::now();
+        let waiting = tokio::spawn(async move {
+            attempt.wait(far).await.unwrap();
+            (Instant::now(), attempt)
+        });
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        held.release().await.unwrap();
+        let released = started.elapsed();
+        let (woken, mut attempt) = waiting.await.unwrap();
+        let woken = woken - started;
+        let granted = matches!(attempt.try_take().await.unwrap(), Take::Granted(_));
+        attempt.abandon().await.unwrap();
+        assert!(granted, "the woken waiter's take was refused");
+        if woken < Duration::from_millis(95) {
+            return;
+        }
+        rounds.push((released, woken));
+    }
+    panic!(
+        "no release in another backend woke the waiter before its 100 ms poll \
+         (release returned, waiter woke, from the wait's start): {rounds:?}"
+    );
+}
+
+/// L6 on SQLite: waiting makes no write that would wake the waiters again
+/// (a busy take changes no row). A second backend waits 1 s for a lock the
+/// first holds: its takes stay at the polls' count (about 15 in a second),
+/// not one per wake-up of a feedback loop.
+#[tokio::test]
+async fn sqlite_waiting_wakes_no_one() {
+    let Some(url) = url("sqlite", "sqlite_waiting_wakes_no_one") else {
+        return;
+    };
+    let (ours, theirs) = (connect(&url).await, connect(&url).await);
+    let holder = theirs
+        .session(SessionOptions::new().ttl(Duration::from_secs(30)))
+        .await
+        .unwrap();
+    let waiter = ours.session(SessionOptions::new()).await.unwrap();
+    let lock = name("quiet-wait");
+    let _held = holder.lock(&lock).unwrap().acquire().await.unwrap();
+    let r = waiter
+        .lock(&lock)
+        .unwrap()
+        .acquire_timeout(Duration::from_secs(1))
+        .await;
+    assert!(
+        matches!(r, Err(Error::Timeout { cause: None, .. })),
+        "{r:?}"
+    );
+    let takes = waiter.stats().take_attempts;
+    assert!(
+        (2..=30).contains(&takes),
+        "{takes} takes in 1 s of waiting (polls alone make about 15)"
+    );
+}

@@ -3,23 +3,27 @@
 //! this crate sets; the database file itself at a checkpoint), and the
 //! operating system tells who watches them (inotify, FSEvents, ...). So a
 //! release in another process, or on another connection pool of this one,
-//! wakes this process's waiters within about a millisecond instead of at
-//! their next poll (5 ms, doubling to 100 ms).
+//! wakes this process's waiters within milliseconds (the writer's `fsync`,
+//! then SQLite's busy-wait steps) instead of at their next poll (5 ms,
+//! doubling to 100 ms).
 //!
 //! A write does not say which lock changed. So each backend with waiters
-//! answers a write with one read, of which of the locks it waits for are
-//! held (a read, which in WAL mode waits for no writer), and wakes the
-//! longest-waiting waiter of each lock that is not (L6: one take attempt
-//! per freed lock and process, no herd; writes that free nothing wake no
-//! one). Writes that come while that read runs make one more read after
-//! it. Polling stays as it was: it covers a file system that reports
-//! nothing (network file systems) and a watch that could not be set up
-//! (the inotify limits), so this only ever makes waits shorter (L2), and
-//! never decides a grant.
+//! answers a commit with one read of which of the locks it waits for are
+//! held, and wakes the longest-waiting waiter of each lock that is not (L6:
+//! one take attempt per freed lock and backend, no herd; writes that free
+//! nothing wake no one). The read takes SQLite's write lock for a moment
+//! (`BEGIN IMMEDIATE`, so that it sees the commit that was written), which
+//! is what this costs the writers: one short lock per commit and backend
+//! with waiters. A commit's several writes are read once: writes already
+//! counted when the read got the lock are covered by it. Polling stays as
+//! it was: it covers a file system that reports nothing (network file
+//! systems) and a watch that could not be set up (the inotify limits), so
+//! this only ever makes waits shorter (L2), and never decides a grant.
 
 use std::collections::HashSet;
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
 use ::notify::{Event, EventKind, RecommendedWatcher, RecursiveMode, Watcher};
@@ -41,13 +45,15 @@ static WATCHES: Mutex<Vec<(PathBuf, Weak<Watch>)>> = Mutex::new(Vec::new());
 struct Watch {
     _watcher: RecommendedWatcher,
     signals: Arc<Mutex<Vec<Weak<Notify>>>>,
+    /// Writes seen so far (counted before the signals are given).
+    writes: Arc<AtomicU64>,
 }
 
 /// One backend's share of the watch on its database's files, and its task
 /// that answers writes; both end with it.
 pub(crate) struct FileWake {
     _watch: Arc<Watch>,
-    _task: AbortOnDrop,
+    task: AbortOnDrop,
 }
 
 impl FileWake {
@@ -57,11 +63,17 @@ impl FileWake {
     pub(crate) fn start(database: &Path, inner: Weak<Inner>) -> ::notify::Result<Self> {
         let written = Arc::new(Notify::new());
         let watch = Watch::shared(database, Arc::downgrade(&written))?;
-        let task = tokio::spawn(wake_on_writes(inner, written));
+        let task = tokio::spawn(wake_on_writes(inner, written, watch.writes.clone()));
         Ok(Self {
             _watch: watch,
-            _task: AbortOnDrop(task),
+            task: AbortOnDrop(task),
         })
+    }
+
+    /// Whether its task has ended (its runtime shut down): the backend then
+    /// starts another.
+    pub(crate) fn ended(&self) -> bool {
+        self.task.0.is_finished()
     }
 }
 
@@ -92,19 +104,26 @@ impl Watch {
         };
         let ours = files_of(file);
         let signals = Arc::new(Mutex::new(vec![first]));
-        let to_signal = signals.clone();
+        let writes = Arc::new(AtomicU64::new(0));
+        let (to_signal, counted) = (signals.clone(), writes.clone());
         let mut watcher = ::notify::recommended_watcher(move |event: ::notify::Result<Event>| {
-            let Ok(event) = event else { return };
-            if !matches!(event.kind, EventKind::Modify(_) | EventKind::Create(_)) {
-                return;
-            }
-            let concerns_us = event
-                .paths
-                .iter()
-                .any(|p| p.file_name().is_some_and(|f| ours.iter().any(|o| o == f)));
+            let concerns_us = match event {
+                Ok(event) => match event.kind {
+                    EventKind::Modify(_) | EventKind::Create(_) => event
+                        .paths
+                        .iter()
+                        .any(|p| p.file_name().is_some_and(|f| ours.iter().any(|o| o == f))),
+                    // Events were lost (a queue overflow asks for a rescan):
+                    // one of them may have been ours.
+                    EventKind::Other => true,
+                    _ => false,
+                },
+                Err(_) => true,
+            };
             if concerns_us {
+                counted.fetch_add(1, Ordering::AcqRel);
                 // (a permit is kept: writes during a backend's read make
-                // one more read, not one each)
+                // at most one more read, not one each)
                 let mut signals = to_signal.lock().unwrap();
                 signals.retain(|s| s.upgrade().map(|s| s.notify_one()).is_some());
             }
@@ -113,6 +132,7 @@ impl Watch {
         Ok(Self {
             _watcher: watcher,
             signals,
+            writes,
         })
     }
 }
@@ -120,16 +140,24 @@ impl Watch {
 /// A backend's answer to writes: after each (or each burst), reads which
 /// of the locks its waiters wait for are held, and wakes the first waiter
 /// of every other one. Ends when the backend is gone.
-async fn wake_on_writes(inner: Weak<Inner>, written: Arc<Notify>) {
+async fn wake_on_writes(inner: Weak<Inner>, written: Arc<Notify>, writes: Arc<AtomicU64>) {
+    // The writes the last read covered: every write counted before a read
+    // got the write lock belongs to a transaction that had ended (writes to
+    // the database's files need that lock), so the read saw it.
+    let mut covered = 0;
     loop {
         written.notified().await;
+        if writes.load(Ordering::Acquire) <= covered {
+            continue; // a later write of a commit already read
+        }
         let Some(inner) = inner.upgrade() else { return };
         let waited = inner.hub.keys();
         if waited.is_empty() {
             continue;
         }
-        match held_among(&inner, &waited).await {
-            Ok(held) => {
+        match held_among(&inner, &waited, &writes).await {
+            Ok((held, seen)) => {
+                covered = seen;
                 for name in waited.iter().filter(|n| !held.contains(*n)) {
                     inner.hub.wake_first(name);
                 }
@@ -148,9 +176,15 @@ async fn wake_on_writes(inner: Weak<Inner>, written: Arc<Notify>) {
 /// first (`BEGIN IMMEDIATE`, bounded by the busy timeout) and then lets
 /// it go without writing (`ROLLBACK`). Red without it: a waiter woken by
 /// a release's WAL write read the lock still held and slept to its poll.
-async fn held_among(inner: &Inner, names: &[String]) -> Result<HashSet<String>, Error> {
+///
+/// Also returns the count of `writes` when the read had the lock.
+async fn held_among(
+    inner: &Inner,
+    names: &[String],
+    writes: &AtomicU64,
+) -> Result<(HashSet<String>, u64), Error> {
     let Some(sql) = &inner.sql.held_among else {
-        return Ok(HashSet::new());
+        return Ok((HashSet::new(), writes.load(Ordering::Acquire)));
     };
     let listed = serde_json::to_string(names).expect("strings encode");
     let mut conn = Conn::get(inner).await?;
@@ -159,17 +193,21 @@ async fn held_among(inner: &Inner, names: &[String]) -> Result<HashSet<String>, 
     conn.mark_locked();
     let read = async {
         conn.execute_raw("BEGIN IMMEDIATE").await?;
+        let seen = writes.load(Ordering::Acquire);
         let rows = conn.fetch_all(sql.bind(&[Arg::Text(&listed)])).await;
         conn.execute_raw("ROLLBACK").await?;
-        rows
+        rows.map(|rows| (rows, seen))
     }
     .await
     .map_err(|e| map_err("sqlite", e))?;
     conn.mark_unlocked();
-    read.iter()
+    let (rows, seen) = read;
+    let held = rows
+        .iter()
         .map(|row| row.try_get::<String, _>(0))
         .collect::<Result<_, _>>()
-        .map_err(|e| map_err("sqlite", e))
+        .map_err(|e| map_err("sqlite", e))?;
+    Ok((held, seen))
 }
 
 /// The files a commit to `file` writes: the database, its WAL and its

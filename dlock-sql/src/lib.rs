@@ -95,13 +95,16 @@
 //!   `notify` crate) on a watch of the database's directory that the first
 //!   wait starts (one per file and process, shared by its backends: an
 //!   inotify instance and a thread, while a backend on the file lives). A
-//!   write names no lock: each backend with waiters answers it with one
-//!   read of which of the locks it waits for are held, and wakes the
+//!   write names no lock: each backend with waiters answers a commit with
+//!   one read of which of the locks it waits for are held, and wakes the
 //!   longest-waiting waiter of each one that is not (no herd; a busy take
 //!   writes nothing, so waiting wakes no one). Where the OS reports nothing (network file systems) or
 //!   the watch cannot be set up (a warning), waiters poll as before; this
-//!   is why SQLite does not declare `notify_wakeup`. A release (local, or a
-//!   notification) wakes the longest-waiting such waiter of this process only (L6); if it loses the
+//!   is why SQLite does not declare `notify_wakeup`. The cost: each read
+//!   takes SQLite's write lock for a moment (`BEGIN IMMEDIATE`, so that it
+//!   sees the commit that was written), once per commit and backend with
+//!   waiters. A release (local, or a notification) wakes the
+//!   longest-waiting such waiter of this process only (L6); if it loses the
 //!   race, the winner's release wakes the next, and a woken waiter that goes
 //!   away passes the wake-up on (L2). The first `LISTEN` is in place before
 //!   [`SqlBackend::connect`] returns; each time its connection is
@@ -265,34 +268,43 @@ pub(crate) struct Inner {
     pub(crate) hub: Arc<WakeHub>,
     pub(crate) options: SqlOptions,
     _listener: Option<AbortOnDrop>,
-    /// SQLite: the watch on the database's files, started by the first
-    /// wait (`None` inside: it could not be set up; waiters poll).
+    /// SQLite: the database file SQLite opened (`PRAGMA database_list`).
     #[cfg(feature = "sqlite")]
-    file_wake: std::sync::OnceLock<Option<file_wake::FileWake>>,
+    sqlite_file: Option<std::path::PathBuf>,
+    /// SQLite: the watch on the database's files, started by the first
+    /// wait: `None` before, `Some(None)` if it could not be set up (waiters
+    /// poll).
+    #[cfg(feature = "sqlite")]
+    file_wake: std::sync::Mutex<Option<Option<file_wake::FileWake>>>,
 }
 
 impl Inner {
     /// SQLite: starts the watch on the database's files unless it was
     /// started before; whether it started now (a commit before it went
     /// unseen, so the caller should look again at once).
+    /// (Started again if its task ended: the runtime that ran it shut
+    /// down while the backend lives on in another.)
     #[cfg(feature = "sqlite")]
     pub(crate) fn watch_files(self: &Arc<Self>) -> bool {
-        if self.options.dialect != Dialect::Sqlite || self.file_wake.get().is_some() {
+        let Some(path) = &self.sqlite_file else {
             return false;
+        };
+        let mut state = self.file_wake.lock().unwrap();
+        match &*state {
+            Some(Some(watch)) if !watch.ended() => return false,
+            Some(None) => return false,
+            _ => {}
         }
-        let mut started = false;
-        self.file_wake.get_or_init(|| {
-            started = true;
-            let path = std::path::Path::new(sqlite_path(&self.options));
+        *state = Some(
             match file_wake::FileWake::start(path, Arc::downgrade(self)) {
                 Ok(watch) => Some(watch),
                 Err(e) => {
-                    tracing::warn!(backend = "sqlite", error = %e, "cannot watch the database's files; waiters poll (5 ms to 100 ms)");
+                    tracing::warn!(backend = "sqlite", file = %path.display(), error = %e, "cannot watch the database's files; waiters poll (5 ms to 100 ms)");
                     None
                 }
-            }
-        });
-        started
+            },
+        );
+        true
     }
 
     /// Without SQLite there is nothing to watch.
@@ -367,6 +379,11 @@ impl SqlBackend {
             }
             _ => (options.table.clone(), false),
         };
+        #[cfg(feature = "sqlite")]
+        let sqlite_file = match dialect {
+            Dialect::Sqlite => sqlite_file(&mut first).await,
+            _ => None,
+        };
         let _ = first.close().await;
         // The queue's functions (IS_FREE_LOCK, CONNECTION_ID) in the take
         // are unsafe for statement-based replication: a replica would
@@ -422,7 +439,9 @@ impl SqlBackend {
                 options,
                 _listener: listener,
                 #[cfg(feature = "sqlite")]
-                file_wake: std::sync::OnceLock::new(),
+                sqlite_file,
+                #[cfg(feature = "sqlite")]
+                file_wake: std::sync::Mutex::new(None),
             }),
         })
     }
@@ -640,8 +659,23 @@ fn sqlite_cannot_open(options: &SqlOptions) -> Error {
     Error::Config(format!("sqlite: cannot open {path}: {why}"))
 }
 
-/// The database file of a `sqlite://` URL, as SQLite opens it (relative
-/// to the working directory unless absolute).
+/// The file of the database SQLite opened on `conn` (absolute, decoded);
+/// `None` if it has none or does not say.
+#[cfg(feature = "sqlite")]
+async fn sqlite_file(conn: &mut AnyConnection) -> Option<std::path::PathBuf> {
+    let rows = sqlx::query("PRAGMA database_list")
+        .fetch_all(conn)
+        .await
+        .ok()?;
+    rows.iter()
+        .find(|row| row.try_get::<String, _>(1).is_ok_and(|name| name == "main"))
+        .and_then(|row| row.try_get::<String, _>(2).ok())
+        .filter(|file| !file.is_empty())
+        .map(std::path::PathBuf::from)
+}
+
+/// The database file of a `sqlite://` URL, as written in it (for messages:
+/// relative to the working directory unless absolute).
 fn sqlite_path(options: &SqlOptions) -> &str {
     let url = options.driver_url();
     url.strip_prefix("sqlite://")

@@ -786,10 +786,13 @@ async fn sqlite_release_elsewhere_wakes_a_waiter() {
     );
 }
 
-/// L6 on SQLite: waiting makes no write that would wake the waiters again
-/// (a busy take changes no row). A second backend waits 1 s for a lock the
-/// first holds: its takes stay at the polls' count (about 15 in a second),
-/// not one per wake-up of a feedback loop.
+/// L6 on SQLite: writes that free none of the locks a backend waits for
+/// wake none of its waiters (each write is answered by a read of which of
+/// them are held), and waiting makes no write of its own (a busy take
+/// changes no row). A second backend waits 1 s for a lock the first holds
+/// while the first takes and releases other locks as fast as it can: the
+/// waiter's takes stay at its polls' count (about 15 in a second). Red if
+/// every write woke every waited lock's first waiter: one take per write.
 #[tokio::test]
 async fn sqlite_waiting_wakes_no_one() {
     let Some(url) = url("sqlite", "sqlite_waiting_wakes_no_one") else {
@@ -803,6 +806,19 @@ async fn sqlite_waiting_wakes_no_one() {
     let waiter = ours.session(SessionOptions::new()).await.unwrap();
     let lock = name("quiet-wait");
     let _held = holder.lock(&lock).unwrap().acquire().await.unwrap();
+    let churn = {
+        let holder = holder.clone();
+        let other = holder.lock(name("churn")).unwrap();
+        tokio::spawn(async move {
+            let (mut cycles, until) = (0u32, Instant::now() + Duration::from_secs(1));
+            while Instant::now() < until {
+                other.acquire().await.unwrap().release().await.unwrap();
+                cycles += 1;
+            }
+            drop(holder);
+            cycles
+        })
+    };
     let r = waiter
         .lock(&lock)
         .unwrap()
@@ -812,9 +828,15 @@ async fn sqlite_waiting_wakes_no_one() {
         matches!(r, Err(Error::Timeout { cause: None, .. })),
         "{r:?}"
     );
+    let cycles = churn.await.unwrap();
     let takes = waiter.stats().take_attempts;
     assert!(
+        cycles >= 20,
+        "only {cycles} takes and releases of another lock: too few writes to tell"
+    );
+    assert!(
         (2..=30).contains(&takes),
-        "{takes} takes in 1 s of waiting (polls alone make about 15)"
+        "{takes} takes in 1 s of waiting while {cycles} other locks were taken and released \
+         (polls alone make about 15)"
     );
 }

@@ -14,9 +14,10 @@
 //! nothing wake no one). The read takes SQLite's write lock for a moment
 //! (`BEGIN IMMEDIATE`, so that it sees the commit that was written), which
 //! is what this costs the writers: one short lock per commit and backend
-//! with waiters. A commit's several writes are read once: writes already
-//! counted when the read got the lock are covered by it. Polling stays as
-//! it was: it covers a file system that reports nothing (network file
+//! with waiters. A commit's several writes are usually read once: writes
+//! already counted when the read got the lock are covered by it (a
+//! checkpoint's or a late event's write makes one more read). Polling
+//! stays as it was: it covers a file system that reports nothing (network file
 //! systems) and a watch that could not be set up (the inotify limits), so
 //! this only ever makes waits shorter (L2), and never decides a grant.
 
@@ -57,9 +58,8 @@ pub(crate) struct FileWake {
 }
 
 impl FileWake {
-    /// Starts waking `inner`'s waiters on writes to its database file (a
-    /// path relative to the working directory, or absolute), its WAL or its
-    /// rollback journal.
+    /// Starts waking `inner`'s waiters on writes to its database file (the
+    /// absolute path SQLite reports), its WAL or its rollback journal.
     pub(crate) fn start(database: &Path, inner: Weak<Inner>) -> ::notify::Result<Self> {
         let written = Arc::new(Notify::new());
         let watch = Watch::shared(database, Arc::downgrade(&written))?;
@@ -143,7 +143,9 @@ impl Watch {
 async fn wake_on_writes(inner: Weak<Inner>, written: Arc<Notify>, writes: Arc<AtomicU64>) {
     // The writes the last read covered: every write counted before a read
     // got the write lock belongs to a transaction that had ended (writes to
-    // the database's files need that lock), so the read saw it.
+    // the database's files need that lock), so the read saw it, for every
+    // lock waited for then (the read lists them after it has the lock: a
+    // waiter that came while the read waited for the lock is read too).
     let mut covered = 0;
     loop {
         written.notified().await;
@@ -151,15 +153,14 @@ async fn wake_on_writes(inner: Weak<Inner>, written: Arc<Notify>, writes: Arc<At
             continue; // a later write of a commit already read
         }
         let Some(inner) = inner.upgrade() else { return };
-        let waited = inner.hub.keys();
-        if waited.is_empty() {
+        if inner.hub.keys().is_empty() {
             continue;
         }
-        match held_among(&inner, &waited, &writes).await {
-            Ok((held, seen)) => {
+        match free_among_waited(&inner, &writes).await {
+            Ok((free, seen)) => {
                 covered = seen;
-                for name in waited.iter().filter(|n| !held.contains(*n)) {
-                    inner.hub.wake_first(name);
+                for name in free {
+                    inner.hub.wake_first(&name);
                 }
             }
             // (the waiters' polls look in their time)
@@ -170,23 +171,18 @@ async fn wake_on_writes(inner: Weak<Inner>, written: Arc<Notify>, writes: Arc<At
     }
 }
 
-/// Which of `names` are held now, read once the write that woke the task
-/// has committed: a write to the WAL comes before the commit's `fsync` and
-/// before readers can see it, so the read waits for the writer's lock
-/// first (`BEGIN IMMEDIATE`, bounded by the busy timeout) and then lets
-/// it go without writing (`ROLLBACK`). Red without it: a waiter woken by
-/// a release's WAL write read the lock still held and slept to its poll.
-///
-/// Also returns the count of `writes` when the read had the lock.
-async fn held_among(
-    inner: &Inner,
-    names: &[String],
-    writes: &AtomicU64,
-) -> Result<(HashSet<String>, u64), Error> {
+/// Which of the locks waited for now are free, read once the write that
+/// woke the task has committed: a write to the WAL comes before the
+/// commit's `fsync` and before readers can see it, so the read waits for
+/// the writer's lock first (`BEGIN IMMEDIATE`, bounded by the busy
+/// timeout) and then lets it go without writing (`ROLLBACK`). Red without
+/// it: a waiter woken by a release's WAL write read the lock still held
+/// and slept to its poll. The locks are listed, and the count of `writes`
+/// taken, once the lock is held; both are returned.
+async fn free_among_waited(inner: &Inner, writes: &AtomicU64) -> Result<(Vec<String>, u64), Error> {
     let Some(sql) = &inner.sql.held_among else {
-        return Ok((HashSet::new(), writes.load(Ordering::Acquire)));
+        return Ok((Vec::new(), writes.load(Ordering::Acquire)));
     };
-    let listed = serde_json::to_string(names).expect("strings encode");
     let mut conn = Conn::get(inner).await?;
     // (a connection cut off while it may hold the lock is closed, which
     // lets the lock go, never handed back)
@@ -194,20 +190,23 @@ async fn held_among(
     let read = async {
         conn.execute_raw("BEGIN IMMEDIATE").await?;
         let seen = writes.load(Ordering::Acquire);
+        let waited = inner.hub.keys();
+        let listed = serde_json::to_string(&waited).expect("strings encode");
         let rows = conn.fetch_all(sql.bind(&[Arg::Text(&listed)])).await;
         conn.execute_raw("ROLLBACK").await?;
-        rows.map(|rows| (rows, seen))
+        rows.map(|rows| (rows, waited, seen))
     }
     .await
     .map_err(|e| map_err("sqlite", e))?;
     conn.mark_unlocked();
-    let (rows, seen) = read;
-    let held = rows
+    let (rows, waited, seen) = read;
+    let held: HashSet<String> = rows
         .iter()
         .map(|row| row.try_get::<String, _>(0))
         .collect::<Result<_, _>>()
         .map_err(|e| map_err("sqlite", e))?;
-    Ok((held, seen))
+    let free = waited.into_iter().filter(|n| !held.contains(n)).collect();
+    Ok((free, seen))
 }
 
 /// The files a commit to `file` writes: the database, its WAL and its

@@ -98,13 +98,15 @@
 //!   write names no lock: each backend with waiters answers a commit with
 //!   one read of which of the locks it waits for are held, and wakes the
 //!   longest-waiting waiter of each one that is not (no herd; a busy take
-//!   writes nothing, so waiting wakes no one). Where the OS reports nothing (network file systems) or
-//!   the watch cannot be set up (a warning), waiters poll as before; this
-//!   is why SQLite does not declare `notify_wakeup`. The cost: each read
-//!   takes SQLite's write lock for a moment (`BEGIN IMMEDIATE`, so that it
-//!   sees the commit that was written), once per commit and backend with
-//!   waiters. A release (local, or a notification) wakes the
-//!   longest-waiting such waiter of this process only (L6); if it loses the
+//!   writes nothing, so waiting wakes no one). Where the OS reports
+//!   nothing (network file systems) or the watch cannot be set up (a
+//!   warning), waiters poll as before; this is why SQLite does not declare
+//!   `notify_wakeup`. The cost: each read takes SQLite's write lock for a
+//!   moment (`BEGIN IMMEDIATE`, so that it sees the commit that was
+//!   written), usually once per commit and backend with waiters. A release
+//!   (local, or a notification) wakes the longest-waiting such waiter of
+//!   this backend only (L6: one per process unless several backends of
+//!   one process use one file); if it loses the
 //!   race, the winner's release wakes the next, and a woken waiter that goes
 //!   away passes the wake-up on (L2). The first `LISTEN` is in place before
 //!   [`SqlBackend::connect`] returns; each time its connection is

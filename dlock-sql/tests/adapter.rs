@@ -776,6 +776,9 @@ async fn sqlite_release_elsewhere_wakes_a_waiter() {
         attempt.abandon().await.unwrap();
         assert!(granted, "the woken waiter's take was refused");
         if woken < Duration::from_millis(95) {
+            eprintln!(
+                "woken {woken:?} after the wait began; the release returned after {released:?}"
+            );
             return;
         }
         rounds.push((released, woken));

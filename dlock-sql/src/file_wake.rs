@@ -17,9 +17,10 @@
 //! with waiters. A commit's several writes are usually read once: writes
 //! already counted when the read got the lock are covered by it (a
 //! checkpoint's or a late event's write makes one more read). Polling
-//! stays as it was: it covers a file system that reports nothing (network file
-//! systems) and a watch that could not be set up (the inotify limits), so
-//! this only ever makes waits shorter (L2), and never decides a grant.
+//! stays as it was: it covers a file system that reports nothing (network
+//! file systems) and a watch that could not be set up (the inotify
+//! limits), so this only ever makes waits shorter (L2), and never decides
+//! a grant.
 
 use std::collections::HashSet;
 use std::ffi::OsString;

@@ -284,8 +284,9 @@ impl Inner {
     /// SQLite: starts the watch on the database's files unless it was
     /// started before; whether it started now (a commit before it went
     /// unseen, so the caller should look again at once).
-    /// (Started again if its task ended: the runtime that ran it shut
-    /// down while the backend lives on in another.)
+    ///
+    /// Started again if its task ended: the runtime that ran it shut down
+    /// while the backend lives on in another.
     #[cfg(feature = "sqlite")]
     pub(crate) fn watch_files(self: &Arc<Self>) -> bool {
         let Some(path) = &self.sqlite_file else {

@@ -5,7 +5,10 @@
 //! sorted), so that two multi-locks over overlapping names never wait for
 //! each other in a cycle; whoever waits holds only names that sort before
 //! the one it waits for. A failed or timed-out attempt releases what it had
-//! taken before it returns; a dropped one releases it in the background.
+//! taken before it returns (if the store confirms within a request timeout;
+//! a slower release goes on in the background, so that a slow store does
+//! not stretch the caller's deadline); a dropped one releases it in the
+//! background.
 
 use std::future::Future;
 use std::time::Duration;

@@ -238,6 +238,38 @@ where
     }
 }
 
+/// After an attempt that gives back what it took when it fails (a
+/// multi-lock's, a read-write lock's): `free` (whether what it took is free
+/// again) must hold when the attempt returns, unless the attempt ran `took`
+/// past its own `wait` plus a request timeout. Only then may its releases
+/// go on in the background (a slow store must not stretch the caller's
+/// deadline), and `free` must hold within half a TTL (something kept for
+/// good is renewed: still held then).
+pub(crate) async fn given_back<F, Fut>(
+    ctx: &Ctx<'_>,
+    what: &str,
+    took: Duration,
+    wait: Duration,
+    mut free: F,
+) -> Result<(), Failure>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<bool, Failure>>,
+{
+    if free().await? {
+        return Ok(());
+    }
+    let budget = wait + ctx.options().request_timeout_or_default();
+    if took < budget {
+        return Err(Failure(format!(
+            "{what} (it returned after {took:?}, within the {budget:?} it may wait for its \
+             releases)"
+        )));
+    }
+    eprintln!("{what} at once; it ran {took:?}: its releases may end in the background");
+    eventually(ctx.caps.ttl / 2, what, free).await
+}
+
 /// Waits until the store reports `n` waiters on `name`, or, where the store
 /// cannot count waiters, for a fixed settling time.
 pub(crate) async fn queued(

@@ -8,14 +8,16 @@ use std::time::Duration;
 use dlock_core::Error;
 use rand::seq::SliceRandom;
 use tokio::task::JoinSet;
+use tokio::time::Instant;
 
-use super::{ensure, eventually, passed};
+use super::{ensure, eventually, given_back, passed};
 use crate::checker::{FencedRegister, History, Op, Phase};
 use crate::{Ctx, Failure, Harness, Outcome};
 
 /// S1, L5: a multi-lock that finds one name busy takes none of them (what
 /// it took first is free again when it returns, for a try and for a timed
-/// wait), then takes all of them once they are free, each with its own
+/// wait; briefly later only if its release outlasted a request timeout),
+/// then takes all of them once they are free, each with its own
 /// token, and frees all of them on release.
 pub async fn multi_lock_all_or_nothing(h: &dyn Harness) -> Outcome {
     let ctx = Ctx::new(h, "multi_lock_all_or_nothing");
@@ -33,21 +35,27 @@ pub async fn multi_lock_all_or_nothing(h: &dyn Harness) -> Outcome {
         order == [x.clone(), y.clone()],
         "lock_all takes {order:?}, not in name order"
     );
-    let free_again = |what: &'static str| {
-        let (lock, x) = (c.lock(&x), x.clone());
+    let free_again = |what: &'static str, took: Duration, wait: Duration| {
+        let (c, x, ctx) = (&c, x.clone(), &ctx);
+        let what = format!("{what} left {x} held");
         async move {
-            let got = lock?.try_acquire().await?;
-            let guard = got.ok_or_else(|| Failure(format!("{what} left {x} held")))?;
-            guard.release().await?;
-            Ok::<_, Failure>(())
+            given_back(ctx, &what, took, wait, || async {
+                Ok(match c.lock(&x)?.try_acquire().await? {
+                    Some(guard) => guard.release().await.map(|()| true)?,
+                    None => false,
+                })
+            })
+            .await
         }
     };
+    let started = Instant::now();
     ensure!(
         both.try_acquire().await?.is_none(),
         "lock_all took both names while one was held"
     );
-    free_again("a failed try").await?;
+    free_again("a failed try", started.elapsed(), Duration::ZERO).await?;
     let wait = ctx.caps.ttl / 4;
+    let started = Instant::now();
     match both.acquire_timeout(wait).await {
         Err(Error::Timeout { .. }) => {}
         Ok(_) => {
@@ -57,7 +65,7 @@ pub async fn multi_lock_all_or_nothing(h: &dyn Harness) -> Outcome {
         }
         Err(e) => return Err(e.into()),
     }
-    free_again("a timed-out wait").await?;
+    free_again("a timed-out wait", started.elapsed(), wait).await?;
     held.release().await?;
     let guard = both.acquire_timeout(ctx.caps.ttl * 4).await?;
     ensure!(guard.is_held(), "a fresh multi-guard is not held");

@@ -150,15 +150,25 @@ pub async fn rwlock_writer_preference(h: &dyn Harness) -> Outcome {
     let read_a = a.rwlock_with(&name, 4)?.read().await?;
     // A writer that times out takes nothing with it.
     let lock_w = w.rwlock_with(&name, 4)?;
+    let started = tokio::time::Instant::now();
     ensure!(
         lock_w.write_timeout(t / 4).await.is_err(),
         "a write was granted while A read"
     );
     let lock_b = b.rwlock_with(&name, 4)?;
-    let probe = lock_b.try_read().await?;
-    let probe =
-        probe.ok_or_else(|| Failure("a timed-out writer left the readers' places taken".into()))?;
-    probe.release().await?;
+    super::given_back(
+        &ctx,
+        "a timed-out writer left the readers' places taken",
+        started.elapsed(),
+        t / 4,
+        || async {
+            Ok(match lock_b.try_read().await? {
+                Some(probe) => probe.release().await.map(|()| true)?,
+                None => false,
+            })
+        },
+    )
+    .await?;
     // (the timed-out attempt's place in line is given back in the background)
     let (admin, queue) = (ctx.admin().await?, LockName::new(format!("{name}/queue"))?);
     super::eventually(

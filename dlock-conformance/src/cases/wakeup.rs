@@ -147,11 +147,25 @@ pub async fn many_waiters_one_handoff_each(h: &dyn Harness) -> Outcome {
     let ctx = Ctx::new(h, "many_waiters_one_handoff_each");
     let name = ctx.name("x");
     let admin = ctx.admin().await?;
-    let holder = ctx.client().await?;
+    // A TTL of at least 2 s, whose request timeout (a sixth) a store that
+    // polls can meet while 200 waiters poll it: at 1 s (167 ms), MongoDB's
+    // takes and releases timed out by the thousand in CI, and a release
+    // retried until its hold's deadline failed. The case is about handoffs,
+    // not expiry.
+    let ttl = ctx
+        .caps
+        .ttl
+        .max(Duration::from_secs(2))
+        .min(admin.max_ttl());
+    let client = || async {
+        let backend = ctx.harness.connect().await?;
+        Ok::<_, Failure>(backend.session(ctx.options().ttl(ttl)).await?)
+    };
+    let holder = client().await?;
     let g0 = holder.lock(&name)?.acquire().await?;
     let mut sessions = Vec::new();
     for _ in 0..SESSIONS {
-        sessions.push(ctx.client().await?);
+        sessions.push(client().await?);
     }
     let register = Arc::new(FencedRegister::new());
     let history = Arc::new(History::new());
@@ -172,7 +186,7 @@ pub async fn many_waiters_one_handoff_each(h: &dyn Harness) -> Outcome {
             Ok::<_, Failure>(())
         });
     }
-    queued(&*admin, &name, WAITERS, ctx.caps.ttl).await?;
+    queued(&*admin, &name, WAITERS, ttl).await?;
     let start = Instant::now();
     history.record(WAITERS, Op::Release, Phase::Invoke, None);
     g0.release().await?;
@@ -192,9 +206,7 @@ pub async fn many_waiters_one_handoff_each(h: &dyn Harness) -> Outcome {
     );
     if ctx.caps.no_herd {
         let attempts: u64 = sessions.iter().map(|s| s.stats().take_attempts).sum();
-        let period = raw::poll_fallback(&sessions[0])
-            .min(ctx.caps.ttl)
-            .mul_f64(0.9);
+        let period = raw::poll_fallback(&sessions[0]).min(ttl).mul_f64(0.9);
         let polls = (elapsed.as_secs_f64() / period.as_secs_f64()).ceil() as u64 + 1;
         let allowed = WAITERS as u64 * (3 + polls);
         ensure!(

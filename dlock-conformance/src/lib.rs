@@ -75,8 +75,9 @@ pub const CASE_TIME_LIMIT: Duration = Duration::from_secs(180);
 pub enum Kind {
     /// Touches only its own names and clients (its own links included).
     Shared,
-    /// Kills, pauses or restarts servers: runs while no other case of the
-    /// test binary runs.
+    /// Kills, pauses or restarts servers, or loads the store as no other
+    /// case may beside it (200 waiters, 10,000 holds): runs while no other
+    /// case of the test binary runs.
     Exclusive,
 }
 
@@ -185,8 +186,8 @@ fn init_tracing() {
 /// (which sees the items of the calling module), so that one test file can
 /// test several deployments.
 ///
-/// Cases that kill, pause or restart servers run alone: while one runs, no
-/// other case of the same test binary does (cargo runs test binaries one
+/// Cases that kill, pause or restart servers, and the two load cases, run
+/// alone: while one runs, no other case of the same test binary does (cargo runs test binaries one
 /// after another, so nothing else touches the servers either).
 #[macro_export]
 macro_rules! conformance_tests {

@@ -44,6 +44,14 @@ pub fn renew_every(session: &Session) -> Duration {
     session.state().timing.renew_every
 }
 
+/// The request timeout `session` runs with (from its options and the TTL
+/// in effect): how long one store request may take before it counts as
+/// failed, and how long a failed multi-lock or read-write lock attempt
+/// waits for the releases of what it took.
+pub fn request_timeout(session: &Session) -> Duration {
+    session.state().timing.request_timeout
+}
+
 /// The fallback poll period of `session`'s waiting acquires, for bounds on
 /// wake-up latency without notifications.
 pub fn poll_fallback(session: &Session) -> Duration {

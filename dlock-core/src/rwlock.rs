@@ -159,7 +159,8 @@ impl RwLock {
 
     /// Waits at most `wait` to write; [`Error::Timeout`] (naming the lock)
     /// after that, having given back what it took (one more round trip; at
-    /// most a request timeout when the store does not answer).
+    /// most a request timeout when the store does not answer, the rest of
+    /// the releases then going on in the background).
     ///
     /// # Cancel safety
     /// As [`write`](Self::write).

@@ -78,12 +78,10 @@ macro_rules! __with_cases {
             wakeup_latency: shared, "L2", "–";
             wakeup_release_before_subscribe: shared, "L2", "–";
             wakeup_dead_notification_channel: shared, "L2, L1", "deaf notifications";
-            many_waiters_one_handoff_each: shared, "L6, S1 (200 waiters)", "–";
             fifo_with_cancelled_waiter: shared, "L4, S5", "–";
             cancellation_sweep: shared, "S5", "dropped futures";
             acquire_retried_after_lost_reply: shared, "S5, idempotent take", "in-process lost reply";
             idempotent_take_extends_expiry: shared, "S4", "in-process slow lost reply";
-            ten_thousand_names: shared, "S5 (no leaked state, before and after close), L3 (10,000 holds renewed)", "–";
             bad_input: shared, "typed errors", "–";
             session_close: shared, "S5, L3", "–";
             renewal_replies_lost: shared, "S4, L3", "wire: replies lost";
@@ -102,6 +100,8 @@ macro_rules! __with_cases {
             waiter_learns_session_lost: shared, "L5, S5", "wire: waiter blackholed past TTL";
             lost_hold_release_retried: shared, "S5, L1", "wire: replies lost, then refused";
             release_retried_after_cut: shared, "S5, L1", "wire: connections refused while releasing";
+            many_waiters_one_handoff_each: exclusive, "L6, S1 (200 waiters)", "–";
+            ten_thousand_names: exclusive, "S5 (no leaked state, before and after close), L3 (10,000 holds renewed)", "–";
             tokens_after_restart: exclusive, "S2 (durable tokens)", "servers killed, restarted";
             server_paused_past_ttl: exclusive, "S4, S2, fencing, L5", "servers SIGSTOPped";
             server_restart_while_held: exclusive, "S1, S2, S4", "servers killed, restarted";
@@ -118,7 +118,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use dlock_core::{Backend, FencingToken, LockGuard, LockName, LostReason, Session};
+use dlock_core::{Backend, FencingToken, LockGuard, LockName, LostReason, Session, raw};
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep, timeout};
 
@@ -238,15 +238,17 @@ where
     }
 }
 
-/// After an attempt that gives back what it took when it fails (a
-/// multi-lock's, a read-write lock's): `free` (whether what it took is free
-/// again) must hold when the attempt returns, unless the attempt ran `took`
-/// past its own `wait` plus a request timeout. Only then may its releases
+/// After an attempt by `session` that gives back what it took when it
+/// fails (a multi-lock's, a read-write lock's): `free` (whether what it took
+/// is free again) must hold when the attempt returns, unless the attempt ran
+/// `took` past its own `wait` plus the session's request timeout (the TTL
+/// the store granted sets it, not the case's). Only then may its releases
 /// go on in the background (a slow store must not stretch the caller's
 /// deadline), and `free` must hold within half a TTL (something kept for
 /// good is renewed: still held then).
 pub(crate) async fn given_back<F, Fut>(
     ctx: &Ctx<'_>,
+    session: &Session,
     what: &str,
     took: Duration,
     wait: Duration,
@@ -259,7 +261,7 @@ where
     if free().await? {
         return Ok(());
     }
-    let budget = wait + ctx.options().request_timeout_or_default();
+    let budget = wait + raw::request_timeout(session);
     if took < budget {
         return Err(Failure(format!(
             "{what} (it returned after {took:?}, within the {budget:?} it may wait for its \

@@ -36,10 +36,10 @@ pub async fn multi_lock_all_or_nothing(h: &dyn Harness) -> Outcome {
         "lock_all takes {order:?}, not in name order"
     );
     let free_again = |what: &'static str, took: Duration, wait: Duration| {
-        let (c, x, ctx) = (&c, x.clone(), &ctx);
+        let (b, c, x, ctx) = (&b, &c, x.clone(), &ctx);
         let what = format!("{what} left {x} held");
         async move {
-            given_back(ctx, &what, took, wait, || async {
+            given_back(ctx, b, &what, took, wait, || async {
                 Ok(match c.lock(&x)?.try_acquire().await? {
                     Some(guard) => guard.release().await.map(|()| true)?,
                     None => false,

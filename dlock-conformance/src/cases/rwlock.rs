@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use dlock_core::LockName;
+use dlock_core::{Error, LockName};
 use tokio::task::JoinSet;
 
 use super::{ensure, joined, passed};
@@ -151,21 +151,32 @@ pub async fn rwlock_writer_preference(h: &dyn Harness) -> Outcome {
     // A writer that times out takes nothing with it.
     let lock_w = w.rwlock_with(&name, 4)?;
     let started = tokio::time::Instant::now();
-    ensure!(
-        lock_w.write_timeout(t / 4).await.is_err(),
-        "a write was granted while A read"
-    );
+    match lock_w.write_timeout(t / 4).await {
+        Err(Error::Timeout { .. }) => {}
+        Ok(_) => return Err(Failure("a write was granted while A read".into())),
+        Err(e) => return Err(e.into()),
+    }
+    // Every place A does not hold is free again: B takes all three at once.
     let lock_b = b.rwlock_with(&name, 4)?;
     super::given_back(
         &ctx,
+        &w,
         "a timed-out writer left the readers' places taken",
         started.elapsed(),
         t / 4,
         || async {
-            Ok(match lock_b.try_read().await? {
-                Some(probe) => probe.release().await.map(|()| true)?,
-                None => false,
-            })
+            let mut probes = Vec::new();
+            for _ in 0..3 {
+                match lock_b.try_read().await? {
+                    Some(probe) => probes.push(probe),
+                    None => break,
+                }
+            }
+            let all = probes.len() == 3;
+            for probe in probes {
+                probe.release().await?;
+            }
+            Ok(all)
         },
     )
     .await?;

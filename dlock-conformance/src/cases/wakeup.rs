@@ -147,16 +147,15 @@ pub async fn many_waiters_one_handoff_each(h: &dyn Harness) -> Outcome {
     let ctx = Ctx::new(h, "many_waiters_one_handoff_each");
     let name = ctx.name("x");
     let admin = ctx.admin().await?;
-    // A TTL of at least 2 s, whose request timeout (a sixth) a store that
-    // polls can meet while 200 waiters poll it: at 1 s (167 ms), MongoDB's
-    // takes and releases timed out by the thousand in CI, and a release
-    // retried until its hold's deadline failed. The case is about handoffs,
-    // not expiry.
-    let ttl = ctx
-        .caps
-        .ttl
-        .max(Duration::from_secs(2))
-        .min(admin.max_ttl());
+    // A TTL of 2 s where the store allows it, never below the case's: its
+    // request timeout (a sixth) and its fallback poll period (half) let a
+    // store that polls answer while 200 waiters poll it. At 1 s (167 ms,
+    // polls every 500 ms), MongoDB's takes and releases timed out by the
+    // thousand in CI, and a release retried until its hold's deadline
+    // failed. The case is about handoffs, not expiry.
+    let ttl = Duration::from_secs(2)
+        .min(admin.max_ttl())
+        .max(ctx.caps.ttl);
     let client = || async {
         let backend = ctx.harness.connect().await?;
         Ok::<_, Failure>(backend.session(ctx.options().ttl(ttl)).await?)

@@ -261,8 +261,14 @@ impl<'a> Ctx<'a> {
 
     /// A new client: a new connection and a session on it.
     pub async fn client(&self) -> Result<Session, Failure> {
+        self.client_with(self.options()).await
+    }
+
+    /// A new client whose session runs with `options` (e.g. the case's
+    /// [`options`](Self::options) with a longer TTL).
+    pub async fn client_with(&self, options: SessionOptions) -> Result<Session, Failure> {
         let backend = self.harness.connect().await?;
-        Ok(backend.session(self.options()).await?)
+        Ok(backend.session(options).await?)
     }
 
     /// A new client behind fault switches.

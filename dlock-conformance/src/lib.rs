@@ -187,8 +187,9 @@ fn init_tracing() {
 /// test several deployments.
 ///
 /// Cases that kill, pause or restart servers, and the two load cases, run
-/// alone: while one runs, no other case of the same test binary does (cargo runs test binaries one
-/// after another, so nothing else touches the servers either).
+/// alone: while one runs, no other case of the same test binary does (cargo
+/// runs test binaries one after another, so nothing else touches the
+/// servers either).
 #[macro_export]
 macro_rules! conformance_tests {
     (mod $module:ident, $harness:expr $(,)?) => {

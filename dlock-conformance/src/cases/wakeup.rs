@@ -156,15 +156,11 @@ pub async fn many_waiters_one_handoff_each(h: &dyn Harness) -> Outcome {
     let ttl = Duration::from_secs(2)
         .min(admin.max_ttl())
         .max(ctx.caps.ttl);
-    let client = || async {
-        let backend = ctx.harness.connect().await?;
-        Ok::<_, Failure>(backend.session(ctx.options().ttl(ttl)).await?)
-    };
-    let holder = client().await?;
+    let holder = ctx.client_with(ctx.options().ttl(ttl)).await?;
     let g0 = holder.lock(&name)?.acquire().await?;
     let mut sessions = Vec::new();
     for _ in 0..SESSIONS {
-        sessions.push(client().await?);
+        sessions.push(ctx.client_with(ctx.options().ttl(ttl)).await?);
     }
     let register = Arc::new(FencedRegister::new());
     let history = Arc::new(History::new());

@@ -69,6 +69,7 @@ impl EtcdSession {
             doubtful: false,
             fences: Vec::new(),
             ahead: None,
+            first: false,
             watching: None,
         };
         attempt.new_key();
@@ -315,8 +316,10 @@ struct EtcdClaim {
     doubtful: bool,
     /// Tombstones of earlier keys of this attempt still to be written.
     fences: Vec<String>,
-    /// The key just ahead of ours, and the revision at which it was seen.
-    ahead: Option<(Vec<u8>, i64)>,
+    /// The key just ahead of ours, and whether it was the only one.
+    ahead: Option<(Vec<u8>, bool)>,
+    /// The only key ahead of ours is gone: ours is first (see `wait`).
+    first: bool,
     watching: Option<(Vec<u8>, WatchStream)>,
 }
 
@@ -341,6 +344,8 @@ impl EtcdClaim {
         self.key = format!("{}{:016x}", self.key_prefix, rand::random::<u64>());
         self.tombstone = tombstone_of(&self.inner, &self.key);
         self.own = None;
+        self.ahead = None;
+        self.first = false;
     }
 
     /// The tombstone puts the next txn must carry (see `doubtful`).
@@ -458,6 +463,9 @@ impl EtcdClaim {
 #[async_trait]
 impl Claim for EtcdClaim {
     async fn try_take(&mut self) -> Result<Take, Error> {
+        if let (true, Some(own)) = (std::mem::take(&mut self.first), self.own) {
+            return Ok(self.granted(own));
+        }
         for _ in 0..3 {
             let own = match self.own {
                 Some(own) => own,
@@ -474,12 +482,13 @@ impl Claim for EtcdClaim {
                     own
                 }
             };
-            // One round trip: our key is still there, and who is just ahead.
+            // One round trip: our key is still there, who is just ahead, and
+            // whether another is ahead of that one.
             let ahead = GetOptions::new()
                 .with_prefix()
                 .with_max_create_revision(own - 1)
                 .with_sort(SortTarget::Create, SortOrder::Descend)
-                .with_limit(1)
+                .with_limit(2)
                 .with_keys_only();
             let txn = Txn::new()
                 .when(vec![Compare::create_revision(
@@ -495,15 +504,17 @@ impl Claim for EtcdClaim {
                 self.new_key();
                 continue;
             }
-            let revision = resp.header().map(|h| h.revision()).unwrap_or(own);
-            let first_ahead = match resp.op_responses().into_iter().next() {
-                Some(TxnOpResponse::Get(get)) => get.kvs().first().map(|kv| kv.key().to_vec()),
+            let (just_ahead, only) = match resp.op_responses().into_iter().next() {
+                Some(TxnOpResponse::Get(get)) => (
+                    get.kvs().first().map(|kv| kv.key().to_vec()),
+                    get.kvs().len() == 1,
+                ),
                 _ => return Err(Error::protocol("etcd", "unexpected txn answer")),
             };
-            return Ok(match first_ahead {
+            return Ok(match just_ahead {
                 None => self.granted(own),
                 Some(key) => {
-                    self.ahead = Some((key, revision + 1));
+                    self.ahead = Some((key, only));
                     Take::Busy(Busy::default())
                 }
             });
@@ -514,8 +525,16 @@ impl Claim for EtcdClaim {
         ))
     }
 
+    /// Waits for the key just ahead to go. If it was the only key ahead,
+    /// ours is then first and the next `try_take` grants without asking
+    /// (the handoff saves a round trip): keys made later have higher create
+    /// revisions and queue behind ours, a deleted key is never made again
+    /// (a new key of an attempt is another key; a late create of the old
+    /// one meets its tombstone), and ours lives as long as the session's
+    /// lease, which the core's session deadline bounds (S4: a grant after
+    /// that deadline is refused).
     async fn wait(&mut self, until: Instant) -> Result<(), Error> {
-        let Some((ahead, _)) = self.ahead.clone() else {
+        let Some((ahead, only)) = self.ahead.clone() else {
             sleep_until(until).await;
             return Ok(());
         };
@@ -553,6 +572,7 @@ impl Claim for EtcdClaim {
                 .count()
                 > 0;
             if !present {
+                self.first = only;
                 return Ok(());
             }
             self.watching = Some((ahead, stream));
@@ -568,6 +588,7 @@ impl Claim for EtcdClaim {
                         }
                         if resp.events().iter().any(|e| e.event_type() == EventType::Delete) {
                             self.watching = None;
+                            self.first = only;
                             return Ok(());
                         }
                     }

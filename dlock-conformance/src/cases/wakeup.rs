@@ -7,7 +7,7 @@ use dlock_core::raw;
 use tokio::task::JoinSet;
 use tokio::time::{Instant, sleep};
 
-use super::{declares, ensure, joined, median, or_skip, passed, queued, start};
+use super::{declares, ensure, eventually, joined, median, or_skip, passed, queued, start};
 use crate::checker::{FencedRegister, History, Op, Phase};
 use crate::{Ctx, Failure, Harness, Outcome};
 
@@ -243,6 +243,32 @@ pub async fn fifo_with_cancelled_waiter(h: &dyn Harness) -> Outcome {
     }
     handles[1].abort(); // the middle waiter gives up
     let _ = (&mut handles[1]).await;
+    // Its place goes (where the store counts waiters; else a settle), and
+    // waiter 3, queued behind it, must not take that for the release: A
+    // still holds (S1; an adapter that grants when the one place ahead goes
+    // must know it was the only place ahead).
+    if admin
+        .inspect(&name)
+        .await?
+        .and_then(|i| i.waiters)
+        .is_some()
+    {
+        eventually(
+            Duration::from_secs(10),
+            "the cancelled waiter's place gone",
+            || async {
+                let waiting = admin.inspect(&name).await?.and_then(|i| i.waiters);
+                Ok(waiting.unwrap_or(0) <= 2)
+            },
+        )
+        .await?;
+    }
+    sleep(ctx.caps.wakeup_bound.max(t / 3)).await;
+    let early = order.lock().unwrap().clone();
+    ensure!(
+        early.is_empty(),
+        "waiter(s) {early:?} granted while A held the lock, after the waiter ahead gave up"
+    );
     ga.release().await?;
     let w3 = handles.pop().expect("three waiters");
     let w1 = handles.remove(0);

@@ -57,8 +57,10 @@
 //!   current revision is served from the *unsynced* group, which a 100 ms
 //!   loop drains; etcd's own lock recipe, and a watch from "read revision +
 //!   1" once other clients have written since, land there and wait ~100 ms
-//!   per handoff.) On the deletion the waiter re-checks: if another key is
-//!   still ahead, it watches that one.
+//!   per handoff.) If the deleted key was the only one ahead (the read asks
+//!   for two), the waiter is first and is granted at once, without another
+//!   read: a handoff is the release, the watch event and nothing more. Else
+//!   it reads again, and watches the key now just ahead.
 //! * **Token** = the own key's create revision: etcd's global revision, so
 //!   strictly increasing per name, durable across restarts and leader changes.
 //! * **Release** deletes the own key in a txn comparing its create revision (a
@@ -66,7 +68,10 @@
 //!   timed-out waiter deletes its key so it never blocks those behind it
 //!   (the core retries a clean-up until it succeeds or the session ends).
 //!   `force_release` deletes the holder's key; the old holder's next renewal
-//!   finds it missing.
+//!   finds it missing. (A waiter next in line that is force-released as
+//!   soon as it became first may still be granted as of the revision at
+//!   which it became first, then hears of it at its next renewal, as any
+//!   holder; its token is below the next holder's.)
 //! * **Connections**: requests carry etcd's "require leader" flag, so a
 //!   member without a leader refuses them at once. The client's balancer
 //!   spreads requests over every endpoint; one that certainly never left

@@ -528,11 +528,16 @@ impl Claim for EtcdClaim {
     /// Waits for the key just ahead to go. If it was the only key ahead,
     /// ours is then first and the next `try_take` grants without asking
     /// (the handoff saves a round trip): keys made later have higher create
-    /// revisions and queue behind ours, a deleted key is never made again
-    /// (a new key of an attempt is another key; a late create of the old
-    /// one meets its tombstone), and ours lives as long as the session's
-    /// lease, which the core's session deadline bounds (S4: a grant after
-    /// that deadline is refused).
+    /// revisions and queue behind ours, and a deleted key is never made
+    /// again (a new key of an attempt is another key; a late create of the
+    /// old one meets its tombstone). The grant is ours as of the deletion's
+    /// revision, when our key still existed: it lives as long as the
+    /// session's lease, which the core's session deadline bounds (S4: a
+    /// grant after that deadline is refused), and only the head can be
+    /// force-released, which ours was not before that deletion. A
+    /// force-release of ours after it is one of a holder's, heard of at the
+    /// next renewal. The read that finds the key ahead already gone also
+    /// checks ours, in the same request.
     async fn wait(&mut self, until: Instant) -> Result<(), Error> {
         let Some((ahead, only)) = self.ahead.clone() else {
             sleep_until(until).await;
@@ -565,12 +570,28 @@ impl Claim for EtcdClaim {
                 Ok(None) => return Err(Error::unavailable("etcd", "watch stream closed")),
                 Err(e) => return Err(crate::map_err(e)),
             }
-            let present = self
-                .inner
-                .get(ahead.clone(), GetOptions::new().with_count_only())
-                .await?
-                .count()
-                > 0;
+            let own = self
+                .own
+                .ok_or_else(|| Error::protocol("etcd", "waiting without a key"))?;
+            let txn = Txn::new()
+                .when(vec![Compare::create_revision(
+                    self.key.as_str(),
+                    CompareOp::Equal,
+                    own,
+                )])
+                .and_then(vec![TxnOp::get(
+                    ahead.clone(),
+                    Some(GetOptions::new().with_count_only()),
+                )]);
+            let resp = self.inner.txn(Repeat::Idempotent, txn).await?;
+            if !resp.succeeded() {
+                // Ours is gone: the next take queues again.
+                return Ok(());
+            }
+            let present = match resp.op_responses().first() {
+                Some(TxnOpResponse::Get(get)) => get.count() > 0,
+                _ => return Err(Error::protocol("etcd", "unexpected txn answer")),
+            };
             if !present {
                 self.first = only;
                 return Ok(());
@@ -728,6 +749,69 @@ mod server_tests {
 
     async fn claim_on(session: &EtcdSession, name: &LockName) -> EtcdClaim {
         session.new_claim(name, "test".into())
+    }
+
+    /// S1 (issue 15's handoff without a read): a waiter whose key ahead
+    /// goes is granted without asking only if that key was the only one
+    /// ahead, whether the read before the watch finds it gone or the watch
+    /// sees it go.
+    #[tokio::test]
+    async fn the_key_ahead_gone_grants_only_the_one_it_was_ahead_of_alone() {
+        let Some(url) = url() else { return };
+        let backend = EtcdBackend::connect(&url)
+            .await
+            .expect("etcd up (scripts/services up etcd)");
+        let session = session(&backend).await;
+        let name = LockName::new(format!("adapter/ahead-{:08x}", rand::random::<u32>())).unwrap();
+        let busy = |take: Take| matches!(take, Take::Busy(_));
+        let soon = || Instant::now() + Duration::from_secs(2);
+
+        let mut holder = claim_on(&session, &name).await;
+        let Take::Granted(held) = holder.try_take().await.unwrap() else {
+            panic!("not granted")
+        };
+        let mut second = claim_on(&session, &name).await;
+        assert!(busy(second.try_take().await.unwrap()));
+        let mut third = claim_on(&session, &name).await;
+        assert!(busy(third.try_take().await.unwrap()));
+        // The key just ahead of the third goes before it waits (the read
+        // finds it gone), then while it waits (the watch): the holder is
+        // still ahead both times.
+        second.abandon().await.unwrap();
+        third.wait(soon()).await.unwrap();
+        assert!(
+            busy(third.try_take().await.unwrap()),
+            "granted while held (read)"
+        );
+        let mut fourth = claim_on(&session, &name).await;
+        assert!(busy(fourth.try_take().await.unwrap()));
+        let mut fifth = claim_on(&session, &name).await;
+        assert!(busy(fifth.try_take().await.unwrap()));
+        let (waited, ()) = tokio::join!(fifth.wait(soon()), async {
+            sleep(Duration::from_millis(100)).await;
+            fourth.abandon().await.unwrap();
+        });
+        waited.unwrap();
+        assert!(
+            busy(fifth.try_take().await.unwrap()),
+            "granted while held (watch)"
+        );
+
+        // The holder was the only key ahead of the third: its release
+        // grants it, without another read.
+        let (waited, ()) = tokio::join!(third.wait(soon()), async {
+            sleep(Duration::from_millis(100)).await;
+            session.release(&held).await.unwrap();
+        });
+        waited.unwrap();
+        assert!(third.first, "the handoff did not skip the read");
+        let Take::Granted(next) = third.try_take().await.unwrap() else {
+            panic!("not granted after the release")
+        };
+        assert!(next.token > held.token);
+        fifth.abandon().await.unwrap();
+        session.release(&next).await.unwrap();
+        session.close(&[]).await.unwrap();
     }
 
     /// Item 13 of issue 12 (clean abandon, S5): a create whose answer never

@@ -531,10 +531,10 @@ impl Claim for EtcdClaim {
     /// revisions and queue behind ours, and a deleted key is never made
     /// again (a new key of an attempt is another key; a late create of the
     /// old one meets its tombstone). The grant is ours as of the deletion's
-    /// revision, when our key still existed: it lives as long as the
-    /// session's lease, which the core's session deadline bounds (S4: a
-    /// grant after that deadline is refused), and only the head can be
-    /// force-released, which ours was not before that deletion. A
+    /// revision, when our key still existed if our lease did: only the head
+    /// can be force-released, which ours was not before that deletion, and
+    /// a lease gone by then is past the core's session deadline (S4: a
+    /// grant after it is refused), as is a closed session's. A
     /// force-release of ours after it is one of a holder's, heard of at the
     /// next renewal. The read that finds the key ahead already gone also
     /// checks ours, in the same request.
@@ -764,7 +764,7 @@ mod server_tests {
         let session = session(&backend).await;
         let name = LockName::new(format!("adapter/ahead-{:08x}", rand::random::<u32>())).unwrap();
         let busy = |take: Take| matches!(take, Take::Busy(_));
-        let soon = || Instant::now() + Duration::from_secs(2);
+        let soon = || Instant::now() + Duration::from_secs(5);
 
         let mut holder = claim_on(&session, &name).await;
         let Take::Granted(held) = holder.try_take().await.unwrap() else {
@@ -787,11 +787,13 @@ mod server_tests {
         assert!(busy(fourth.try_take().await.unwrap()));
         let mut fifth = claim_on(&session, &name).await;
         assert!(busy(fifth.try_take().await.unwrap()));
-        let (waited, ()) = tokio::join!(fifth.wait(soon()), async {
-            sleep(Duration::from_millis(100)).await;
-            fourth.abandon().await.unwrap();
-        });
-        waited.unwrap();
+        // (a first wait that times out leaves the watch in place, so the
+        // second sees the deletion through it)
+        let briefly = Instant::now() + Duration::from_millis(300);
+        fifth.wait(briefly).await.unwrap();
+        assert!(fifth.watching.is_some() && !fifth.first);
+        fourth.abandon().await.unwrap();
+        fifth.wait(soon()).await.unwrap();
         assert!(
             busy(fifth.try_take().await.unwrap()),
             "granted while held (watch)"
@@ -810,7 +812,25 @@ mod server_tests {
         };
         assert!(next.token > held.token);
         fifth.abandon().await.unwrap();
+
+        // The next in line, force-released as soon as it is first, finds
+        // its own key gone when it looks (the read checks it too), and
+        // queues again under a new key.
+        let mut sixth = claim_on(&session, &name).await;
+        assert!(busy(sixth.try_take().await.unwrap()));
         session.release(&next).await.unwrap();
+        assert!(
+            dlock_core::Backend::force_release(&backend, &name)
+                .await
+                .unwrap()
+        );
+        sixth.wait(soon()).await.unwrap();
+        assert!(!sixth.first, "granted on a key force-released");
+        let Take::Granted(last) = sixth.try_take().await.unwrap() else {
+            panic!("not granted under a new key")
+        };
+        assert!(last.token > next.token);
+        session.release(&last).await.unwrap();
         session.close(&[]).await.unwrap();
     }
 

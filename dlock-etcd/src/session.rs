@@ -699,16 +699,8 @@ mod server_tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_lease_etcd_no_longer_knows_is_a_lost_session() {
         let Some(url) = url() else { return };
-        let backend = EtcdBackend::connect(&url)
-            .await
-            .expect("etcd up (scripts/services up etcd)");
-        let session = EtcdSession::open(
-            backend.inner.clone(),
-            SessionId::generate(None),
-            Duration::from_secs(5),
-        )
-        .await
-        .unwrap();
+        let backend = connected(&url).await;
+        let session = session(&backend).await;
         session.renew(&[]).await.expect("a first renewal");
         session
             .renew(&[])
@@ -727,10 +719,21 @@ mod server_tests {
         let r = session.renew(&[]).await;
         assert!(lost(&r), "renewal on a new stream: {r:?}");
         // A take that puts a key on the lease.
-        let name = LockName::new(format!("adapter/lease-{:08x}", rand::random::<u32>())).unwrap();
+        let name = fresh_name("lease");
         let mut attempt = session.claim(&name, None).await.unwrap();
         let r = attempt.try_take().await.map(|_| ());
         assert!(lost(&r), "take: {r:?}");
+    }
+
+    async fn connected(url: &StoreUrl) -> EtcdBackend {
+        EtcdBackend::connect(url)
+            .await
+            .expect("etcd up (scripts/services up etcd)")
+    }
+
+    /// A name no other run uses, under `adapter/`.
+    fn fresh_name(what: &str) -> LockName {
+        LockName::new(format!("adapter/{what}-{:08x}", rand::random::<u32>())).unwrap()
     }
 
     async fn session(backend: &EtcdBackend) -> EtcdSession {
@@ -758,11 +761,9 @@ mod server_tests {
     #[tokio::test]
     async fn the_key_ahead_gone_grants_only_the_one_it_was_ahead_of_alone() {
         let Some(url) = url() else { return };
-        let backend = EtcdBackend::connect(&url)
-            .await
-            .expect("etcd up (scripts/services up etcd)");
+        let backend = connected(&url).await;
         let session = session(&backend).await;
-        let name = LockName::new(format!("adapter/ahead-{:08x}", rand::random::<u32>())).unwrap();
+        let name = fresh_name("ahead");
         let busy = |take: Take| matches!(take, Take::Busy(_));
         let soon = || Instant::now() + Duration::from_secs(5);
 
@@ -840,12 +841,10 @@ mod server_tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_create_landing_after_the_clean_up_creates_nothing() {
         let Some(url) = url() else { return };
-        let backend = EtcdBackend::connect(&url)
-            .await
-            .expect("etcd up (scripts/services up etcd)");
+        let backend = connected(&url).await;
         let session = session(&backend).await;
         let kv = || backend.inner.client().kv_client();
-        let name = LockName::new(format!("adapter/late-{:08x}", rand::random::<u32>())).unwrap();
+        let name = fresh_name("late");
 
         // Abandoned while its create is in flight.
         let mut attempt = claim_on(&session, &name).await;

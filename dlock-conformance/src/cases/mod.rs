@@ -280,23 +280,28 @@ pub(crate) async fn queued(
     n: usize,
     settle: Duration,
 ) -> Result<(), Failure> {
+    let what = format!("{n} waiters queued on {name}");
+    waiters_until(admin, name, &what, settle, |waiting| waiting >= n).await
+}
+
+/// Waits until the number of waiters the store reports on `name` passes
+/// `enough`, or, where the store cannot count waiters, for `settle`.
+pub(crate) async fn waiters_until(
+    admin: &dyn Backend,
+    name: &LockName,
+    what: &str,
+    settle: Duration,
+    enough: impl Fn(usize) -> bool + Send + Sync,
+) -> Result<(), Failure> {
     let counts = admin.inspect(name).await?.and_then(|i| i.waiters).is_some();
     if !counts {
         sleep(settle).await;
         return Ok(());
     }
-    eventually(
-        Duration::from_secs(10),
-        &format!("{n} waiters queued on {name}"),
-        || async {
-            Ok(admin
-                .inspect(name)
-                .await?
-                .and_then(|i| i.waiters)
-                .unwrap_or(0)
-                >= n)
-        },
-    )
+    eventually(Duration::from_secs(10), what, || async {
+        let waiting = admin.inspect(name).await?.and_then(|i| i.waiters);
+        Ok(enough(waiting.unwrap_or(0)))
+    })
     .await
 }
 

@@ -7,7 +7,7 @@ use dlock_core::raw;
 use tokio::task::JoinSet;
 use tokio::time::{Instant, sleep};
 
-use super::{declares, ensure, eventually, joined, median, or_skip, passed, queued, start};
+use super::{declares, ensure, joined, median, or_skip, passed, queued, start, waiters_until};
 use crate::checker::{FencedRegister, History, Op, Phase};
 use crate::{Ctx, Failure, Harness, Outcome};
 
@@ -247,22 +247,8 @@ pub async fn fifo_with_cancelled_waiter(h: &dyn Harness) -> Outcome {
     // waiter 3, queued behind it, must not take that for the release: A
     // still holds (S1; an adapter that grants when the one place ahead goes
     // must know it was the only place ahead).
-    if admin
-        .inspect(&name)
-        .await?
-        .and_then(|i| i.waiters)
-        .is_some()
-    {
-        eventually(
-            Duration::from_secs(10),
-            "the cancelled waiter's place gone",
-            || async {
-                let waiting = admin.inspect(&name).await?.and_then(|i| i.waiters);
-                Ok(waiting.unwrap_or(0) <= 2)
-            },
-        )
-        .await?;
-    }
+    let gone = "the cancelled waiter's place gone";
+    waiters_until(&*admin, &name, gone, Duration::ZERO, |waiting| waiting <= 2).await?;
     sleep(ctx.caps.wakeup_bound.max(t / 3)).await;
     let early = order.lock().unwrap().clone();
     ensure!(

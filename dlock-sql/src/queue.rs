@@ -123,6 +123,24 @@ impl Queued {
         Some(self.answer(answer.map_err(|_| ())))
     }
 
+    /// Leaves the queue and waits until this claim's place is gone from the
+    /// server: its wait cancelled, or, if it was first in line meanwhile,
+    /// its queue lock let go. So a take that follows does not find the
+    /// queue occupied by a claim that gave up (L4: a timed-out waiter
+    /// blocks no one). Dropping this future leaves the rest to the lane's
+    /// task.
+    pub(crate) async fn leave(self) {
+        let Self {
+            rx, _stay: stay, ..
+        } = self;
+        drop(stay); // the task cancels the wait, and ends
+        if let Some(rx) = rx
+            && let Ok(Ok(lane)) = rx.await
+        {
+            lane.unlock().await; // first in line before it heard
+        }
+    }
+
     fn answer<E>(&self, answer: Result<Result<Conn, Error>, E>) -> Result<Conn, Error> {
         answer.unwrap_or_else(|_| {
             Err(Error::unavailable(
@@ -166,34 +184,48 @@ async fn wait_in_line(
     };
     // From here the lane may hold the queue lock: it goes back to the cache
     // only after an unlock that answered.
-    lane.mark_locked();
+    lane.mark_queue_locked(inner.clone(), key.clone());
     let arg = key.arg(inner.sql.dialect);
     let answer = {
         let wait = lane.fetch_one(queue.lock.bind(&[arg]));
         tokio::pin!(wait);
         tokio::select! {
-            waited = &mut wait => Some(waited),
+            waited = &mut wait => Ok(waited),
             _ = &mut left => {
                 if !matches!(timeout(DRAIN_TIMEOUT, cancel(&inner, pid)).await, Ok(Ok(()))) {
                     tracing::debug!("cancelling a queued lock wait failed; its lane is closed");
                 }
-                let _ = timeout(DRAIN_TIMEOUT, wait).await;
-                None
+                // Whether the wait got the lock before it was cancelled.
+                Err(timeout(DRAIN_TIMEOUT, wait).await.is_ok_and(|w| first_in_line(w).is_ok()))
             }
         }
     };
-    let Some(waited) = answer else {
-        return; // the lane is dropped: closed
-    };
-    let first = waited.and_then(|row| match row.try_get::<Option<i64>, _>(0)? {
+    match answer {
+        Ok(waited) => {
+            // If the claim is gone meanwhile, the lane is dropped with the
+            // message, which lets its queue lock go (see `Conn`'s drop).
+            let _ = tx.send(
+                first_in_line(waited)
+                    .map(|()| lane)
+                    .map_err(|e| map_err(scheme, e)),
+            );
+        }
+        // Cancelled too late: the wait got the lock, which is let go with an
+        // answer before the task ends (`Queued::leave` waits for the end).
+        Err(true) => lane.unlock().await,
+        // Cancelled, or undrained: the lane is dropped, closed.
+        Err(false) => {}
+    }
+}
+
+/// Whether the lock manager's wait answered "yours".
+fn first_in_line(waited: Result<sqlx::any::AnyRow, sqlx::Error>) -> Result<(), sqlx::Error> {
+    match waited?.try_get::<Option<i64>, _>(0)? {
         Some(1) => Ok(()),
         other => Err(sqlx::Error::Protocol(format!(
             "the queue's lock wait answered {other:?}"
         ))),
-    });
-    // If the claim is gone meanwhile, the lane is dropped with the message:
-    // closed, which frees the lock.
-    let _ = tx.send(first.map(|()| lane).map_err(|e| map_err(scheme, e)));
+    }
 }
 
 /// Cancels the statement running on the connection `pid`, from another

@@ -131,9 +131,22 @@ pub(crate) struct Conn {
     /// Told (by being dropped) once the connection is drained or closed
     /// after an abandoned statement, or at once if none was abandoned.
     drained: Option<oneshot::Sender<()>>,
-    /// A queue lane that may hold its queue lock: closed when dropped
-    /// (which frees the lock), never handed back (see `queue`).
-    locked: bool,
+    /// What the connection may hold that its next user must not inherit.
+    locked: Locked,
+}
+
+/// A lock a connection may hold beyond its statements.
+enum Locked {
+    /// Nothing: the connection can be handed back as it is.
+    No,
+    /// Something only closing lets go (SQLite's write lock, in an open
+    /// transaction): closed, never handed back.
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+    UntilClosed,
+    /// A queue lane's queue lock of this key: handed back only after an
+    /// unlock that answered, closed otherwise (which frees the lock once
+    /// the server notices; see `queue`).
+    Queue(Arc<Inner>, QueueKey),
 }
 
 impl Conn {
@@ -156,7 +169,7 @@ impl Conn {
             busy: false,
             failed: false,
             drained: None,
-            locked: false,
+            locked: Locked::No,
         }
     }
 
@@ -192,14 +205,36 @@ impl Conn {
             .open
     }
 
-    /// From now on the connection may hold a queue lock.
+    /// From now on the connection may hold a lock only closing lets go.
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
     pub(crate) fn mark_locked(&mut self) {
-        self.locked = true;
+        self.locked = Locked::UntilClosed;
     }
 
-    /// An unlock answered: the connection holds no queue lock.
+    /// From now on the lane may hold the queue lock of `key`.
+    pub(crate) fn mark_queue_locked(&mut self, inner: Arc<Inner>, key: QueueKey) {
+        self.locked = Locked::Queue(inner, key);
+    }
+
+    /// An unlock answered: the connection holds no lock.
     pub(crate) fn mark_unlocked(&mut self) {
-        self.locked = false;
+        self.locked = Locked::No;
+    }
+
+    /// Lets the queue lock this lane may hold go and waits for the answer,
+    /// so that a take sent after this returns finds the queue as the unlock
+    /// left it (a closed lane frees its lock only when the server notices
+    /// the disconnect). The lane then goes back to the lanes; one whose
+    /// unlock fails or does not answer within the drain timeout is closed.
+    pub(crate) async fn unlock(mut self) {
+        if self.busy || self.failed {
+            return; // dropped: drained or closed
+        }
+        let Locked::Queue(inner, key) = std::mem::replace(&mut self.locked, Locked::No) else {
+            return; // holds no queue lock: dropped, back to the lanes
+        };
+        let slot = self.slot.take().expect("connection present until drop");
+        unlock_then_put(slot, self.conns.clone(), inner, key).await;
     }
 
     /// For the next statement of a connection kept across statements (a
@@ -290,13 +325,21 @@ impl Drop for Conn {
         let Some(mut slot) = self.slot.take() else {
             return;
         };
+        let locked = std::mem::replace(&mut self.locked, Locked::No);
         if !self.busy {
-            if self.failed || self.locked {
-                // Answered with an error, or may hold a queue lock (closing
-                // frees it).
-                crate::conns::close(slot.open);
-            } else {
-                self.conns.put(slot); // answered: back at once
+            match locked {
+                // Answered with an error, or may hold what only closing
+                // frees: closed.
+                _ if self.failed => crate::conns::close(slot.open),
+                Locked::UntilClosed => crate::conns::close(slot.open),
+                // May hold a queue lock: let go, then back to the lanes.
+                Locked::Queue(inner, key) => match tokio::runtime::Handle::try_current() {
+                    Ok(runtime) => {
+                        runtime.spawn(unlock_then_put(slot, self.conns.clone(), inner, key));
+                    }
+                    Err(_) => drop(slot), // no runtime: closed
+                },
+                Locked::No => self.conns.put(slot), // answered: back at once
             }
             return;
         }
@@ -305,14 +348,17 @@ impl Drop for Conn {
         };
         let drained = self.drained.take();
         let conns = self.conns.clone();
-        let locked = self.locked;
         runtime.spawn(async move {
+            // Told only when the drain, and the unlock after it, are done.
             let _drained = drained;
             match timeout(DRAIN_TIMEOUT, slot.open.conn.ping()).await {
-                // Answered, but may hold a queue lock: closed.
-                Ok(Ok(())) if locked => crate::conns::close(slot.open),
-                // Answered: the late reply is drained; back to the cache.
-                Ok(Ok(())) => conns.put(slot),
+                // Answered, but may hold a queue lock: let go first.
+                Ok(Ok(())) => match locked {
+                    Locked::UntilClosed => crate::conns::close(slot.open),
+                    Locked::Queue(inner, key) => unlock_then_put(slot, conns, inner, key).await,
+                    // The late reply is drained; back to the cache.
+                    Locked::No => conns.put(slot),
+                },
                 // Broken or silent: close it and free its slot at once.
                 _ => {
                     tracing::debug!(
@@ -325,6 +371,24 @@ impl Drop for Conn {
     }
 }
 
+/// Unlocks `key`'s queue lock on the lane in `slot` and waits for the
+/// answer; then the lane goes back to `conns`. One whose unlock fails is
+/// closed, one that does not answer within the drain timeout is dropped.
+async fn unlock_then_put(mut slot: Slot, conns: Arc<Conns>, inner: Arc<Inner>, key: QueueKey) {
+    let Some(queue) = &inner.sql.queue else {
+        return; // no queue, no lock: closed
+    };
+    let unlock = queue.unlock.bind(&[key.arg(inner.sql.dialect)]);
+    match timeout(DRAIN_TIMEOUT, unlock.fetch_one(&mut slot.open.conn)).await {
+        Ok(Ok(_)) => conns.put(slot),
+        Ok(Err(e)) => {
+            tracing::debug!(error = %e, "unlocking a queue lane failed; it is closed");
+            crate::conns::close(slot.open);
+        }
+        Err(_) => tracing::debug!("a queue lane's unlock did not answer; it is dropped"),
+    }
+}
+
 pub(crate) struct SqlSession {
     inner: Arc<Inner>,
     id: SessionId,
@@ -334,8 +398,8 @@ pub(crate) struct SqlSession {
 
 /// The lanes of holds granted through the wait queue, by lock name and
 /// owner: each keeps its queue lock until its hold is released (so the next
-/// waiter is woken by the lock manager), or dropped (closed, which frees
-/// the lock) when its hold is found gone. At most half a backend's lanes
+/// waiter is woken by the lock manager), or dropped (which lets the lock
+/// go) when its hold is found gone. At most half a backend's lanes
 /// are kept so (`Inner::held_lanes` counts them): the others stay for
 /// waiters, or a backend holding many contended locks could never queue
 /// for another.
@@ -354,7 +418,7 @@ impl HeldLanes {
 
     /// Keeps `lane` with `hold`, or, over the budget, lets its queue lock
     /// go at once (in the background: the grant does not wait for it).
-    fn put(&self, hold: &Hold, mut lane: Conn) {
+    fn put(&self, hold: &Hold, lane: Conn) {
         let budget = self.inner.options.queue as usize / 2;
         let held = &self.inner.held_lanes;
         if held.fetch_add(1, Ordering::SeqCst) < budget {
@@ -363,16 +427,7 @@ impl HeldLanes {
             return;
         }
         held.fetch_sub(1, Ordering::SeqCst);
-        let inner = self.inner.clone();
-        let name = hold.name.clone();
-        tokio::spawn(async move {
-            let queue = inner.sql.queue.as_ref().expect("a lane implies a queue");
-            let key = inner.queue_key(&name);
-            let unlock = lane.fetch_one(queue.unlock.bind(&[key.arg(inner.sql.dialect)]));
-            if matches!(timeout(DRAIN_TIMEOUT, unlock).await, Ok(Ok(_))) {
-                lane.mark_unlocked(); // back to the lanes' cache
-            }
-        });
+        drop(lane); // dropped, a lane lets its queue lock go (see `Conn`'s drop)
     }
 
     fn take(&self, name: &LockName, owner: &str) -> Option<Conn> {
@@ -890,7 +945,14 @@ impl Claim for SqlClaim {
     /// keeps the clean-up retrying until the core gives up at one TTL, when
     /// whatever such a take could have granted has expired.
     async fn abandon(&mut self) -> Result<(), Error> {
-        self.place = Place::Out;
+        // Out of the queue first, with the server's answer: a take sent
+        // after this abandon returns (the core waits for it before a
+        // timed-out acquire answers) must not find this claim's place.
+        match std::mem::replace(&mut self.place, Place::Out) {
+            Place::Queued(queued) => queued.leave().await,
+            Place::Head(lane) => lane.unlock().await,
+            Place::Out => {}
+        }
         // No longer waiting: a notification must go to whoever waits now.
         self.waiter = None;
         // A grant on the lane the core never learned of: its lane goes (the

@@ -10,7 +10,7 @@ use super::{
     busy, ensure, eventually, joined, passed, prompt, recovered, round_trip, start, within,
 };
 use crate::wire::{Fault, Flow};
-use crate::{Ctx, Harness, Outcome};
+use crate::{Ctx, Failure, Harness, Outcome};
 
 /// S5: acquires dropped at 0 .. 3×RTT, on free and on held locks, leave
 /// neither a hold beyond one TTL nor a queue entry that blocks others, and no
@@ -235,6 +235,75 @@ pub async fn idempotent_take_extends_expiry(h: &dyn Harness) -> Outcome {
     );
     drop(ga);
     gb.release().await?;
+    passed()
+}
+
+/// L4, L5: a waiter whose `acquire_timeout` answered `Timeout` has left the
+/// line by then: the holder's release goes to the next `try_acquire`, at
+/// once. Three rounds on a plain client, then one whose waiter's requests
+/// are slowed on the wire after it queued: its clean-up must be done before
+/// the timeout answers, not go on in the background, where a fair store's
+/// queue would keep its place (or a lock manager would keep its queue lock
+/// until the server noticed a closed connection). Red before: the core
+/// abandoned a timed-out claim in the background, and the SQL queue closed
+/// the lane instead of unlocking it (`dlocks` blocking test: "mysql: not
+/// free right after the drop").
+pub async fn timed_out_waiter_leaves_no_trace(h: &dyn Harness) -> Outcome {
+    let ctx = Ctx::new(h, "timed_out_waiter_leaves_no_trace");
+    let t = ctx.caps.ttl;
+    let (a, b, c) = (
+        ctx.client().await?,
+        ctx.client().await?,
+        ctx.client().await?,
+    );
+    let wait = t / 4;
+    let free_after = |round: &str, result: Result<dlock_core::LockGuard, Error>| {
+        ensure!(
+            matches!(result, Err(Error::Timeout { cause: None, .. })),
+            "{round}: acquire_timeout({wait:?}) on a held lock gave {result:?}"
+        );
+        Ok(())
+    };
+    for round in 0..3 {
+        let name = ctx.name(&format!("plain-{round}"));
+        let ga = a.lock(&name)?.acquire().await?;
+        free_after("plain", b.lock(&name)?.acquire_timeout(wait).await)?;
+        ga.release().await?;
+        let gc = c.lock(&name)?.try_acquire().await?;
+        ensure!(
+            gc.is_some(),
+            "round {round}: after the holder's release a try found the lock busy: \
+             the waiter that had timed out still held a place"
+        );
+        gc.into_iter().next().expect("some").release().await?;
+    }
+    if let Some((d, link)) = ctx.linked_client().await? {
+        // Slower than the release and the try below, well within the
+        // request timeout (a sixth of the TTL) for a clean-up of a few
+        // requests.
+        let slow = t / 40;
+        let name = ctx.name("slow");
+        let ga = a.lock(&name)?.acquire().await?;
+        let lock = d.lock(&name)?;
+        let waiting = tokio::spawn(async move { lock.acquire_timeout(wait).await });
+        tokio::time::sleep(wait / 2).await; // queued by now
+        link.set_all(Fault::Flows {
+            to_server: Flow::Delay(slow),
+            to_client: Flow::Pass,
+        });
+        let result = waiting.await.map_err(|e| Failure(format!("waiter: {e}")))?;
+        link.heal();
+        free_after("slow", result)?;
+        ga.release().await?;
+        let gc = c.lock(&name)?.try_acquire().await?;
+        ensure!(
+            gc.is_some(),
+            "after the holder's release a try found the lock busy: the waiter that had \
+             timed out (its requests {slow:?} slower) still held a place"
+        );
+        gc.into_iter().next().expect("some").release().await?;
+        d.close().await?;
+    }
     passed()
 }
 

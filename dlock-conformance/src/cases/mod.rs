@@ -80,6 +80,7 @@ macro_rules! __with_cases {
             wakeup_dead_notification_channel: shared, "L2, L1", "deaf notifications";
             fifo_with_cancelled_waiter: shared, "L4, S5", "–";
             cancellation_sweep: shared, "S5", "dropped futures";
+            timed_out_waiter_leaves_no_trace: shared, "L4, L5 (a timed-out waiter has left the line when it answers)", "wire: waiter's requests slowed";
             acquire_retried_after_lost_reply: shared, "S5, idempotent take", "in-process lost reply";
             idempotent_take_extends_expiry: shared, "S4", "in-process slow lost reply";
             bad_input: shared, "typed errors", "–";

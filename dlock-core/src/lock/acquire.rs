@@ -48,8 +48,22 @@ impl Lock {
         // future at any await point abandons it in the background.
         let mut claim = run.start_claim().await?;
         loop {
-            if let ControlFlow::Break(answer) = run.take_or_wait(&mut claim).await? {
-                return Ok(answer);
+            match run.take_or_wait(&mut claim).await {
+                Ok(ControlFlow::Break(answer)) => return Ok(answer),
+                Ok(ControlFlow::Continue(())) => {}
+                Err(e) => {
+                    // The lock stayed busy: withdraw the claim before
+                    // answering, as a try does, so that a timed-out waiter
+                    // leaves no place in a fair queue that could make the
+                    // next take see "busy" after the holder's release
+                    // (L4, case `timed_out_waiter_leaves_no_trace`). Bounded
+                    // by the request timeout; a failing store's clean-up
+                    // goes on in the background (L5).
+                    if matches!(e, Error::Timeout { cause: None, .. }) {
+                        claim.abandon_now().await;
+                    }
+                    return Err(e);
+                }
             }
         }
     }

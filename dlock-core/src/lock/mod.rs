@@ -219,6 +219,12 @@ impl Lock {
     /// store was failing or silent: a caller can tell "busy" from
     /// "unreachable".
     ///
+    /// A waiter that timed out on a busy lock has left the line when this
+    /// returns (one more round trip; the clean-up goes on in the
+    /// background if the store takes longer than a request timeout): the
+    /// holder's release then goes to whoever asks next, not to a place
+    /// kept for a waiter that is gone.
+    ///
     /// # Cancel safety
     /// As [`acquire`](Self::acquire).
     pub async fn acquire_timeout(&self, wait: Duration) -> Result<LockGuard, Error> {

@@ -154,9 +154,9 @@ impl Queued {
 /// A queued claim's task: a lane, its id, then the lock manager's wait,
 /// answered on `tx`. When `left` fires (the claim left the queue), the wait
 /// is cancelled on the server from another connection (so no dead waiter
-/// stays in line), and the lane is closed (it may have got the lock
-/// meanwhile). The task owns the lane throughout, so the id it cancels is
-/// still this lane's.
+/// stays in line), and the lane is unlocked (it may have got the lock
+/// meanwhile), with an answer before the task ends, then closed. The task
+/// owns the lane throughout, so the id it cancels is still this lane's.
 async fn wait_in_line(
     inner: Arc<Inner>,
     key: QueueKey,
@@ -190,13 +190,16 @@ async fn wait_in_line(
         let wait = lane.fetch_one(queue.lock.bind(&[arg]));
         tokio::pin!(wait);
         tokio::select! {
+            // A wait that answered is used, not cancelled: a cancel sent
+            // after its answer could reach a later statement on the lane.
+            biased;
             waited = &mut wait => Ok(waited),
             _ = &mut left => {
                 if !matches!(timeout(DRAIN_TIMEOUT, cancel(&inner, pid)).await, Ok(Ok(()))) {
                     tracing::debug!("cancelling a queued lock wait failed; its lane is closed");
                 }
-                // Whether the wait got the lock before it was cancelled.
-                Err(timeout(DRAIN_TIMEOUT, wait).await.is_ok_and(|w| first_in_line(w).is_ok()))
+                let _ = timeout(DRAIN_TIMEOUT, wait).await;
+                Err(())
             }
         }
     };
@@ -210,11 +213,16 @@ async fn wait_in_line(
                     .map_err(|e| map_err(scheme, e)),
             );
         }
-        // Cancelled too late: the wait got the lock, which is let go with an
-        // answer before the task ends (`Queued::leave` waits for the end).
-        Err(true) => lane.unlock().await,
-        // Cancelled, or undrained: the lane is dropped, closed.
-        Err(false) => {}
+        // Sent a cancel, which may yet land on a later statement: the lane
+        // is closed, after an unlock with an answer before the task ends
+        // (`Queued::leave` waits for the end), since the wait may have got
+        // the lock (it answered so, or a cancel after the grant failed the
+        // statement: a session lock outlives it). Undrained, it is dropped:
+        // drained, then unlocked, then closed.
+        Err(_) => {
+            lane.retire();
+            lane.unlock().await;
+        }
     }
 }
 

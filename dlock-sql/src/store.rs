@@ -221,20 +221,28 @@ impl Conn {
         self.locked = Locked::No;
     }
 
+    /// Never handed back: closed when dropped (after the unlock of a queue
+    /// lock it may hold). For a lane whose wait was sent a cancel, which
+    /// could still reach a later statement on it.
+    pub(crate) fn retire(&mut self) {
+        self.failed = true;
+    }
+
     /// Lets the queue lock this lane may hold go and waits for the answer,
     /// so that a take sent after this returns finds the queue as the unlock
     /// left it (a closed lane frees its lock only when the server notices
-    /// the disconnect). The lane then goes back to the lanes; one whose
-    /// unlock fails or does not answer within the drain timeout is closed.
+    /// the disconnect). Then the lane goes back to the lanes, unless it
+    /// failed or was retired (closed); one whose unlock fails, or does not
+    /// answer within the drain timeout, is closed. A lane with a statement
+    /// still in flight is dropped: drained, then unlocked.
     pub(crate) async fn unlock(mut self) {
-        if self.busy || self.failed {
-            return; // dropped: drained or closed
+        match std::mem::replace(&mut self.locked, Locked::No) {
+            Locked::Queue(inner, key) if !self.busy => {
+                let slot = self.slot.take().expect("connection present until drop");
+                unlock_then_put(slot, self.conns.clone(), inner, key, !self.failed).await;
+            }
+            other => self.locked = other, // dropped as it is
         }
-        let Locked::Queue(inner, key) = std::mem::replace(&mut self.locked, Locked::No) else {
-            return; // holds no queue lock: dropped, back to the lanes
-        };
-        let slot = self.slot.take().expect("connection present until drop");
-        unlock_then_put(slot, self.conns.clone(), inner, key).await;
     }
 
     /// For the next statement of a connection kept across statements (a
@@ -326,19 +334,22 @@ impl Drop for Conn {
             return;
         };
         let locked = std::mem::replace(&mut self.locked, Locked::No);
+        let reuse = !self.failed;
         if !self.busy {
             match locked {
-                // Answered with an error, or may hold what only closing
-                // frees: closed.
-                _ if self.failed => crate::conns::close(slot.open),
-                Locked::UntilClosed => crate::conns::close(slot.open),
-                // May hold a queue lock: let go, then back to the lanes.
+                // May hold a queue lock (a session lock outlives a failed
+                // statement): let go, then back to the lanes if it may be.
                 Locked::Queue(inner, key) => match tokio::runtime::Handle::try_current() {
                     Ok(runtime) => {
-                        runtime.spawn(unlock_then_put(slot, self.conns.clone(), inner, key));
+                        let conns = self.conns.clone();
+                        runtime.spawn(unlock_then_put(slot, conns, inner, key, reuse));
                     }
                     Err(_) => drop(slot), // no runtime: closed
                 },
+                // Answered with an error, or may hold what only closing
+                // frees: closed.
+                _ if !reuse => crate::conns::close(slot.open),
+                Locked::UntilClosed => crate::conns::close(slot.open),
                 Locked::No => self.conns.put(slot), // answered: back at once
             }
             return;
@@ -354,10 +365,13 @@ impl Drop for Conn {
             match timeout(DRAIN_TIMEOUT, slot.open.conn.ping()).await {
                 // Answered, but may hold a queue lock: let go first.
                 Ok(Ok(())) => match locked {
+                    Locked::Queue(inner, key) => {
+                        unlock_then_put(slot, conns, inner, key, reuse).await;
+                    }
                     Locked::UntilClosed => crate::conns::close(slot.open),
-                    Locked::Queue(inner, key) => unlock_then_put(slot, conns, inner, key).await,
                     // The late reply is drained; back to the cache.
-                    Locked::No => conns.put(slot),
+                    Locked::No if reuse => conns.put(slot),
+                    Locked::No => crate::conns::close(slot.open),
                 },
                 // Broken or silent: close it and free its slot at once.
                 _ => {
@@ -372,15 +386,23 @@ impl Drop for Conn {
 }
 
 /// Unlocks `key`'s queue lock on the lane in `slot` and waits for the
-/// answer; then the lane goes back to `conns`. One whose unlock fails is
-/// closed, one that does not answer within the drain timeout is dropped.
-async fn unlock_then_put(mut slot: Slot, conns: Arc<Conns>, inner: Arc<Inner>, key: QueueKey) {
+/// answer; then the lane goes back to `conns` if `reuse`, else is closed.
+/// One whose unlock fails is closed, one that does not answer within the
+/// drain timeout is dropped.
+async fn unlock_then_put(
+    mut slot: Slot,
+    conns: Arc<Conns>,
+    inner: Arc<Inner>,
+    key: QueueKey,
+    reuse: bool,
+) {
     let Some(queue) = &inner.sql.queue else {
         return; // no queue, no lock: closed
     };
     let unlock = queue.unlock.bind(&[key.arg(inner.sql.dialect)]);
     match timeout(DRAIN_TIMEOUT, unlock.fetch_one(&mut slot.open.conn)).await {
-        Ok(Ok(_)) => conns.put(slot),
+        Ok(Ok(_)) if reuse => conns.put(slot),
+        Ok(Ok(_)) => crate::conns::close(slot.open),
         Ok(Err(e)) => {
             tracing::debug!(error = %e, "unlocking a queue lane failed; it is closed");
             crate::conns::close(slot.open);
@@ -438,12 +460,13 @@ impl HeldLanes {
         lane
     }
 
-    fn clear(&self) {
+    /// Every kept lane, no longer kept.
+    fn drain(&self) -> Vec<Conn> {
         let lanes: Vec<Conn> = self.lock().drain().map(|(_, lane)| lane).collect();
         self.inner
             .held_lanes
             .fetch_sub(lanes.len(), Ordering::SeqCst);
-        drop(lanes);
+        lanes
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), Conn>> {
@@ -453,7 +476,7 @@ impl HeldLanes {
 
 impl Drop for HeldLanes {
     fn drop(&mut self) {
-        self.clear();
+        drop(self.drain()); // each lets its queue lock go in the background
     }
 }
 
@@ -657,12 +680,19 @@ impl RawSession for SqlSession {
     }
 
     async fn close(&self, holds: &[Hold]) -> Result<(), Error> {
-        let mut conn = Conn::get(&self.inner).await?;
-        let closed = conn
-            .execute(self.inner.sql.close.bind(&[Arg::Text(self.id.as_str())]))
-            .await;
-        self.lanes.clear();
-        closed.map_err(|e| map_err(self.scheme(), e))?;
+        let closed = async {
+            let mut conn = Conn::get(&self.inner).await?;
+            conn.execute(self.inner.sql.close.bind(&[Arg::Text(self.id.as_str())]))
+                .await
+                .map_err(|e| map_err(self.scheme(), e))
+        }
+        .await;
+        // The kept lanes' queue locks go with an answer too: a take sent
+        // after the close finds the queue as the unlocks left it.
+        for lane in self.lanes.drain() {
+            lane.unlock().await;
+        }
+        closed?;
         for hold in holds {
             self.inner.hub.wake_first(hold.name.as_str());
         }
@@ -945,16 +975,16 @@ impl Claim for SqlClaim {
     /// keeps the clean-up retrying until the core gives up at one TTL, when
     /// whatever such a take could have granted has expired.
     async fn abandon(&mut self) -> Result<(), Error> {
-        // Out of the queue first, with the server's answer: a take sent
-        // after this abandon returns (the core waits for it before a
-        // timed-out acquire answers) must not find this claim's place.
+        // No longer waiting: a notification must go to whoever waits now.
+        self.waiter = None;
+        // Out of the queue, with the server's answer: a take sent after
+        // this abandon returns (the core waits for it before a timed-out
+        // acquire answers) must not find this claim's place.
         match std::mem::replace(&mut self.place, Place::Out) {
             Place::Queued(queued) => queued.leave().await,
             Place::Head(lane) => lane.unlock().await,
             Place::Out => {}
         }
-        // No longer waiting: a notification must go to whoever waits now.
-        self.waiter = None;
         // A grant on the lane the core never learned of: its lane goes (the
         // row is freed below).
         drop(self.lanes.take(&self.name, &self.owner));

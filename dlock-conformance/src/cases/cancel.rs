@@ -260,7 +260,7 @@ pub async fn timed_out_waiter_leaves_no_trace(h: &dyn Harness) -> Outcome {
     let free_after = |round: &str, result: Result<dlock_core::LockGuard, Error>| {
         ensure!(
             matches!(result, Err(Error::Timeout { cause: None, .. })),
-            "{round}: acquire_timeout({wait:?}) on a held lock gave {result:?}"
+            "{round}: acquire_timeout on a held lock gave {result:?}"
         );
         Ok(())
     };
@@ -280,17 +280,23 @@ pub async fn timed_out_waiter_leaves_no_trace(h: &dyn Harness) -> Outcome {
     if let Some((d, link)) = ctx.linked_client().await? {
         // Slower than the release and the try below, well within the
         // request timeout (a sixth of the TTL) for a clean-up of a few
-        // requests.
-        let slow = t / 40;
+        // requests (SQL's queue: up to four).
+        let slow = t / 80;
         let name = ctx.name("slow");
         let ga = a.lock(&name)?.acquire().await?;
         let lock = d.lock(&name)?;
-        let waiting = tokio::spawn(async move { lock.acquire_timeout(wait).await });
-        tokio::time::sleep(wait / 2).await; // queued by now
+        let waiting = tokio::spawn(async move { lock.acquire_timeout(t).await });
+        let admin = ctx.admin().await?;
+        super::queued(&*admin, &name, 1, t / 4).await?;
         link.set_all(Fault::Flows {
             to_server: Flow::Delay(slow),
             to_client: Flow::Pass,
         });
+        ensure!(
+            !waiting.is_finished(),
+            "the waiter ended before its link was slowed: {:?}",
+            waiting.await
+        );
         let result = waiting.await.map_err(|e| Failure(format!("waiter: {e}")))?;
         link.heal();
         free_after("slow", result)?;

@@ -209,8 +209,9 @@ impl Lock {
     }
 
     /// Waits at most `wait` for the lock; [`Error::Timeout`] after that,
-    /// within `wait` plus one round trip (invariant L5), also when the store
-    /// does not answer: the deadline cuts requests in flight. So a `wait`
+    /// within `wait` plus one round trip (invariant L5; plus the clean-up
+    /// below on a busy lock), also when the store does not answer: the
+    /// deadline cuts requests in flight. So a `wait`
     /// shorter than a round trip can time out on a free lock; for exactly
     /// one try use [`try_acquire`](Self::try_acquire).
     ///
@@ -219,11 +220,13 @@ impl Lock {
     /// store was failing or silent: a caller can tell "busy" from
     /// "unreachable".
     ///
-    /// A waiter that timed out on a busy lock has left the line when this
-    /// returns (one more round trip; the clean-up goes on in the
-    /// background if the store takes longer than a request timeout): the
-    /// holder's release then goes to whoever asks next, not to a place
-    /// kept for a waiter that is gone.
+    /// A waiter that timed out on a busy lock (no `cause`) has left the
+    /// line when this returns: the holder's release then goes to whoever
+    /// asks next, not to a place kept for a waiter that is gone. That
+    /// clean-up costs the store's withdrawal requests (one round trip on
+    /// most stores, a few on SQL's wait queue), at most a request timeout,
+    /// after which it goes on in the background. A timeout with a `cause`
+    /// (the store failing, or no answer yet) leaves it to the background.
     ///
     /// # Cancel safety
     /// As [`acquire`](Self::acquire).

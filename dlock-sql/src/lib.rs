@@ -24,14 +24,19 @@
 //!   the attempt's own live grant keeps its token and is extended.
 //! * **Release / renewal** are owner-checked (`WHERE name AND owner AND
 //!   token`, S3). A renewal extends exactly the holds the core passes it,
-//!   listed by name, owner and token (one statement for up to 256 holds, more
-//!   in chunks; MySQL adds a read only when one of them is gone), never
+//!   listed by name, owner and token (one statement for up to 16,384 holds,
+//!   more in chunks; MySQL adds a read only when one of them is gone), never
 //!   another row of the session: a take the core never learned of (an
 //!   acquire that gave up while its take committed) or a hold whose release
 //!   failed expires one TTL later instead of living as long as the session
 //!   renews (S4's converse, L1). There is no separate sessions table: each
-//!   lock's own `expires_at` is the lease. Closing a session frees every row
-//!   it holds. A freed row (release, abandon, close, force release) keeps
+//!   lock's own `expires_at` is the lease. Closing a session frees its
+//!   holds: on MySQL and SQLite every row it holds (by an index on
+//!   `holder`); on PostgreSQL the holds the core lists, by primary key,
+//!   and like a renewal never another row (its table has no `holder` index,
+//!   so that takes, releases and renewals, which change only unindexed
+//!   columns, are HOT updates: no new index entries; a table made by an
+//!   earlier version loses the index on connect). A freed row (release, abandon, close, force release) keeps
 //!   the attempt that last had it as its `owner`, without a holder: a late
 //!   copy of that attempt's take (its first request timed out in the core
 //!   and was retried on another connection, whose grant has been used and

@@ -843,3 +843,83 @@ async fn sqlite_waiting_wakes_no_one() {
          (polls alone make about 15)"
     );
 }
+
+/// Issue 15: PostgreSQL's lock table has no index on `holder`, so that a
+/// take, release or renewal (which change only unindexed columns) can be a
+/// HOT update, and leaves room on its pages for the new row versions
+/// (`fillfactor`); a table made by an earlier version, with the index,
+/// loses it on connect. A session's close still frees its holds at once
+/// (by primary key, the conformance case `session_close`).
+#[tokio::test]
+async fn postgres_lock_rows_can_update_in_place() {
+    use sqlx::{Connection, Row};
+    let Some(url) = url("postgres", "postgres_lock_rows_can_update_in_place") else {
+        return;
+    };
+    let server = url.split('?').next().unwrap().to_owned();
+    sqlx::any::install_default_drivers();
+    let mut c = sqlx::AnyConnection::connect(&server).await.unwrap();
+    let (new, old) = (
+        format!("dlock_hot_{:08x}", rand::random::<u32>()),
+        format!("dlock_old_{:08x}", rand::random::<u32>()),
+    );
+    // As the versions before this one made it.
+    for made in [
+        format!(
+            "CREATE TABLE {old} (name TEXT COLLATE \"C\" PRIMARY KEY, holder TEXT, owner TEXT, \
+             token BIGINT NOT NULL, why TEXT, acquired_at BIGINT NOT NULL, \
+             expires_at BIGINT NOT NULL)"
+        ),
+        format!("CREATE INDEX {old}_holder ON {old} (holder)"),
+    ] {
+        sqlx::query(&made).execute(&mut c).await.unwrap();
+    }
+    let indexes = |table: String| {
+        sqlx::query(
+            "SELECT CAST(COUNT(*) AS BIGINT) FROM pg_indexes WHERE tablename = $1 \
+             AND indexname <> $2",
+        )
+        .bind(table.clone())
+        .bind(format!("{table}_pkey"))
+    };
+    assert_eq!(
+        indexes(old.clone())
+            .fetch_one(&mut c)
+            .await
+            .unwrap()
+            .get::<i64, _>(0),
+        1
+    );
+    for table in [&new, &old] {
+        let url = url.replace(
+            &format!("dlock_table={TABLE}"),
+            &format!("dlock_table={table}"),
+        );
+        let backend = connect(&url).await;
+        let session = backend.session(SessionOptions::new()).await.unwrap();
+        let lock = session.lock(name("hot")).unwrap();
+        lock.acquire().await.unwrap().release().await.unwrap();
+        session.close().await.unwrap();
+        let other = indexes(table.clone())
+            .fetch_one(&mut c)
+            .await
+            .unwrap()
+            .get::<i64, _>(0);
+        assert_eq!(other, 0, "{table}: an index besides the primary key");
+    }
+    let options: Option<String> = sqlx::query(
+        "SELECT CAST(array_to_string(reloptions, ',') AS TEXT) FROM pg_class WHERE relname = $1",
+    )
+    .bind(new.clone())
+    .fetch_one(&mut c)
+    .await
+    .unwrap()
+    .get(0);
+    assert_eq!(options.as_deref(), Some("fillfactor=70"));
+    for table in [new, old] {
+        sqlx::query(&format!("DROP TABLE {table}"))
+            .execute(&mut c)
+            .await
+            .unwrap();
+    }
+}

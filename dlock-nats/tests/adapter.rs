@@ -215,11 +215,29 @@ async fn a_retried_take_never_returns_a_token_that_went_back() {
 /// lost, is not granted that lower token when its next try finds it.
 /// Red before (a check against the process's mark at the claim's first
 /// try only, which was 0 here): granted a token below the hold it saw.
+///
+/// The take must land below the hold for the case to say anything, but the
+/// backend's catch-up of the sequence (a thousand writes at a time, in the
+/// background) can land first on a loaded machine (CI: "the take landed at
+/// 1004"); then the setup is tried again, up to three times.
 #[tokio::test]
 async fn a_waiters_retried_take_never_goes_below_the_hold_it_waited_for() {
+    for attempt in 1..=3 {
+        if waiter_take_below_the_hold(attempt).await {
+            return;
+        }
+        println!("NOTE attempt {attempt}: the take landed above the hold; setting up again");
+    }
+    panic!("in three attempts the take never landed below the hold: the case tested nothing");
+}
+
+/// One attempt of the case above: `false` if the take did not land below
+/// the hold (nothing tested).
+async fn waiter_take_below_the_hold(attempt: u32) -> bool {
     use dlock_conformance::wire::Fault;
 
-    let bucket = "dlock_seq_back_waiter";
+    let bucket = format!("dlock_seq_back_waiter_{attempt}");
+    let bucket = bucket.as_str();
     let (direct, proxied, raw, proxy) = behind_a_proxy(bucket).await;
     let backend = NatsBackend::connect(proxied.as_str()).await.unwrap();
     let js = async_nats::jetstream::new(raw.clone());
@@ -257,11 +275,18 @@ async fn a_waiters_retried_take_never_goes_below_the_hold_it_waited_for() {
         .await
         .unwrap();
     let landed = landed(&kv).await;
-    assert!(landed < held_at, "the take landed at {landed}");
+    if landed >= held_at {
+        proxy.set(Fault::Pass);
+        acquiring.abort();
+        session.close().await.unwrap();
+        delete_bucket(&raw, bucket).await;
+        return false;
+    }
     let guard = granted_above(&proxy, acquiring, held_at).await;
     guard.release().await.unwrap();
     session.close().await.unwrap();
     delete_bucket(&raw, bucket).await;
+    true
 }
 
 /// Rule 4 beside other traffic: a take whose reply was lost is found again

@@ -140,6 +140,9 @@ pub(crate) const RENEW_CHUNK: usize = 16_384;
 pub(crate) struct Statements {
     pub(crate) dialect: Dialect,
     pub(crate) create: Vec<Sql>,
+    /// PostgreSQL: what turns a table made by an earlier version (with a
+    /// `holder` index, fillfactor 100) into one made by this version.
+    pub(crate) migrate: Option<Migration>,
     /// Takes the lock if free or expired, or extends it if this attempt holds
     /// it already (a retry after a lost reply, rule 4), in one statement.
     /// PostgreSQL: one row (token if taken, the holder's remaining ms as seen
@@ -199,19 +202,17 @@ impl Statements {
             // No index on `holder`, and room left on each page: every take,
             // release and renewal changes `holder` or `expires_at` and
             // nothing else indexed, so the update can be HOT (heap-only: no
-            // new index entries, less WAL). With a `holder` index none was
-            // (`pg_stat_user_tables`: 1 HOT update in 19,625). What needed
-            // the index, `close`, frees the listed holds by primary key
-            // instead. A table made by an earlier version loses the index.
-            Dialect::Postgres => vec![
-                sql(
-                    "CREATE TABLE IF NOT EXISTS {t} (name TEXT COLLATE \"C\" PRIMARY KEY, \
-                     holder TEXT, owner TEXT, token BIGINT NOT NULL, why TEXT, \
-                     acquired_at BIGINT NOT NULL, expires_at BIGINT NOT NULL) \
-                     WITH (fillfactor = 70)",
-                ),
-                sql("DROP INDEX IF EXISTS {t}_holder"),
-            ],
+            // new index entries, less WAL) when its page has room. With a
+            // `holder` index none was (`pg_stat_user_tables` after a bench
+            // run: 1 HOT update in 309,722). What needed the index, `close`,
+            // frees the listed holds by primary key instead. A table made by
+            // an earlier version is changed by `migrate`.
+            Dialect::Postgres => vec![sql(
+                "CREATE TABLE IF NOT EXISTS {t} (name TEXT COLLATE \"C\" PRIMARY KEY, \
+                 holder TEXT, owner TEXT, token BIGINT NOT NULL, why TEXT, \
+                 acquired_at BIGINT NOT NULL, expires_at BIGINT NOT NULL) \
+                 WITH (fillfactor = 70)",
+            )],
             Dialect::MySql => vec![sql("CREATE TABLE IF NOT EXISTS {t} (\
                  name VARCHAR(255) CHARACTER SET ascii COLLATE ascii_bin NOT NULL PRIMARY KEY, \
                  holder VARCHAR(255) CHARACTER SET ascii COLLATE ascii_bin NULL, \
@@ -357,6 +358,18 @@ impl Statements {
         Self {
             dialect,
             create,
+            migrate: (dialect == Dialect::Postgres).then(|| Migration {
+                needed: sql(
+                    "SELECT CAST(COUNT(*) AS BIGINT) FROM pg_index \
+                     WHERE indexrelid = to_regclass('{t}_holder') AND indrelid = to_regclass('{t}')",
+                ),
+                steps: vec![
+                    sql("SET lock_timeout = '100ms'"),
+                    sql("DROP INDEX IF EXISTS {t}_holder"),
+                    sql("ALTER TABLE {t} SET (fillfactor = 70)"),
+                ],
+                after: sql("RESET lock_timeout"),
+            }),
             take,
             state: sql("SELECT expires_at - {now} FROM {t} WHERE name = ?1"),
             release: sql(&format!(
@@ -442,6 +455,17 @@ impl Statements {
         }
         hot.into_iter().map(|s| s.text.clone()).collect()
     }
+}
+
+/// A change to a table made by an earlier version, done at connect where
+/// `needed` counts more than zero; its `steps` run under a short lock
+/// timeout (an `ACCESS EXCLUSIVE` lock waited for longer would stall every
+/// lock operation on the table behind it), `after` runs whatever happened.
+#[derive(Debug)]
+pub(crate) struct Migration {
+    pub(crate) needed: Sql,
+    pub(crate) steps: Vec<Sql>,
+    pub(crate) after: Sql,
 }
 
 /// The statements of the wait queue in front of the lock rows (see

@@ -399,15 +399,27 @@ async fn unlock_then_put(
     let Some(queue) = &inner.sql.queue else {
         return; // no queue, no lock: closed
     };
-    let unlock = queue.unlock.bind(&[key.arg(inner.sql.dialect)]);
-    match timeout(DRAIN_TIMEOUT, unlock.fetch_one(&mut slot.open.conn)).await {
-        Ok(Ok(_)) if reuse => conns.put(slot),
-        Ok(Ok(_)) => crate::conns::close(slot.open),
-        Ok(Err(e)) => {
-            tracing::debug!(error = %e, "unlocking a queue lane failed; it is closed");
-            crate::conns::close(slot.open);
+    // A retired lane's wait was sent a cancel, which may meet this unlock
+    // instead (it takes effect once): such a lane tries twice.
+    let mut tries = if reuse { 1 } else { 2 };
+    loop {
+        tries -= 1;
+        let unlock = queue.unlock.bind(&[key.arg(inner.sql.dialect)]);
+        match timeout(DRAIN_TIMEOUT, unlock.fetch_one(&mut slot.open.conn)).await {
+            Ok(Ok(_)) if reuse => return conns.put(slot),
+            Ok(Ok(_)) => return crate::conns::close(slot.open),
+            Ok(Err(sqlx::Error::Database(e))) if tries > 0 => {
+                tracing::debug!(error = %e, "unlocking a retired queue lane failed; once more");
+            }
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, "unlocking a queue lane failed; it is closed");
+                return crate::conns::close(slot.open);
+            }
+            Err(_) => {
+                tracing::debug!("a queue lane's unlock did not answer; it is dropped");
+                return;
+            }
         }
-        Err(_) => tracing::debug!("a queue lane's unlock did not answer; it is dropped"),
     }
 }
 
@@ -708,8 +720,14 @@ impl RawSession for SqlSession {
         .await;
         // The kept lanes' queue locks go with an answer too: a take sent
         // after the close finds the queue as the unlocks left it.
-        for lane in self.lanes.drain() {
-            lane.unlock().await;
+        let unlocks: Vec<_> = self
+            .lanes
+            .drain()
+            .into_iter()
+            .map(|lane| tokio::spawn(lane.unlock()))
+            .collect();
+        for unlock in unlocks {
+            let _ = unlock.await; // all at once; cut off, they go on alone
         }
         closed?;
         for hold in holds {

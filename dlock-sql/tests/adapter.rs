@@ -847,9 +847,12 @@ async fn sqlite_waiting_wakes_no_one() {
 /// Issue 15: PostgreSQL's lock table has no index on `holder`, so that a
 /// take, release or renewal (which change only unindexed columns) can be a
 /// HOT update, and leaves room on its pages for the new row versions
-/// (`fillfactor`); a table made by an earlier version, with the index,
-/// loses it on connect. A session's close still frees its holds at once
-/// (by primary key, the conformance case `session_close`).
+/// (`fillfactor`); a table made by an earlier version, with the index, is
+/// changed on connect, but not while a transaction keeps the table (the
+/// connect must not wait for it, nor make every lock operation wait
+/// behind its own lock request): then at a later connect. A session's
+/// close still frees its holds at once (by primary key, the conformance
+/// case `session_close`).
 #[tokio::test]
 async fn postgres_lock_rows_can_update_in_place() {
     use sqlx::{Connection, Row};
@@ -890,12 +893,44 @@ async fn postgres_lock_rows_can_update_in_place() {
             .get::<i64, _>(0),
         1
     );
-    for table in [&new, &old] {
-        let url = url.replace(
+    let url_of = |table: &str| {
+        url.replace(
             &format!("dlock_table={TABLE}"),
             &format!("dlock_table={table}"),
-        );
-        let backend = connect(&url).await;
+        )
+    };
+    // A transaction that keeps the old table (a dump, a long report): the
+    // connect goes on without the change.
+    let mut reader = sqlx::AnyConnection::connect(&server).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut reader).await.unwrap();
+    sqlx::query(&format!("SELECT COUNT(*) FROM {old}"))
+        .fetch_one(&mut reader)
+        .await
+        .unwrap();
+    let busy = timeout(Duration::from_secs(10), SqlBackend::connect(&url_of(&old)))
+        .await
+        .expect("the connect waited for a transaction that keeps the table")
+        .unwrap();
+    busy.session(SessionOptions::new())
+        .await
+        .unwrap()
+        .lock(name("busy"))
+        .unwrap()
+        .acquire()
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    let kept = indexes(old.clone())
+        .fetch_one(&mut c)
+        .await
+        .unwrap()
+        .get::<i64, _>(0);
+    assert_eq!(kept, 1, "the old table changed while a transaction kept it");
+    sqlx::query("COMMIT").execute(&mut reader).await.unwrap();
+    for table in [&new, &old] {
+        let backend = connect(&url_of(table)).await;
         let session = backend.session(SessionOptions::new()).await.unwrap();
         let lock = session.lock(name("hot")).unwrap();
         lock.acquire().await.unwrap().release().await.unwrap();
@@ -907,15 +942,18 @@ async fn postgres_lock_rows_can_update_in_place() {
             .get::<i64, _>(0);
         assert_eq!(other, 0, "{table}: an index besides the primary key");
     }
-    let options: Option<String> = sqlx::query(
-        "SELECT CAST(array_to_string(reloptions, ',') AS TEXT) FROM pg_class WHERE relname = $1",
-    )
-    .bind(new.clone())
-    .fetch_one(&mut c)
-    .await
-    .unwrap()
-    .get(0);
-    assert_eq!(options.as_deref(), Some("fillfactor=70"));
+    for table in [&new, &old] {
+        let options: Option<String> = sqlx::query(
+            "SELECT CAST(array_to_string(reloptions, ',') AS TEXT) FROM pg_class \
+             WHERE relname = $1",
+        )
+        .bind(table.clone())
+        .fetch_one(&mut c)
+        .await
+        .unwrap()
+        .get(0);
+        assert_eq!(options.as_deref(), Some("fillfactor=70"), "{table}");
+    }
     for table in [new, old] {
         sqlx::query(&format!("DROP TABLE {table}"))
             .execute(&mut c)

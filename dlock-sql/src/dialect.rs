@@ -43,7 +43,7 @@ impl Dialect {
 }
 
 /// A bind value.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(crate) enum Arg<'a> {
     Text(&'a str),
     OptText(Option<&'a str>),
@@ -140,9 +140,6 @@ pub(crate) const RENEW_CHUNK: usize = 16_384;
 pub(crate) struct Statements {
     pub(crate) dialect: Dialect,
     pub(crate) create: Vec<Sql>,
-    /// PostgreSQL: what turns a table made by an earlier version (with a
-    /// `holder` index, fillfactor 100) into one made by this version.
-    pub(crate) migrate: Option<Migration>,
     /// Takes the lock if free or expired, or extends it if this attempt holds
     /// it already (a retry after a lost reply, rule 4), in one statement.
     /// PostgreSQL: one row (token if taken, the holder's remaining ms as seen
@@ -160,12 +157,7 @@ pub(crate) struct Statements {
     /// (name, token) of the listed holds that are live (MySQL, when its
     /// renewal matched fewer rows than it listed).
     pub(crate) held: Option<Sql>,
-    /// Frees a session's holds: on PostgreSQL the listed ones (`?2`, as
-    /// `renew`'s `?3`), found by primary key, since its table has no index
-    /// on `holder` (see `create`); elsewhere every row whose holder is `?1`.
     pub(crate) close: Sql,
-    /// Whether `close` frees only the listed holds (`?2`).
-    pub(crate) close_lists: bool,
     /// The wait queue's statements (PostgreSQL, MySQL).
     pub(crate) queue: Option<QueueSql>,
     pub(crate) inspect: Sql,
@@ -199,20 +191,14 @@ impl Statements {
         // counts from then.
         let free = "holder = NULL, expires_at = {now}";
         let create = match dialect {
-            // No index on `holder`, and room left on each page: every take,
-            // release and renewal changes `holder` or `expires_at` and
-            // nothing else indexed, so the update can be HOT (heap-only: no
-            // new index entries, less WAL) when its page has room. With a
-            // `holder` index none was (`pg_stat_user_tables` after a bench
-            // run: 1 HOT update in 309,722). What needed the index, `close`,
-            // frees the listed holds by primary key instead. A table made by
-            // an earlier version is changed by `migrate`.
-            Dialect::Postgres => vec![sql(
-                "CREATE TABLE IF NOT EXISTS {t} (name TEXT COLLATE \"C\" PRIMARY KEY, \
-                 holder TEXT, owner TEXT, token BIGINT NOT NULL, why TEXT, \
-                 acquired_at BIGINT NOT NULL, expires_at BIGINT NOT NULL) \
-                 WITH (fillfactor = 70)",
-            )],
+            Dialect::Postgres => vec![
+                sql(
+                    "CREATE TABLE IF NOT EXISTS {t} (name TEXT COLLATE \"C\" PRIMARY KEY, \
+                     holder TEXT, owner TEXT, token BIGINT NOT NULL, why TEXT, \
+                     acquired_at BIGINT NOT NULL, expires_at BIGINT NOT NULL)",
+                ),
+                sql("CREATE INDEX IF NOT EXISTS {t}_holder ON {t} (holder)"),
+            ],
             Dialect::MySql => vec![sql("CREATE TABLE IF NOT EXISTS {t} (\
                  name VARCHAR(255) CHARACTER SET ascii COLLATE ascii_bin NOT NULL PRIMARY KEY, \
                  holder VARCHAR(255) CHARACTER SET ascii COLLATE ascii_bin NULL, \
@@ -358,18 +344,6 @@ impl Statements {
         Self {
             dialect,
             create,
-            migrate: (dialect == Dialect::Postgres).then(|| Migration {
-                needed: sql(
-                    "SELECT CAST(COUNT(*) AS BIGINT) FROM pg_index \
-                     WHERE indexrelid = to_regclass('{t}_holder') AND indrelid = to_regclass('{t}')",
-                ),
-                steps: vec![
-                    sql("SET lock_timeout = '100ms'"),
-                    sql("DROP INDEX IF EXISTS {t}_holder"),
-                    sql("ALTER TABLE {t} SET (fillfactor = 70)"),
-                ],
-                after: sql("RESET lock_timeout"),
-            }),
             take,
             state: sql("SELECT expires_at - {now} FROM {t} WHERE name = ?1"),
             release: sql(&format!(
@@ -394,19 +368,9 @@ impl Statements {
             )),
             renew,
             held,
-            close: sql(&match dialect {
-                Dialect::Postgres => format!(
-                    "UPDATE {{t}} SET {free} \
-                     FROM json_array_elements(CAST(CAST(?2 AS TEXT) AS JSON)) AS h \
-                     WHERE {{t}}.name = h->>0 AND {{t}}.owner = h->>1 \
-                     AND {{t}}.token = CAST(h->>2 AS BIGINT) \
-                     AND {{t}}.holder = ?1 AND {{t}}.expires_at > {{now}}{notify}"
-                ),
-                _ => format!(
-                    "UPDATE {{t}} SET {free} WHERE holder = ?1 AND expires_at > {{now}}{notify}"
-                ),
-            }),
-            close_lists: dialect == Dialect::Postgres,
+            close: sql(&format!(
+                "UPDATE {{t}} SET {free} WHERE holder = ?1 AND expires_at > {{now}}{notify}"
+            )),
             queue: queue.then(|| QueueSql::new(dialect, table, free)).flatten(),
             inspect: sql(
                 "SELECT holder, token, why, acquired_at, expires_at, {now} FROM {t} \
@@ -455,17 +419,6 @@ impl Statements {
         }
         hot.into_iter().map(|s| s.text.clone()).collect()
     }
-}
-
-/// A change to a table made by an earlier version, done at connect where
-/// `needed` counts more than zero; its `steps` run under a short lock
-/// timeout (an `ACCESS EXCLUSIVE` lock waited for longer would stall every
-/// lock operation on the table behind it), `after` runs whatever happened.
-#[derive(Debug)]
-pub(crate) struct Migration {
-    pub(crate) needed: Sql,
-    pub(crate) steps: Vec<Sql>,
-    pub(crate) after: Sql,
 }
 
 /// The statements of the wait queue in front of the lock rows (see

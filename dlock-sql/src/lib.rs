@@ -30,15 +30,8 @@
 //!   acquire that gave up while its take committed) or a hold whose release
 //!   failed expires one TTL later instead of living as long as the session
 //!   renews (S4's converse, L1). There is no separate sessions table: each
-//!   lock's own `expires_at` is the lease. Closing a session frees its
-//!   holds: on MySQL and SQLite every row it holds (by an index on
-//!   `holder`); on PostgreSQL the holds the core lists, by primary key,
-//!   and like a renewal never another row (its table has no `holder` index
-//!   and leaves 30 % of each page free, so that takes, releases and
-//!   renewals, which change only unindexed columns, can be HOT updates: no
-//!   new index entries; a table made by an earlier version is changed at
-//!   connect, under a 100 ms lock timeout, and if it is that busy, at a
-//!   later connect). A freed row (release, abandon, close, force release) keeps
+//!   lock's own `expires_at` is the lease. Closing a session frees every row
+//!   it holds. A freed row (release, abandon, close, force release) keeps
 //!   the attempt that last had it as its `owner`, without a holder: a late
 //!   copy of that attempt's take (its first request timed out in the core
 //!   and was retried on another connection, whose grant has been used and
@@ -221,7 +214,7 @@ use sqlx::any::{AnyConnectOptions, AnyPoolOptions, AnyRow};
 use sqlx::{AnyConnection, Connection, Row};
 
 use conns::Conns;
-use dialect::{Arg, Dialect, Migration, Sql, Statements, prefix_end};
+use dialect::{Arg, Dialect, Sql, Statements, prefix_end};
 pub use dlock_core::FenceError;
 use dlock_core::wake::WakeHub;
 pub use fence::{FencedConnection, SqlFence};
@@ -575,8 +568,7 @@ where
     first_connection(&options, &connect_options).await
 }
 
-/// Creates the lock table (and its index) if they do not exist, and brings
-/// a table made by an earlier version up to date.
+/// Creates the lock table and its index if they do not exist.
 async fn create_table(conn: &mut AnyConnection, sql: &Statements) -> Result<(), Error> {
     for statement in &sql.create {
         if let Err(e) = statement.bind(&[]).execute(&mut *conn).await {
@@ -589,46 +581,7 @@ async fn create_table(conn: &mut AnyConnection, sql: &Statements) -> Result<(), 
             }
         }
     }
-    if let Some(migration) = &sql.migrate {
-        migrate(conn, migration)
-            .await
-            .map_err(|e| store::map_err(sql.dialect.scheme(), e))?;
-    }
     Ok(())
-}
-
-/// Runs `migration` if it is needed. A step that cannot have its lock
-/// within the lock timeout (the table busy with a long transaction, a
-/// dump, a vacuum) is left for a later connect, with a warning: the table
-/// works either way, only slower.
-async fn migrate(conn: &mut AnyConnection, migration: &Migration) -> Result<(), sqlx::Error> {
-    let needed: i64 = migration
-        .needed
-        .bind(&[])
-        .fetch_one(&mut *conn)
-        .await?
-        .try_get(0)?;
-    if needed == 0 {
-        return Ok(());
-    }
-    let mut done = Ok(());
-    for step in &migration.steps {
-        done = step.bind(&[]).execute(&mut *conn).await.map(drop);
-        if done.is_err() {
-            break;
-        }
-    }
-    migration.after.bind(&[]).execute(&mut *conn).await?;
-    match done {
-        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("55P03") => {
-            tracing::warn!(
-                backend = "postgres",
-                "the lock table is busy: its old index on `holder` stays until a later connect"
-            );
-            Ok(())
-        }
-        done => done,
-    }
 }
 
 /// The first connection of a backend, with its errors typed: a refused or

@@ -193,18 +193,18 @@ async fn wait_in_line(
             // A wait that answered is used, not cancelled: a cancel sent
             // after its answer could reach a later statement on the lane.
             biased;
-            waited = &mut wait => Ok(waited),
+            waited = &mut wait => Some(waited),
             _ = &mut left => {
                 if !matches!(timeout(DRAIN_TIMEOUT, cancel(&inner, pid)).await, Ok(Ok(()))) {
                     tracing::debug!("cancelling a queued lock wait failed; its lane is closed");
                 }
                 let _ = timeout(DRAIN_TIMEOUT, wait).await;
-                Err(())
+                None
             }
         }
     };
     match answer {
-        Ok(waited) => {
+        Some(waited) => {
             // If the claim is gone meanwhile, the lane is dropped with the
             // message, which lets its queue lock go (see `Conn`'s drop).
             let _ = tx.send(
@@ -219,7 +219,7 @@ async fn wait_in_line(
         // the lock (it answered so, or a cancel after the grant failed the
         // statement: a session lock outlives it). Undrained, it is dropped:
         // drained, then unlocked, then closed.
-        Err(_) => {
+        None => {
             lane.retire();
             lane.unlock().await;
         }

@@ -30,8 +30,18 @@
 //!   acquire that gave up while its take committed) or a hold whose release
 //!   failed expires one TTL later instead of living as long as the session
 //!   renews (S4's converse, L1). There is no separate sessions table: each
-//!   lock's own `expires_at` is the lease. Closing a session frees every row
-//!   it holds. A freed row (release, abandon, close, force release) keeps
+//!   lock's own `expires_at` is the lease. Closing a session frees its
+//!   holds: on MySQL and SQLite every row it holds (by an index on
+//!   `holder`); on PostgreSQL the holds the core lists (every one it knows
+//!   of), found by primary key as a renewal finds them, since its table has
+//!   no other index: a take, release or renewal changes only unindexed
+//!   columns and can then be a HOT update (no new index entries, less WAL),
+//!   on pages that keep 30 % free for it (`fillfactor = 70`). A table made
+//!   by an earlier version keeps its `holder` index (the adapter runs no DDL
+//!   on an existing table) and works as before; to let its updates be HOT,
+//!   run `DROP INDEX <table>_holder; ALTER TABLE <table> SET (fillfactor =
+//!   70)` when no lock operation needs it quick (the drop waits for every
+//!   transaction on the table). A freed row (release, abandon, close, force release) keeps
 //!   the attempt that last had it as its `owner`, without a holder: a late
 //!   copy of that attempt's take (its first request timed out in the core
 //!   and was retried on another connection, whose grant has been used and

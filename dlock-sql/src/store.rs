@@ -691,12 +691,31 @@ impl RawSession for SqlSession {
         Ok(())
     }
 
+    /// Frees the session's holds: on PostgreSQL the listed ones (the
+    /// contract's "holds the core knows of"; an untracked grant expires one
+    /// TTL later, as it would without a close), elsewhere every row the
+    /// session holds.
     async fn close(&self, holds: &[Hold]) -> Result<(), Error> {
+        let sql = &self.inner.sql;
+        let id = Arg::Text(self.id.as_str());
         let closed = async {
+            if sql.close_lists && holds.is_empty() {
+                return Ok(());
+            }
             let mut conn = Conn::get(&self.inner).await?;
-            conn.execute(self.inner.sql.close.bind(&[Arg::Text(self.id.as_str())]))
-                .await
-                .map_err(|e| map_err(self.scheme(), e))
+            if !sql.close_lists {
+                conn.execute(sql.close.bind(&[id]))
+                    .await
+                    .map_err(|e| map_err(self.scheme(), e))?;
+                return Ok(());
+            }
+            for batch in holds.chunks(RENEW_CHUNK) {
+                let listed = holds_json(batch);
+                conn.execute(sql.close.bind(&[id.clone(), Arg::Text(&listed)]))
+                    .await
+                    .map_err(|e| map_err(self.scheme(), e))?;
+            }
+            Ok(())
         }
         .await;
         // The kept lanes' queue locks go with an answer too: a take sent

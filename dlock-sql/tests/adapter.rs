@@ -843,3 +843,132 @@ async fn sqlite_waiting_wakes_no_one() {
          (polls alone make about 15)"
     );
 }
+
+/// Issue 15, L3: PostgreSQL's lock table has no index but its primary key
+/// and leaves room on its pages (`fillfactor`), so that a take, release or
+/// renewal (which change only unindexed columns) can be a HOT update; a
+/// table made by an earlier version keeps its `holder` index (no DDL at
+/// connect). On both, a session's renewal and close find its listed holds
+/// by primary key whatever the planner's statistics say: here they say the
+/// table has 50 rows with 50 holders, then one session takes 3,000 locks.
+/// Joined to the list the other way round (a scan of the session's rows,
+/// the list searched for each), one round took seconds, longer than the
+/// request timeout, and every hold was lost (CI lost all 10,000 holds of
+/// `ten_thousand_names` that way).
+#[tokio::test]
+async fn postgres_renewal_and_close_go_by_primary_key() {
+    use sqlx::{Connection, Row};
+    const HOLDS: usize = 3_000;
+    let Some(url) = url("postgres", "postgres_renewal_and_close_go_by_primary_key") else {
+        return;
+    };
+    let server = url.split('?').next().unwrap().to_owned();
+    sqlx::any::install_default_drivers();
+    let mut c = sqlx::AnyConnection::connect(&server).await.unwrap();
+    let suffix = format!("{:08x}", rand::random::<u32>());
+    let (new, old) = (
+        format!("dlock_pk_new_{suffix}"),
+        format!("dlock_pk_old_{suffix}"),
+    );
+    // As the versions before this one made it.
+    for made in [
+        format!(
+            "CREATE TABLE {old} (name TEXT COLLATE \"C\" PRIMARY KEY, holder TEXT, owner TEXT, \
+             token BIGINT NOT NULL, why TEXT, acquired_at BIGINT NOT NULL, \
+             expires_at BIGINT NOT NULL)"
+        ),
+        format!("CREATE INDEX {old}_holder ON {old} (holder)"),
+    ] {
+        sqlx::query(&made).execute(&mut c).await.unwrap();
+    }
+    let url_of = |table: &str| {
+        url.replace(
+            &format!("dlock_table={TABLE}"),
+            &format!("dlock_table={table}"),
+        )
+    };
+    let count = async |c: &mut sqlx::AnyConnection, query: String| -> i64 {
+        sqlx::query(&query)
+            .fetch_one(c)
+            .await
+            .unwrap()
+            .get::<i64, _>(0)
+    };
+    let ttl = Duration::from_secs(3);
+    for table in [&new, &old] {
+        let backend = connect(&url_of(table)).await;
+        let indexes = format!(
+            "SELECT CAST(COUNT(*) AS BIGINT) FROM pg_indexes WHERE tablename = '{table}' \
+             AND indexname <> '{table}_pkey'"
+        );
+        let options = format!(
+            "SELECT CAST(COUNT(*) AS BIGINT) FROM pg_class WHERE relname = '{table}' \
+             AND 'fillfactor=70' = ANY(reloptions)"
+        );
+        if table == &new {
+            assert_eq!(
+                count(&mut c, indexes).await,
+                0,
+                "{table}: an index besides the key"
+            );
+            assert_eq!(count(&mut c, options).await, 1, "{table}: no fillfactor 70");
+        } else {
+            assert_eq!(
+                count(&mut c, indexes).await,
+                1,
+                "{table}: its index was changed"
+            );
+        }
+        // The statistics of a small table with many holders, kept.
+        for statement in [
+            format!("ALTER TABLE {table} SET (autovacuum_enabled = false)"),
+            format!(
+                "INSERT INTO {table} SELECT 'other-' || g, 'holder-' || g, 'owner-' || g, 1, \
+                 NULL, 0, 0 FROM generate_series(1, 50) AS g"
+            ),
+            format!("ANALYZE {table}"),
+        ] {
+            sqlx::query(&statement).execute(&mut c).await.unwrap();
+        }
+        let session = backend
+            .session(SessionOptions::new().ttl(ttl))
+            .await
+            .unwrap();
+        let mut guards = Vec::with_capacity(HOLDS);
+        for i in 0..HOLDS {
+            let lock = session.lock(name(&format!("pk-{i}"))).unwrap();
+            guards.push(lock.acquire().await.unwrap());
+        }
+        let held = format!(
+            "SELECT CAST(COUNT(*) AS BIGINT) FROM {table} WHERE holder = '{}' \
+             AND expires_at > CAST(EXTRACT(EPOCH FROM now()) * 1000 AS BIGINT)",
+            session.id()
+        );
+        // Two renewal periods and more, past the first holds' first TTL.
+        tokio::time::sleep(ttl).await;
+        let lost = guards.iter().filter(|g| !g.is_held()).count();
+        assert_eq!(
+            lost, 0,
+            "{table}: {lost} of {HOLDS} holds lost while the session renewed"
+        );
+        assert_eq!(count(&mut c, held.clone()).await, HOLDS as i64, "{table}");
+        let first = guards[0].name().clone();
+        session.close().await.unwrap();
+        drop(guards);
+        assert_eq!(
+            count(&mut c, held).await,
+            0,
+            "{table}: the close left holds"
+        );
+        let other = backend.session(SessionOptions::new()).await.unwrap();
+        let taken = other.lock(&first).unwrap().try_acquire().await.unwrap();
+        assert!(taken.is_some(), "{table}: a closed session's lock was busy");
+        taken.unwrap().release().await.unwrap();
+    }
+    for table in [new, old] {
+        sqlx::query(&format!("DROP TABLE {table}"))
+            .execute(&mut c)
+            .await
+            .unwrap();
+    }
+}

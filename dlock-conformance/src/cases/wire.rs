@@ -236,13 +236,15 @@ pub async fn renewal_on_dead_connection(h: &dyn Harness) -> Outcome {
 /// goes on `a`'s link, the holder releases, and the store records `a` as
 /// holder (by its queue, or by its next take). Returns the acquire.
 ///
-/// Set up again (at most [`SETUP_TRIES`] times, each said in a `NOTE`) if the
-/// store never records `a`: where the store cannot count waiters, `a` may
-/// have had a request on the wire when the fault began, and a client that
-/// replaces a connection whose request went unanswered (Redis) then sends
-/// nothing more, since the new connection's handshake gets no reply either.
-/// That is the setup's race, not the invariant's: a client that never takes
-/// after the release stays red in every try.
+/// Where the store cannot count waiters, the setup waits a fixed settle,
+/// and `a` may have had a request on the wire when the fault began: a
+/// client that replaces a connection whose request went unanswered (Redis)
+/// then sends nothing more, since the new connection's handshake gets no
+/// reply either. Only then (the store cannot count waiters, the lock is
+/// free and `a`'s acquire still waits) is the state set up again, after `a`
+/// reaches the store again, at most [`SETUP_TRIES`] times, each said in a
+/// `NOTE`. That is the setup's race, not the invariant's: a client that
+/// never takes after the release stays red in every try.
 pub(super) async fn granted_reply_undelivered(
     ctx: &Ctx<'_>,
     a: &Session,
@@ -260,6 +262,7 @@ pub(super) async fn granted_reply_undelivered(
             .lock(name)?
             .acquire_timeout(t * 4 + ctx.caps.recovery_bound)
             .await?;
+        let counts = admin.inspect(name).await?.and_then(|i| i.waiters).is_some();
         let lock = a.lock(name)?;
         let acquiring =
             tokio::spawn(async move { lock.acquire_timeout(Duration::from_secs(60)).await });
@@ -270,19 +273,37 @@ pub(super) async fn granted_reply_undelivered(
             Ok(admin.inspect(name).await?.is_some_and(|i| i.holder == id))
         })
         .await;
-        match recorded {
-            Ok(()) => return Ok(acquiring),
-            Err(e) if tries < SETUP_TRIES => {
-                println!(
-                    "NOTE {}: {name}: {e}; setting up again",
-                    ctx.harness.store()
-                );
-                acquiring.abort();
-                let _ = acquiring.await;
-                link.heal();
-            }
-            Err(e) => return Err(e),
+        let Err(e) = recorded else {
+            return Ok(acquiring);
+        };
+        let raced = tries < SETUP_TRIES
+            && !counts
+            && !acquiring.is_finished()
+            && admin.inspect(name).await?.is_none();
+        if !raced {
+            return Err(e);
         }
+        println!(
+            "NOTE {}: {name}: {e}; setting up again",
+            ctx.harness.store()
+        );
+        acquiring.abort();
+        let _ = acquiring.await;
+        link.heal();
+        // A connect begun under the fault may wait for its handshake's
+        // (lost) reply until it times out: wait until `a` answers again.
+        let probe = ctx.name(&format!("probe-{tries}"));
+        super::eventually(
+            Duration::from_secs(20),
+            "A reaches the store again",
+            || async {
+                Ok(match a.lock(&probe)?.try_acquire().await {
+                    Ok(Some(g)) => g.release().await.is_ok(),
+                    _ => false,
+                })
+            },
+        )
+        .await?;
     }
 }
 

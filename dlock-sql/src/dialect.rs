@@ -443,17 +443,24 @@ impl Statements {
 
 /// PostgreSQL: the listed holds `list` (a JSON array of `[name, owner,
 /// token]`) as one row `h`: `names`, an array for the primary key, and `m`,
-/// each hold by its name.
+/// each token by name and owner (a name may be listed twice: a hold
+/// force-released and taken again by another handle of the session before
+/// the next renewal; keyed by name alone, the stale entry could hide the
+/// live one). A space joins the two: no name has one.
 ///
-/// Why not a join of the rows to `json_array_elements(list)`: the planner
-/// estimates that function at 100 rows and a session's rows (`holder = ?1`)
-/// at one, and so may scan the table and rescan the list for each of the
-/// session's rows: a round of 10,000 holds then took 58 s (`EXPLAIN
-/// ANALYZE`), and CI lost every hold of `ten_thousand_names`. Driven by
-/// `name = ANY(h.names)`, the only path is the primary key.
+/// Why not a join of the rows to `json_array_elements(list)`, as before: the
+/// planner estimates that function at 100 rows and a session's rows
+/// (`holder = ?1`) at one, and on a table with stale statistics it scanned
+/// the table and rescanned the list for each of the session's rows: a round
+/// of 10,000 holds took 58 s (`EXPLAIN ANALYZE`), and CI lost every hold of
+/// `ten_thousand_names`. Driven by `name = ANY(h.names)`, the planner finds
+/// the rows by primary key at every table size and statistics tried, with
+/// the default costs; it still may scan a small table (a few hundred rows,
+/// where that costs a few ms) or a large one whose `random_page_cost` is set
+/// far above the default (100: 9 s for 10,000 holds).
 fn pg_listed(list: &str) -> String {
     format!(
-        "WITH h AS MATERIALIZED (SELECT jsonb_object_agg(e->>0, e) AS m, \
+        "WITH h AS (SELECT jsonb_object_agg((e->>0) || ' ' || (e->>1), e->2) AS m, \
          array_agg(e->>0) AS names \
          FROM jsonb_array_elements(CAST(CAST({list} AS TEXT) AS JSONB)) AS e)"
     )
@@ -466,8 +473,8 @@ fn pg_listed(list: &str) -> String {
 /// that index with the list searched for each row (6 s for 10,000 holds).
 fn pg_listed_rows(holder: &str) -> String {
     format!(
-        "{{t}}.name = ANY(h.names) AND {{t}}.owner = h.m->{{t}}.name->>1 \
-         AND {{t}}.token = CAST(h.m->{{t}}.name->>2 AS BIGINT) \
+        "{{t}}.name = ANY(h.names) \
+         AND {{t}}.token = CAST(h.m->>({{t}}.name || ' ' || {{t}}.owner) AS BIGINT) \
          AND {{t}}.holder IS NOT DISTINCT FROM {holder} AND {{t}}.expires_at > {{now}}"
     )
 }

@@ -120,6 +120,47 @@ async fn renewal_extends_only_tracked_holds(store: &str) {
 
 on_stores!(renewal_extends_only_tracked_holds: postgres, mysql, sqlite);
 
+/// S3, L3: a renewal list can name one lock twice: a hold force-released,
+/// then taken again by another attempt of the same session before the next
+/// renewal. Whatever their order, the live hold is renewed and the stale
+/// one is not. (Found by review: PostgreSQL's list keyed by name alone kept
+/// the last entry, and a live hold listed first went unrenewed.)
+async fn renewal_list_names_a_lock_twice(store: &str) {
+    let Some(url) = url(store, "renewal_list_names_a_lock_twice") else {
+        return;
+    };
+    let backend = connect(&url).await;
+    let a = backend.session(SessionOptions::new()).await.unwrap();
+    let n = name("twice");
+    let raw = raw::session(&a);
+    let mut first = raw.claim(&n, None).await.unwrap();
+    let Take::Granted(stale) = first.try_take().await.unwrap() else {
+        panic!("{store}: the take of a free lock was busy");
+    };
+    drop(first);
+    assert!(
+        backend.force_release(&n).await.unwrap(),
+        "{store}: not freed"
+    );
+    let mut second = raw.claim(&n, None).await.unwrap();
+    let Take::Granted(live) = second.try_take().await.unwrap() else {
+        panic!("{store}: the take of a force-released lock was busy");
+    };
+    drop(second);
+    assert!(live.token > stale.token, "{store}: token did not grow (S2)");
+    let renewed = raw.renew(&[live.clone(), stale.clone()]).await.unwrap();
+    assert_eq!(
+        renewed,
+        [true, false],
+        "{store}: the live hold listed first"
+    );
+    let renewed = raw.renew(&[stale, live.clone()]).await.unwrap();
+    assert_eq!(renewed, [false, true], "{store}: the live hold listed last");
+    raw.release(&live).await.unwrap();
+}
+
+on_stores!(renewal_list_names_a_lock_twice: postgres, mysql, sqlite);
+
 /// S5: a copy of an attempt's take that reaches the store after the
 /// attempt's grant was released or abandoned (its first request timed out in
 /// the core, was retried on another connection, and the retry's grant was

@@ -330,27 +330,19 @@ impl Conn {
 
 impl Drop for Conn {
     fn drop(&mut self) {
-        let Some(mut slot) = self.slot.take() else {
+        let Some(slot) = self.slot.take() else {
             return;
         };
         let locked = std::mem::replace(&mut self.locked, Locked::No);
         let reuse = !self.failed;
         if !self.busy {
-            match locked {
-                // May hold a queue lock (a session lock outlives a failed
-                // statement): let go, then back to the lanes if it may be.
-                Locked::Queue(inner, key) => match tokio::runtime::Handle::try_current() {
-                    Ok(runtime) => {
-                        let conns = self.conns.clone();
-                        runtime.spawn(unlock_then_put(slot, conns, inner, key, reuse));
-                    }
-                    Err(_) => drop(slot), // no runtime: closed
-                },
-                // Answered with an error, or may hold what only closing
-                // frees: closed.
-                _ if !reuse => crate::conns::close(slot.open),
-                Locked::UntilClosed => crate::conns::close(slot.open),
-                Locked::No => self.conns.put(slot), // answered: back at once
+            // Answered: a plain connection goes back at once; a lane's
+            // unlock runs in a task (without a runtime the lane is dropped:
+            // closed, and its lock goes with the connection).
+            if let Some(unlock) = hand_back(slot, &self.conns, locked, reuse)
+                && let Ok(runtime) = tokio::runtime::Handle::try_current()
+            {
+                runtime.spawn(unlock);
             }
             return;
         }
@@ -362,17 +354,14 @@ impl Drop for Conn {
         runtime.spawn(async move {
             // Told only when the drain, and the unlock after it, are done.
             let _drained = drained;
+            let mut slot = slot;
             match timeout(DRAIN_TIMEOUT, slot.open.conn.ping()).await {
-                // Answered, but may hold a queue lock: let go first.
-                Ok(Ok(())) => match locked {
-                    Locked::Queue(inner, key) => {
-                        unlock_then_put(slot, conns, inner, key, reuse).await;
+                // The late reply is drained: as an answered statement's.
+                Ok(Ok(())) => {
+                    if let Some(unlock) = hand_back(slot, &conns, locked, reuse) {
+                        unlock.await;
                     }
-                    Locked::UntilClosed => crate::conns::close(slot.open),
-                    // The late reply is drained; back to the cache.
-                    Locked::No if reuse => conns.put(slot),
-                    Locked::No => crate::conns::close(slot.open),
-                },
+                }
                 // Broken or silent: close it and free its slot at once.
                 _ => {
                     tracing::debug!(
@@ -383,6 +372,29 @@ impl Drop for Conn {
             }
         });
     }
+}
+
+/// Where a connection that answered its last statement goes: one that may
+/// hold a queue lock lets go first (the returned unlock, which then puts it
+/// back or closes it); one that may hold what only closing frees
+/// (SQLite's open transaction) is closed; the rest goes back to `conns`
+/// unless its statement failed (`reuse` false: closed).
+fn hand_back(
+    slot: Slot,
+    conns: &Arc<Conns>,
+    locked: Locked,
+    reuse: bool,
+) -> Option<impl Future<Output = ()> + Send + 'static> {
+    match locked {
+        // A session lock outlives a failed statement: unlocked either way.
+        Locked::Queue(inner, key) => {
+            return Some(unlock_then_put(slot, conns.clone(), inner, key, reuse));
+        }
+        Locked::UntilClosed => crate::conns::close(slot.open),
+        Locked::No if reuse => conns.put(slot),
+        Locked::No => crate::conns::close(slot.open),
+    }
+    None
 }
 
 /// Unlocks `key`'s queue lock on the lane in `slot` and waits for the

@@ -505,7 +505,17 @@ impl QueueSql {
         match dialect {
             Dialect::Postgres => Some(Self {
                 lock: sql("SELECT COUNT(*) FROM (SELECT pg_advisory_lock(?1)) AS queued"),
-                unlock: sql("SELECT pg_advisory_unlock(?1)"),
+                // Only if held: a lane whose wait was cut off may or may
+                // not have the lock, and `pg_advisory_unlock` of a lock not
+                // held sends a WARNING that sqlx logs as one. A `bigint`
+                // key shows in `pg_locks` as its high and low 32 bits.
+                unlock: sql(
+                    "SELECT COALESCE(bool_or(pg_advisory_unlock(?1)), FALSE) FROM pg_locks \
+                     WHERE locktype = 'advisory' AND pid = pg_backend_pid() AND granted \
+                     AND objsubid = 1 \
+                     AND classid = CAST((CAST(?1 AS BIGINT) >> 32) & 4294967295 AS OID) \
+                     AND objid = CAST(CAST(?1 AS BIGINT) & 4294967295 AS OID)",
+                ),
                 // A lane may keep the queue lock while idle (a held lock):
                 // if its client vanishes without a word (a partition), the
                 // server notices within ~25 s instead of the system's

@@ -157,12 +157,8 @@ pub(crate) struct Statements {
     /// (name, token) of the listed holds that are live (MySQL, when its
     /// renewal matched fewer rows than it listed).
     pub(crate) held: Option<Sql>,
-    /// Frees a session's holds: on PostgreSQL the listed ones (`?2`, as
-    /// `renew`'s `?3`), by primary key (its table has no `holder` index: see
-    /// `create`); elsewhere every row whose holder is `?1`.
-    pub(crate) close: Sql,
-    /// Whether `close` frees only the listed holds (`?2`).
-    pub(crate) close_lists: bool,
+    /// Frees a session's holds.
+    pub(crate) close: Close,
     /// The wait queue's statements (PostgreSQL, MySQL).
     pub(crate) queue: Option<QueueSql>,
     pub(crate) inspect: Sql,
@@ -380,17 +376,16 @@ impl Statements {
             )),
             renew,
             held,
-            close: sql(&match dialect {
-                Dialect::Postgres => format!(
+            close: match dialect {
+                Dialect::Postgres => Close::Listed(sql(&format!(
                     "{} UPDATE {{t}} SET {free} FROM h WHERE {}{notify}",
                     pg_listed("?2"),
                     pg_listed_rows("?1"),
-                ),
-                _ => format!(
+                ))),
+                _ => Close::Session(sql(&format!(
                     "UPDATE {{t}} SET {free} WHERE holder = ?1 AND expires_at > {{now}}{notify}"
-                ),
-            }),
-            close_lists: dialect == Dialect::Postgres,
+                ))),
+            },
             queue: queue.then(|| QueueSql::new(dialect, table, free)).flatten(),
             inspect: sql(
                 "SELECT holder, token, why, acquired_at, expires_at, {now} FROM {t} \
@@ -439,6 +434,17 @@ impl Statements {
         }
         hot.into_iter().map(|s| s.text.clone()).collect()
     }
+}
+
+/// How a session's close frees its holds (session id `?1`).
+#[derive(Debug)]
+pub(crate) enum Close {
+    /// Every row the session holds (MySQL, SQLite: by their index on
+    /// `holder`).
+    Session(Sql),
+    /// The listed holds `?2` (as `renew`'s `?3`), by primary key
+    /// (PostgreSQL: its table has no `holder` index, see `create`).
+    Listed(Sql),
 }
 
 /// PostgreSQL: the listed holds `list` (a JSON array of `[name, owner,

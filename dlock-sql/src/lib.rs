@@ -41,12 +41,12 @@
 //!   on an existing table) and works as before; to let its updates be HOT,
 //!   run `DROP INDEX <table>_holder; ALTER TABLE <table> SET (fillfactor =
 //!   70)` when no lock operation needs it quick (the drop waits for every
-//!   transaction on the table). A freed row (release, abandon, close, force release) keeps
-//!   the attempt that last had it as its `owner`, without a holder: a late
-//!   copy of that attempt's take (its first request timed out in the core
-//!   and was retried on another connection, whose grant has been used and
-//!   released since) finds the lock busy instead of taking it again for no
-//!   one (S5).
+//!   transaction on the table). A freed row (release, abandon, close,
+//!   force release) keeps the attempt that last had it as its `owner`,
+//!   without a holder: a late copy of that attempt's take (its first
+//!   request timed out in the core and was retried on another connection,
+//!   whose grant has been used and released since) finds the lock busy
+//!   instead of taking it again for no one (S5).
 //! * **The wait queue** (PostgreSQL, MySQL; `dlock_queue`): waiters line up
 //!   in the database's own lock manager, one lock per lock name
 //!   (`pg_advisory_lock`, `GET_LOCK`), which grants in arrival order and wakes

@@ -20,7 +20,7 @@ use tokio::sync::oneshot::error::TryRecvError;
 use tokio::time::{Instant, sleep_until, timeout};
 
 use crate::conns::{Conns, Slot};
-use crate::dialect::{Arg, Dialect, MYSQL_BUSY, MYSQL_OFFSET, RENEW_CHUNK, Sql};
+use crate::dialect::{Arg, Close, Dialect, MYSQL_BUSY, MYSQL_OFFSET, RENEW_CHUNK, Sql};
 use crate::queue::{QueueKey, Queued, grace_ms};
 use crate::{Inner, token_of};
 
@@ -711,19 +711,21 @@ impl RawSession for SqlSession {
         let sql = &self.inner.sql;
         let id = Arg::Text(self.id.as_str());
         let closed = async {
-            if sql.close_lists && holds.is_empty() {
-                return Ok(());
-            }
+            let listed = match &sql.close {
+                Close::Session(close) => {
+                    let mut conn = Conn::get(&self.inner).await?;
+                    conn.execute(close.bind(&[id]))
+                        .await
+                        .map_err(|e| map_err(self.scheme(), e))?;
+                    return Ok(());
+                }
+                Close::Listed(_) if holds.is_empty() => return Ok(()),
+                Close::Listed(close) => close,
+            };
             let mut conn = Conn::get(&self.inner).await?;
-            if !sql.close_lists {
-                conn.execute(sql.close.bind(&[id]))
-                    .await
-                    .map_err(|e| map_err(self.scheme(), e))?;
-                return Ok(());
-            }
             for batch in holds.chunks(RENEW_CHUNK) {
-                let listed = holds_json(batch);
-                conn.execute(sql.close.bind(&[id.clone(), Arg::Text(&listed)]))
+                let list = holds_json(batch);
+                conn.execute(listed.bind(&[id.clone(), Arg::Text(&list)]))
                     .await
                     .map_err(|e| map_err(self.scheme(), e))?;
             }

@@ -290,8 +290,9 @@ pub(super) async fn granted_reply_undelivered(
         acquiring.abort();
         let _ = acquiring.await;
         link.heal();
-        // A connect begun under the fault may wait for its handshake's
-        // (lost) reply until it times out: wait until `a` answers again.
+        // `a`'s connection may have been replaced under the fault (and the
+        // replacement reset when the fault ended): the next try starts
+        // once `a` answers again.
         let probe = ctx.name(&format!("probe-{tries}"));
         super::eventually(
             Duration::from_secs(20),

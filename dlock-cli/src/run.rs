@@ -298,7 +298,7 @@ async fn wait_for_lock(
 /// is refused first (not after the wait). The flag with an error: whether
 /// it is final (the TTL, a wait longer than the budget) rather than a
 /// failure to ask, which the caller retries within its budget.
-async fn ready(
+pub(crate) async fn ready(
     backend: &dyn Backend,
     ttl: Duration,
     may_wait: Duration,

@@ -1,8 +1,10 @@
 //! The floor of a Redis lock for `dlock bench` ([`dlock_core::floor`]): the
-//! textbook single-instance lock, `SET key owner NX PX ttl` and a
-//! compare-and-`DEL` script, on the first node's connection (for Redlock,
-//! one node: what three-node fan-out and token logic cost on top of it).
-//! Redis has no lock of its own.
+//! textbook lock, `SET key owner NX PX ttl` and a compare-and-`DEL` script;
+//! for Redlock, the textbook Redlock: each of the two sent to every node at
+//! once, a take granted when a majority set the key. What dlock adds on top
+//! (the fencing token, its write-back to the quorum, the holder record) is
+//! then what the ratio shows, not the fan-out every Redlock pays. Redis has
+//! no lock of its own.
 
 use std::sync::LazyLock;
 use std::time::Duration;
@@ -11,6 +13,7 @@ use async_trait::async_trait;
 use dlock_core::floor::{FencedWrite, Floor};
 use dlock_core::url::StoreUrl;
 use dlock_core::{Error, FencingToken, LockName};
+use futures::future::join_all;
 use redis::Script;
 
 use crate::node::Node;
@@ -33,8 +36,8 @@ const OWNER: &str = "dlock-floor";
 /// The raw lock's expiry: longer than any cycle.
 const TTL: Duration = Duration::from_secs(10);
 
-/// [`Floor`] of `redis://` and `redlock://` URLs: a backend of its own, of
-/// which only the first node is used.
+/// [`Floor`] of `redis://` and `redlock://` URLs, on a backend of its own:
+/// the lock on every node (Redlock), the fenced write on the first.
 #[derive(Debug)]
 pub struct RedisFloor {
     backend: RedisBackend,
@@ -55,38 +58,56 @@ impl RedisFloor {
 #[async_trait]
 impl Floor for RedisFloor {
     fn operations(&self) -> &'static str {
-        "SET NX PX + compare-and-DEL script (first node)"
+        if self.backend.inner.nodes.len() > 1 {
+            "SET NX PX + compare-and-DEL script, each on every node at once (textbook Redlock)"
+        } else {
+            "SET NX PX + compare-and-DEL script"
+        }
     }
 
     async fn cycle(&self, key: &LockName) -> Result<(), Error> {
-        let node = self.node()?;
-        let key = format!("{}:floor:{{{key}}}", node.prefix);
+        let nodes = &self.backend.inner.nodes;
         let ttl_ms = u64::try_from(TTL.as_millis()).unwrap_or(u64::MAX);
-        let taken: Option<String> = node
-            .request(ADMIN_TIMEOUT, |mut c| {
+        let keys: Vec<String> = nodes
+            .iter()
+            .map(|node| format!("{}:floor:{{{key}}}", node.prefix))
+            .collect();
+        let taken = join_all(nodes.iter().zip(&keys).map(|(node, key)| {
+            node.request(ADMIN_TIMEOUT, move |mut c| {
                 let set = redis::cmd("SET")
-                    .arg(&key)
+                    .arg(key)
                     .arg(OWNER)
                     .arg("NX")
                     .arg("PX")
                     .arg(ttl_ms)
                     .to_owned();
-                async move { set.query_async(&mut c).await }
+                async move { set.query_async::<Option<String>>(&mut c).await }
             })
-            .await?;
-        if taken.is_none() {
+        }))
+        .await;
+        // Released on every node, taken or not, as a Redlock client does:
+        // a node that set the key but whose answer was lost holds it too.
+        let released = join_all(nodes.iter().zip(&keys).map(|(node, key)| {
+            node.request(ADMIN_TIMEOUT, move |mut c| {
+                let mut release = RELEASE.prepare_invoke();
+                release.key(key).arg(OWNER);
+                async move { release.invoke_async::<i64>(&mut c).await }
+            })
+        }))
+        .await;
+        let mut set = 0;
+        for answer in taken {
+            set += usize::from(answer?.is_some());
+        }
+        if set < self.backend.inner.quorum() {
             return Err(Error::protocol(
                 BACKEND,
-                format!("floor: {key} was not free"),
+                format!("floor: {} was not free on a majority of the nodes", keys[0]),
             ));
         }
-        let _: i64 = node
-            .request(ADMIN_TIMEOUT, |mut c| {
-                let mut release = RELEASE.prepare_invoke();
-                release.key(&key).arg(OWNER);
-                async move { release.invoke_async(&mut c).await }
-            })
-            .await?;
+        for answer in released {
+            answer?;
+        }
         Ok(())
     }
 

@@ -234,7 +234,11 @@ async fn wait_for_lock(
                     } else {
                         budget
                     };
-                    if let Err((e, last)) = ready(&*b, args.ttl, may_wait, args.no_wait).await {
+                    if let Err((e, last)) = ready(&*b, args.ttl, may_wait, args.no_wait, &|note| {
+                        eprintln!("{note}")
+                    })
+                    .await
+                    {
                         not_ready = last;
                         return Err(e);
                     }
@@ -293,7 +297,7 @@ async fn wait_for_lock(
 }
 
 /// Waits out a store that cannot grant yet (a Redis restart guard after
-/// dlock first sees its nodes), saying so on stderr; an error naming the
+/// dlock first sees its nodes), saying so through `say`; an error naming the
 /// wait if it is longer than `may_wait`. A `ttl` the backend cannot honour
 /// is refused first (not after the wait). The flag with an error: whether
 /// it is final (the TTL, a wait longer than the budget) rather than a
@@ -303,6 +307,7 @@ pub(crate) async fn ready(
     ttl: Duration,
     may_wait: Duration,
     no_wait: bool,
+    say: &(dyn Fn(&str) + Sync),
 ) -> Result<(), (Error, bool)> {
     if ttl > backend.max_ttl() {
         let refused = Error::InvalidTtl {
@@ -327,7 +332,7 @@ pub(crate) async fn ready(
         let refused = Error::unavailable(backend.scheme(), format!("{why}; not waiting ({flag})"));
         return Err((refused, true));
     }
-    eprintln!("dlock: {}: waiting: {why}", backend.scheme());
+    say(&format!("dlock: {}: waiting: {why}", backend.scheme()));
     backend
         .wait_ready(wait + Duration::from_secs(1))
         .await

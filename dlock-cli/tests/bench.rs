@@ -322,22 +322,67 @@ fn bench_redis() {
 #[cfg(feature = "redis")]
 #[test]
 fn bench_redlock() {
-    // The floor is the textbook Redlock on every node, not one node's lock.
     let Some(url) = server("DLOCK_TEST_REDLOCK_URL") else {
         return;
     };
-    // Fresh nodes grant nothing for max_ttl (the restart guard): the bench
-    // waits it out, 10 s at most here.
-    let json = run_tiny(&[&format!("{url}?max_ttl=10s")]);
+    // A prefix of its own, so the nodes' restart guard starts its clock now:
+    // the bench must wait it out (2 s), say so once, then measure.
+    let sep = if url.contains('?') { '&' } else { '?' };
+    let tag = rand::random::<u32>();
+    let loud = format!("{url}{sep}dlock_prefix=bench{tag:08x}&max_ttl=2s");
+    let quiet = format!("{url}{sep}dlock_prefix=quiet{tag:08x}&max_ttl=2s");
+    let out = TempDir::new().unwrap();
+    let dir = out.path().to_str().unwrap();
+    let run = |url: &str, quiet: bool| {
+        let mut args = vec![
+            "--cycles",
+            "20",
+            "--duration",
+            "300ms",
+            "--clients",
+            "2",
+            "--holds",
+            "0",
+            "--failovers",
+            "0",
+            "--ttl",
+            "2s",
+            "--json",
+            "--url",
+            url,
+            "--out",
+            dir,
+        ];
+        if quiet {
+            args.push("--quiet");
+        }
+        let ran = bench(&args);
+        assert_eq!(ran.code, Some(0), "{ran:#?}");
+        ran
+    };
+
+    let ran = run(&loud, false);
+    let waits = ran
+        .stderr
+        .lines()
+        .filter(|l| l.starts_with("dlock: redlock: waiting: its nodes refuse grants"))
+        .count();
+    assert_eq!(waits, 1, "{ran:#?}");
+    let json: Value = serde_json::from_str(&ran.stdout).expect("stdout is the JSON report");
     let b = &json["backends"][0];
     assert_eq!(b["backend"], "redlock", "{b:#}");
     check_floor(b, None);
+    // The floor is the textbook Redlock on every node, not one node's lock.
     assert!(
         b["floor"]["operations"]
             .as_str()
             .is_some_and(|ops| ops.contains("every node")),
         "{b:#}"
     );
+
+    // --quiet: the same wait, and no note.
+    let ran = run(&quiet, true);
+    assert!(!ran.stderr.contains("waiting"), "{ran:#?}");
 }
 
 #[cfg(feature = "etcd")]

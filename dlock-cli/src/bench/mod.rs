@@ -59,7 +59,15 @@ async fn measure(urls: &[String], args: BenchArgs) -> Result<u8, Failure> {
     let connecting = progress.bar(urls.len() as u64, "connecting", "");
     for (i, url) in urls.iter().enumerate() {
         connecting.set_message(dlock_core::url::redact(url));
-        targets.push(Target::connect(url, clients, args.ttl, format!("{run}/{i}")).await?);
+        // A wait for the store (its restart guard) is a note: none under
+        // --quiet, and never drawn over the bar.
+        let say = |note: &str| {
+            if !args.quiet {
+                connecting.suspend(|| eprintln!("{note}"));
+            }
+        };
+        let prefix = format!("{run}/{i}");
+        targets.push(Target::connect(url, clients, args.ttl, prefix, &say).await?);
         connecting.inc(1);
     }
     connecting.finish_and_clear();

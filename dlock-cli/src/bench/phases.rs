@@ -64,6 +64,7 @@ impl Target {
         clients: usize,
         ttl: Duration,
         prefix: String,
+        say: &(dyn Fn(&str) + Sync),
     ) -> Result<Self, Failure> {
         let shown = dlock_core::url::redact(url);
         let parsed = StoreUrl::parse(url)?;
@@ -71,12 +72,13 @@ impl Target {
         for i in 0..clients {
             let backend = crate::connect(url).await?;
             if i == 0 {
-                // Nodes just started grant nothing for a while (Redis's
-                // restart guard): waited out, saying so, rather than timed
-                // as a cycle that never answers.
-                crate::run::ready(backend.as_ref(), ttl, Duration::MAX, false)
+                // Nodes just started grant nothing for up to max_ttl (Redis's
+                // restart guard): waited out, saying so, rather than timed as
+                // a cycle that never answers.
+                let longest = backend.max_ttl();
+                crate::run::ready(backend.as_ref(), ttl, longest, false, say)
                     .await
-                    .map_err(|(e, _)| e)?;
+                    .map_err(|(e, _)| Failure::new(code_for(&e), format!("{shown}: {e}")))?;
             }
             let options = SessionOptions::new().ttl(ttl).label("dlock-bench");
             let session = within(&shown, "opening a session", backend.session(options)).await?;

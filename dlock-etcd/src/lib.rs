@@ -100,6 +100,7 @@
 mod fence;
 mod floor;
 mod session;
+mod watch;
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -186,6 +187,11 @@ pub(crate) struct Inner {
     /// A request hung on the client's connections (see [`Inner::stalled`]).
     stalled: AtomicBool,
     replacing: tokio::sync::Mutex<()>,
+    /// How many times the client was replaced: a queue watch made on an
+    /// earlier client is made again.
+    generation: std::sync::atomic::AtomicU64,
+    /// The lock queues' watches, shared by this backend's waiters.
+    pub(crate) watches: Arc<watch::QueueWatches>,
     pub(crate) prefix: String,
     /// Shown redacted.
     url: StoreUrl,
@@ -203,6 +209,18 @@ impl Inner {
             .read()
             .unwrap_or_else(|e| e.into_inner())
             .clone()
+    }
+
+    /// A receiver of every deletion in `queue` from now on (see
+    /// [`watch`]); `None` if etcd made no watch in time.
+    pub(crate) async fn subscribe(
+        &self,
+        queue: &str,
+    ) -> Option<tokio::sync::broadcast::Receiver<watch::Deleted>> {
+        let generation = self.generation.load(Ordering::Acquire);
+        self.watches
+            .subscribe(self.client(), generation, queue)
+            .await
     }
 
     /// Records that a request hung: the connections it went over may be
@@ -227,6 +245,7 @@ impl Inner {
             Ok(client) => {
                 tracing::debug!(url = %self.url, "replaced the etcd client after a stuck request");
                 *self.client.write().unwrap_or_else(|e| e.into_inner()) = client;
+                self.generation.fetch_add(1, Ordering::AcqRel);
                 Ok(())
             }
             Err(e) => {
@@ -683,6 +702,8 @@ impl EtcdBackend {
                 options,
                 stalled: AtomicBool::new(false),
                 replacing: tokio::sync::Mutex::new(()),
+                generation: Default::default(),
+                watches: Default::default(),
                 prefix: parsed.prefix,
                 url,
             }),

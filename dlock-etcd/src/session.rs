@@ -7,16 +7,25 @@ use std::time::Duration;
 use async_trait::async_trait;
 use dlock_core::backend::{Busy, Claim, ExpiryModel, Hold, RawSession, Take};
 use dlock_core::{Error, FencingToken, LockName, SessionId};
+use std::collections::HashSet;
+
 use etcd_client::{
-    Compare, CompareOp, EventType, GetOptions, LeaseKeepAliveStream, LeaseKeeper, PutOptions,
-    SortOrder, SortTarget, Txn, TxnOp, TxnOpResponse, WatchStream,
+    Compare, CompareOp, GetOptions, LeaseKeepAliveStream, LeaseKeeper, PutOptions, SortOrder,
+    SortTarget, Txn, TxnOp, TxnOpResponse,
 };
+use tokio::sync::broadcast;
+use tokio::sync::broadcast::error::{RecvError, TryRecvError};
 use tokio::time::{Instant, sleep_until};
 
+use crate::watch::Deleted;
 use crate::{Inner, Repeat};
 
 /// The most operations etcd takes in one txn by default (`--max-txn-ops`).
 const MAX_TXN_OPS: usize = 128;
+
+/// How many of the keys ahead a waiter reads (the nearest): a waiter
+/// further back reads again once those are gone.
+const AHEAD_READ: i64 = 128;
 
 pub(crate) struct EtcdSession {
     inner: Arc<Inner>,
@@ -70,7 +79,6 @@ impl EtcdSession {
             fences: Vec::new(),
             ahead: None,
             first: false,
-            watching: None,
         };
         attempt.new_key();
         attempt
@@ -316,11 +324,23 @@ struct EtcdClaim {
     doubtful: bool,
     /// Tombstones of earlier keys of this attempt still to be written.
     fences: Vec<String>,
-    /// The key just ahead of ours, and whether it was the only one.
-    ahead: Option<(Vec<u8>, bool)>,
-    /// The only key ahead of ours is gone: ours is first (see `wait`).
+    /// The keys ahead of ours, as the last look found them, and how to
+    /// hear of their deletion (see `wait`).
+    ahead: Option<Ahead>,
+    /// Every key ahead of ours is gone: ours is first (see `wait`).
     first: bool,
-    watching: Option<(Vec<u8>, WatchStream)>,
+}
+
+/// The keys ahead of a waiter's key.
+struct Ahead {
+    /// The keys a read found ahead, less those since deleted.
+    keys: HashSet<Vec<u8>>,
+    /// Whether the read found every key ahead (it reads at most
+    /// `AHEAD_READ`, the nearest).
+    all: bool,
+    /// The queue's deletions since before that read (see [`crate::watch`]);
+    /// `None` if no watch was made.
+    deleted: Option<broadcast::Receiver<Deleted>>,
 }
 
 impl fmt::Debug for EtcdClaim {
@@ -482,13 +502,14 @@ impl Claim for EtcdClaim {
                     own
                 }
             };
-            // One round trip: our key is still there, who is just ahead, and
-            // whether another is ahead of that one.
+            // Hear of deletions from before the read on (see `wait`).
+            let deleted = self.inner.subscribe(&self.queue).await;
+            // One round trip: our key is still there, and the keys ahead.
             let ahead = GetOptions::new()
                 .with_prefix()
                 .with_max_create_revision(own - 1)
                 .with_sort(SortTarget::Create, SortOrder::Descend)
-                .with_limit(2)
+                .with_limit(AHEAD_READ)
                 .with_keys_only();
             let txn = Txn::new()
                 .when(vec![Compare::create_revision(
@@ -504,20 +525,19 @@ impl Claim for EtcdClaim {
                 self.new_key();
                 continue;
             }
-            let (just_ahead, only) = match resp.op_responses().into_iter().next() {
-                Some(TxnOpResponse::Get(get)) => (
-                    get.kvs().first().map(|kv| kv.key().to_vec()),
-                    get.kvs().len() == 1,
-                ),
+            let ahead = match resp.op_responses().into_iter().next() {
+                Some(TxnOpResponse::Get(get)) => Ahead {
+                    keys: get.kvs().iter().map(|kv| kv.key().to_vec()).collect(),
+                    all: !get.more(),
+                    deleted,
+                },
                 _ => return Err(Error::protocol("etcd", "unexpected txn answer")),
             };
-            return Ok(match just_ahead {
-                None => self.granted(own),
-                Some(key) => {
-                    self.ahead = Some((key, only));
-                    Take::Busy(Busy::default())
-                }
-            });
+            if ahead.keys.is_empty() && ahead.all {
+                return Ok(self.granted(own));
+            }
+            self.ahead = Some(ahead);
+            return Ok(Take::Busy(Busy::default()));
         }
         Err(Error::unavailable(
             "etcd",
@@ -525,101 +545,61 @@ impl Claim for EtcdClaim {
         ))
     }
 
-    /// Waits for the key just ahead to go. If it was the only key ahead,
-    /// ours is then first and the next `try_take` grants without asking
-    /// (the handoff saves a round trip): keys made later have higher create
-    /// revisions and queue behind ours, and a deleted key is never made
-    /// again (a new key of an attempt is another key; a late create of the
-    /// old one meets its tombstone). The grant is ours as of the deletion's
-    /// revision, when our key still existed if our lease did: only the head
-    /// can be force-released, which ours was not before that deletion, and
-    /// a lease gone by then is past the core's session deadline (S4: a
-    /// grant after it is refused), as is a closed session's. A
-    /// force-release of ours after it is one of a holder's, heard of at the
-    /// next renewal. The read that finds the key ahead already gone also
-    /// checks ours, in the same request.
+    /// Waits until every key the last look found ahead is deleted. Ours is
+    /// then first if that look found all of them, and the next `try_take`
+    /// grants without asking (the handoff saves a round trip): keys made
+    /// later have higher create revisions and queue behind ours, and a
+    /// deleted key is never made again (a new key of an attempt is another
+    /// key; a late create of the old one meets its tombstone). The grant is
+    /// ours as of the last deletion's revision, when our key still existed
+    /// if our lease did: only the head can be force-released, which ours
+    /// was not before that deletion, and a lease gone by then is past the
+    /// core's session deadline (S4: a grant after it is refused), as is a
+    /// closed session's. A force-release of ours after it is one of a
+    /// holder's, heard of at the next renewal. Without a watch, or when the
+    /// watch ends or this waiter falls behind it, or our own key is
+    /// deleted, the next `try_take` reads again.
     async fn wait(&mut self, until: Instant) -> Result<(), Error> {
-        let Some((ahead, only)) = self.ahead.clone() else {
+        let Some(Ahead {
+            keys,
+            all,
+            deleted: Some(deleted),
+        }) = self.ahead.as_mut()
+        else {
             sleep_until(until).await;
             return Ok(());
         };
-        if self.watching.as_ref().is_none_or(|(k, _)| *k != ahead) {
-            // Watch "from now" (no start revision): etcd serves a watcher whose
-            // start revision is at or below its current revision from the
-            // unsynced group, which a 100 ms loop drains — under contention,
-            // "read revision + 1" is already in the past when the watch is
-            // created. Wait for the watch to exist, then look once more: a
-            // deletion before that read is seen by the read, one after it by
-            // the watch.
-            let mut stream = self
-                .inner
-                .call(Repeat::Unsent, |client| {
-                    let mut watch = client.watch_client();
-                    let ahead = ahead.clone();
-                    async move { watch.watch(ahead, None).await }
-                })
-                .await?;
-            match stream.message().await {
-                Ok(Some(created)) if created.created() && !created.canceled() => {}
-                Ok(Some(other)) => {
-                    return Err(Error::unavailable(
-                        "etcd",
-                        format!("watch not created: {}", other.cancel_reason()),
-                    ));
-                }
-                Ok(None) => return Err(Error::unavailable("etcd", "watch stream closed")),
-                Err(e) => return Err(crate::map_err(e)),
-            }
-            let own = self
-                .own
-                .ok_or_else(|| Error::protocol("etcd", "waiting without a key"))?;
-            let txn = Txn::new()
-                .when(vec![Compare::create_revision(
-                    self.key.as_str(),
-                    CompareOp::Equal,
-                    own,
-                )])
-                .and_then(vec![TxnOp::get(
-                    ahead.clone(),
-                    Some(GetOptions::new().with_count_only()),
-                )]);
-            let resp = self.inner.txn(Repeat::Idempotent, txn).await?;
-            if !resp.succeeded() {
-                // Ours is gone: the next take queues again.
-                return Ok(());
-            }
-            let present = match resp.op_responses().first() {
-                Some(TxnOpResponse::Get(get)) => get.count() > 0,
-                _ => return Err(Error::protocol("etcd", "unexpected txn answer")),
-            };
-            if !present {
-                self.first = only;
-                return Ok(());
-            }
-            self.watching = Some((ahead, stream));
-        }
-        let (_, stream) = self.watching.as_mut().expect("just set");
         loop {
             tokio::select! {
-                message = stream.message() => match message {
-                    Ok(Some(resp)) => {
-                        if resp.canceled() {
-                            self.watching = None;
-                            return Err(Error::unavailable("etcd", format!("watch cancelled: {}", resp.cancel_reason())));
+                batch = deleted.recv() => match batch {
+                    Ok(batch) => {
+                        if batch.iter().any(|k| *k == self.key.as_bytes()) {
+                            self.ahead = None;
+                            return Ok(());
                         }
-                        if resp.events().iter().any(|e| e.event_type() == EventType::Delete) {
-                            self.watching = None;
-                            self.first = only;
+                        for key in batch.iter() {
+                            keys.remove(key);
+                        }
+                        if keys.is_empty() {
+                            // Not on a key of ours already seen deleted (or
+                            // perhaps, if this waiter fell behind).
+                            let mine = self.key.as_bytes();
+                            let mut gone = false;
+                            loop {
+                                match deleted.try_recv() {
+                                    Ok(batch) => gone |= batch.iter().any(|k| *k == mine),
+                                    Err(TryRecvError::Lagged(_)) => gone = true,
+                                    Err(TryRecvError::Empty | TryRecvError::Closed) => break,
+                                }
+                            }
+                            self.first = *all && !gone;
+                            self.ahead = None;
                             return Ok(());
                         }
                     }
-                    Ok(None) => {
-                        self.watching = None;
-                        return Err(Error::unavailable("etcd", "watch stream closed"));
-                    }
-                    Err(e) => {
-                        self.watching = None;
-                        return Err(crate::map_err(e));
+                    Err(RecvError::Lagged(_) | RecvError::Closed) => {
+                        self.ahead = None;
+                        return Ok(());
                     }
                 },
                 _ = sleep_until(until) => return Ok(()),
@@ -754,18 +734,28 @@ mod server_tests {
         session.new_claim(name, "test".into())
     }
 
-    /// S1 (issue 15's handoff without a read): a waiter whose key ahead
-    /// goes is granted without asking only if that key was the only one
-    /// ahead, whether the read before the watch finds it gone or the watch
-    /// sees it go.
+    /// S1 (issue 15's handoff without a read): a waiter is granted without
+    /// asking only once every key its last read found ahead is deleted, and
+    /// only if that read found all of them; never on a key of its own that
+    /// it has seen deleted.
     #[tokio::test]
-    async fn the_key_ahead_gone_grants_only_the_one_it_was_ahead_of_alone() {
+    async fn the_keys_ahead_gone_grant_only_the_one_they_were_ahead_of() {
         let Some(url) = url() else { return };
         let backend = connected(&url).await;
         let session = session(&backend).await;
         let name = fresh_name("ahead");
         let busy = |take: Take| matches!(take, Take::Busy(_));
         let soon = || Instant::now() + Duration::from_secs(5);
+        let briefly = || Instant::now() + Duration::from_millis(300);
+        let ahead = |claim: &EtcdClaim| {
+            let mut keys: Vec<Vec<u8>> = claim
+                .ahead
+                .as_ref()
+                .map(|a| a.keys.iter().cloned().collect())
+                .unwrap_or_default();
+            keys.sort();
+            keys
+        };
 
         let mut holder = claim_on(&session, &name).await;
         let Take::Granted(held) = holder.try_take().await.unwrap() else {
@@ -775,33 +765,19 @@ mod server_tests {
         assert!(busy(second.try_take().await.unwrap()));
         let mut third = claim_on(&session, &name).await;
         assert!(busy(third.try_take().await.unwrap()));
-        // The key just ahead of the third goes before it waits (the read
-        // finds it gone), then while it waits (the watch): the holder is
-        // still ahead both times.
+        assert_eq!(ahead(&third).len(), 2);
+        // A key ahead goes while another stays: the wait goes on (to its
+        // deadline), and the next look finds the one left.
         second.abandon().await.unwrap();
-        third.wait(soon()).await.unwrap();
-        assert!(
-            busy(third.try_take().await.unwrap()),
-            "granted while held (read)"
-        );
+        third.wait(briefly()).await.unwrap();
+        assert!(!third.first, "first with the holder still ahead");
+        assert_eq!(ahead(&third), vec![held.key.clone().into_bytes()]);
+        assert!(busy(third.try_take().await.unwrap()), "granted while held");
         let mut fourth = claim_on(&session, &name).await;
         assert!(busy(fourth.try_take().await.unwrap()));
-        let mut fifth = claim_on(&session, &name).await;
-        assert!(busy(fifth.try_take().await.unwrap()));
-        // (a first wait that times out leaves the watch in place, so the
-        // second sees the deletion through it)
-        let briefly = Instant::now() + Duration::from_millis(300);
-        fifth.wait(briefly).await.unwrap();
-        assert!(fifth.watching.is_some() && !fifth.first);
-        fourth.abandon().await.unwrap();
-        fifth.wait(soon()).await.unwrap();
-        assert!(
-            busy(fifth.try_take().await.unwrap()),
-            "granted while held (watch)"
-        );
 
-        // The holder was the only key ahead of the third: its release
-        // grants it, without another read.
+        // The holder was the last key ahead of the third: its release grants
+        // it, without another read; the fourth, behind the third, waits on.
         let (waited, ()) = tokio::join!(third.wait(soon()), async {
             sleep(Duration::from_millis(100)).await;
             session.release(&held).await.unwrap();
@@ -812,27 +788,84 @@ mod server_tests {
             panic!("not granted after the release")
         };
         assert!(next.token > held.token);
-        fifth.abandon().await.unwrap();
+        fourth.wait(briefly()).await.unwrap();
+        assert!(!fourth.first, "first behind a holder");
+        fourth.abandon().await.unwrap();
 
-        // The next in line, force-released as soon as it is first, finds
-        // its own key gone when it looks (the read checks it too), and
-        // queues again under a new key.
+        // A waiter whose read found only some of the keys ahead reads again
+        // once those are gone, rather than taking itself for first.
+        let mut fifth = claim_on(&session, &name).await;
+        assert!(busy(fifth.try_take().await.unwrap()));
+        fifth.ahead.as_mut().unwrap().all = false;
+        session.release(&next).await.unwrap();
+        fifth.wait(soon()).await.unwrap();
+        assert!(!fifth.first, "first on a partial read");
+        let Take::Granted(then) = fifth.try_take().await.unwrap() else {
+            panic!("not granted after the read")
+        };
+
+        // The next in line, force-released as soon as it is first, is not
+        // granted on the key it saw deleted, and queues again under a new
+        // key.
         let mut sixth = claim_on(&session, &name).await;
         assert!(busy(sixth.try_take().await.unwrap()));
-        session.release(&next).await.unwrap();
+        session.release(&then).await.unwrap();
         assert!(
             dlock_core::Backend::force_release(&backend, &name)
                 .await
                 .unwrap()
         );
+        sleep(Duration::from_millis(200)).await; // both deletions are heard of
         sixth.wait(soon()).await.unwrap();
         assert!(!sixth.first, "granted on a key force-released");
         let Take::Granted(last) = sixth.try_take().await.unwrap() else {
             panic!("not granted under a new key")
         };
-        assert!(last.token > next.token);
+        assert!(last.token > then.token);
         session.release(&last).await.unwrap();
         session.close(&[]).await.unwrap();
+    }
+
+    /// Issue 15 (handoff latency): a waiter hears of the release through
+    /// the queue's watch, made before it waited, and is granted on that
+    /// alone: nothing it sends after the release is needed (its requests
+    /// are held from then on). Before the shared watch, each wait made a
+    /// watch of its own (which etcd may serve ~100 ms late) and read again.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_waiter_is_granted_on_the_release_alone() {
+        let Some(url) = url() else { return };
+        let hosts: Vec<String> = url.hosts().iter().map(ToString::to_string).collect();
+        let link = ProxyLink::start(&hosts).await.unwrap();
+        let waiting = session_over(&link, &url).await;
+        let backend = connected(&url).await;
+        let holding = session(&backend).await;
+        let name = fresh_name("alone");
+
+        let mut holder = claim_on(&holding, &name).await;
+        let Take::Granted(held) = holder.try_take().await.unwrap() else {
+            panic!("not granted")
+        };
+        let mut waiter = claim_on(&waiting, &name).await;
+        assert!(matches!(waiter.try_take().await.unwrap(), Take::Busy(_)));
+        link.set_all(Fault::Flows {
+            to_server: Flow::Hold,
+            to_client: Flow::Pass,
+        });
+        holding.release(&held).await.unwrap();
+        let until = Instant::now() + Duration::from_secs(3);
+        let granted = timeout(Duration::from_secs(4), async {
+            waiter.wait(until).await.unwrap();
+            waiter.try_take().await
+        })
+        .await;
+        link.heal();
+        let Ok(Ok(Take::Granted(next))) = granted else {
+            panic!("not granted on the release alone: {granted:?}")
+        };
+        assert!(next.token > held.token);
+        waiting.release(&next).await.unwrap();
+        waiting.close(&[]).await.unwrap();
+        holding.close(&[]).await.unwrap();
     }
 
     /// Item 13 of issue 12 (clean abandon, S5): a create whose answer never

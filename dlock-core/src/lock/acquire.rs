@@ -171,13 +171,20 @@ impl Acquire<'_> {
 
     /// A failed request: the caller's deadline ends the acquire (with the
     /// store's last error as the cause); a transient error is retried after
-    /// a pause, except by a try; anything else ends the acquire.
+    /// a pause, except by a try; anything else ends the acquire. A store
+    /// that no longer knows the session (its lease or session is gone) ends
+    /// the session too, now rather than at the next renewal: every hold of
+    /// it is lost, and `is_alive` agrees with the error the caller gets.
     async fn on_error(&mut self, e: Error, retrying: &'static str) -> Result<(), Error> {
         match e {
             e @ Error::Timeout { .. } => Err(self.last.explain(e, self.state.scheme)),
             e if e.is_retryable() && !matches!(self.wait, Wait::No) => {
                 tracing::debug!(error = %e, "{retrying}");
                 self.pause(e).await
+            }
+            e @ Error::SessionLost { .. } => {
+                self.state.mark_lost();
+                Err(e)
             }
             e => Err(e),
         }

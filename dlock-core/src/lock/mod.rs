@@ -405,4 +405,26 @@ mod tests {
             "a take went out past the deadline"
         );
     }
+
+    /// A store that no longer knows the session (it expired there) ends it
+    /// when a take meets that, not at the next renewal: the caller's error
+    /// and `is_alive` agree, and the session's other holds are lost at once
+    /// (conformance case `waiter_learns_session_lost` on etcd, whose waiter
+    /// heard of its own queue key's deletion and met the expired lease
+    /// before the renewal did).
+    #[tokio::test]
+    async fn a_take_meeting_a_lost_session_ends_it() {
+        let server = MemoryBackend::new();
+        let options = SessionOptions::new().ttl(Duration::from_secs(5));
+        let a = server.session(options).await.unwrap();
+        let other = a.lock("other").unwrap().acquire().await.unwrap();
+        server.clock().step_forward(Duration::from_secs(10));
+        let r = a.lock("x").unwrap().acquire().await;
+        assert!(matches!(r, Err(Error::SessionLost { .. })), "{r:?}");
+        assert!(
+            !a.is_alive(),
+            "the session lives on after the store said it was gone"
+        );
+        assert!(!other.is_held(), "a hold of the lost session is still held");
+    }
 }

@@ -50,17 +50,24 @@
 //!   create compares the tombstone absent: whatever lands later creates
 //!   nothing. Tombstones exist only for attempts that met a fault, and go
 //!   with the lease.
-//! * **Wake-up**: a waiter watches only the next-lower key (no herd). The
-//!   watch starts "from now" and, once etcd confirms it, the waiter reads the
-//!   key once more: a deletion before that read is seen by the read, one
-//!   after it by the watch. (A watch with a start revision at or below etcd's
-//!   current revision is served from the *unsynced* group, which a 100 ms
-//!   loop drains; etcd's own lock recipe, and a watch from "read revision +
-//!   1" once other clients have written since, land there and wait ~100 ms
-//!   per handoff.) If the deleted key was the only one ahead (the read asks
-//!   for two), the waiter is first and is granted at once, without another
-//!   read: a handoff is the release, the watch event and nothing more. Else
-//!   it reads again, and watches the key now just ahead.
+//! * **Wake-up**: each backend keeps one watch per lock queue it waits on
+//!   (deletions under `prefix/<name>/`, from "now"), shared by its waiters
+//!   through a channel in the process, and dropped 10 s after its last
+//!   waiter. A waiter subscribes, then reads the keys ahead of its own (the
+//!   nearest 128) in a txn that also checks its own key; each deletion it
+//!   hears of leaves one fewer. When none is left and the read saw all of
+//!   them, the waiter is first and is granted at once, without another
+//!   read: a handoff is the release, the watch event and nothing more. A
+//!   deletion of its own key, a watch that ended, a waiter that fell behind
+//!   the channel, or a partial read: it reads again. A release wakes only
+//!   the waiters of that name, one event each; the next in line is granted.
+//!   Why one watch per queue rather than per wait: etcd starts a watch
+//!   "from now" at the revision it read *before* registering it, and one
+//!   registered after another write is served from the *unsynced* group,
+//!   which a 100 ms loop drains. Under a hot lock that is when waiters make
+//!   their watches: with a watch per wait, about one handoff in fifty took
+//!   ~90 ms (etcd's own lock recipe, which also watches per wait, shows the
+//!   same tail in `dlock bench`). A kept watch meets that at most once.
 //! * **Token** = the own key's create revision: etcd's global revision, so
 //!   strictly increasing per name, durable across restarts and leader changes.
 //! * **Release** deletes the own key in a txn comparing its create revision (a
@@ -163,7 +170,7 @@ impl EtcdAdapter {
     pub fn capabilities(&self) -> Capabilities {
         // FIFO by create revision; tokens are create revisions (etcd's
         // global revision, persisted by raft before it is acknowledged);
-        // a waiter watches the key ahead of it; the lease, not the
+        // a waiter hears of the deletions ahead of it; the lease, not the
         // connection, carries the session. The leader checks lease expiry
         // every 500 ms, and may run up to that late.
         Capabilities::watched_queue(Duration::from_millis(1500))

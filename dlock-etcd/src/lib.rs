@@ -52,9 +52,9 @@
 //!   with the lease.
 //! * **Wake-up**: each backend keeps one watch per lock queue it waits on
 //!   (deletions under `prefix/<name>/`, from "now"), shared by its waiters
-//!   through a channel in the process, and dropped 10 s after its last
-//!   waiter. A waiter subscribes, then reads the keys ahead of its own (the
-//!   nearest 128) in a txn that also checks its own key; each deletion it
+//!   through a channel in the process, and dropped 10–15 s after its last
+//!   waiter (or when the client is replaced after a stuck request). A waiter subscribes, then reads the keys ahead of its own (the
+//!   nearest 16) in a txn that also checks its own key; each deletion it
 //!   hears of leaves one fewer. When none is left and the read saw all of
 //!   them, the waiter is first and is granted at once, without another
 //!   read: a handoff is the release, the watch event and nothing more. A
@@ -219,14 +219,16 @@ impl Inner {
     }
 
     /// A receiver of every deletion in `queue` from now on (see
-    /// [`watch`]); `None` if etcd made no watch in time.
+    /// [`watch`]); `None` if etcd made no watch within `limit`.
     pub(crate) async fn subscribe(
         &self,
         queue: &str,
+        limit: Duration,
     ) -> Option<tokio::sync::broadcast::Receiver<watch::Deleted>> {
+        self.replace_if_stalled().await.ok()?;
         let generation = self.generation.load(Ordering::Acquire);
         self.watches
-            .subscribe(self.client(), generation, queue)
+            .subscribe(self.client(), generation, queue, limit)
             .await
     }
 
@@ -253,6 +255,7 @@ impl Inner {
                 tracing::debug!(url = %self.url, "replaced the etcd client after a stuck request");
                 *self.client.write().unwrap_or_else(|e| e.into_inner()) = client;
                 self.generation.fetch_add(1, Ordering::AcqRel);
+                self.watches.end_all();
                 Ok(())
             }
             Err(e) => {

@@ -25,7 +25,12 @@ const MAX_TXN_OPS: usize = 128;
 
 /// How many of the keys ahead a waiter reads (the nearest): a waiter
 /// further back reads again once those are gone.
-const AHEAD_READ: i64 = 128;
+const AHEAD_READ: i64 = 16;
+
+/// How long a waiter whose queue watch ended pauses before it reads again
+/// (and makes another): a watch that keeps ending at once must not turn
+/// waiters into a loop of requests.
+const WATCH_ENDED_PAUSE: Duration = Duration::from_millis(50);
 
 pub(crate) struct EtcdSession {
     inner: Arc<Inner>,
@@ -79,6 +84,10 @@ impl EtcdSession {
             fences: Vec::new(),
             ahead: None,
             first: false,
+            // Within the take's request timeout (the core's default is
+            // TTL/6): a creation that takes longer leaves this wait on the
+            // fallback timer, not the take failed.
+            watch_limit: (self.ttl / 8).min(Duration::from_millis(500)),
         };
         attempt.new_key();
         attempt
@@ -329,6 +338,8 @@ struct EtcdClaim {
     ahead: Option<Ahead>,
     /// Every key ahead of ours is gone: ours is first (see `wait`).
     first: bool,
+    /// How long a take waits for the queue's watch to be made.
+    watch_limit: Duration,
 }
 
 /// The keys ahead of a waiter's key.
@@ -461,6 +472,8 @@ impl EtcdClaim {
     /// Removes the key (and fences off creates still in flight). Idempotent:
     /// safe to run again after an error or a cut-off run.
     async fn clean_up(&mut self) -> Result<(), Error> {
+        // No longer waiting: let the queue's watch go when unused.
+        self.ahead = None;
         if !self.sent {
             return Ok(());
         }
@@ -486,6 +499,7 @@ impl Claim for EtcdClaim {
         if let (true, Some(own)) = (std::mem::take(&mut self.first), self.own) {
             return Ok(self.granted(own));
         }
+        self.ahead = None;
         for _ in 0..3 {
             let own = match self.own {
                 Some(own) => own,
@@ -503,7 +517,7 @@ impl Claim for EtcdClaim {
                 }
             };
             // Hear of deletions from before the read on (see `wait`).
-            let deleted = self.inner.subscribe(&self.queue).await;
+            let deleted = self.inner.subscribe(&self.queue, self.watch_limit).await;
             // One round trip: our key is still there, and the keys ahead.
             let ahead = GetOptions::new()
                 .with_prefix()
@@ -597,8 +611,13 @@ impl Claim for EtcdClaim {
                             return Ok(());
                         }
                     }
-                    Err(RecvError::Lagged(_) | RecvError::Closed) => {
+                    Err(RecvError::Lagged(_)) => {
                         self.ahead = None;
+                        return Ok(());
+                    }
+                    Err(RecvError::Closed) => {
+                        self.ahead = None;
+                        sleep_until(until.min(Instant::now() + WATCH_ENDED_PAUSE)).await;
                         return Ok(());
                     }
                 },
@@ -809,13 +828,24 @@ mod server_tests {
         // key.
         let mut sixth = claim_on(&session, &name).await;
         assert!(busy(sixth.try_take().await.unwrap()));
+        let mut heard = backend
+            .inner
+            .subscribe(&sixth.queue, Duration::from_secs(2))
+            .await
+            .expect("the queue's watch");
         session.release(&then).await.unwrap();
         assert!(
             dlock_core::Backend::force_release(&backend, &name)
                 .await
                 .unwrap()
         );
-        sleep(Duration::from_millis(200)).await; // both deletions are heard of
+        // Both deletions are sent to the waiters before the wait looks.
+        let mut keys = Vec::new();
+        while keys.len() < 2 {
+            let batch = timeout(Duration::from_secs(5), heard.recv()).await;
+            keys.extend(batch.expect("deletions heard of").unwrap().iter().cloned());
+        }
+        assert!(keys.contains(&sixth.key.clone().into_bytes()));
         sixth.wait(soon()).await.unwrap();
         assert!(!sixth.first, "granted on a key force-released");
         let Take::Granted(last) = sixth.try_take().await.unwrap() else {
@@ -866,6 +896,46 @@ mod server_tests {
         waiting.release(&next).await.unwrap();
         waiting.close(&[]).await.unwrap();
         holding.close(&[]).await.unwrap();
+    }
+
+    /// A queue watch that ends (here: ended as when the client is replaced
+    /// after a stuck request) sends its waiters back to read at once,
+    /// rather than leaving them on the fallback timer; the next take makes
+    /// a new watch, through which the release is heard of.
+    #[tokio::test]
+    async fn an_ended_watch_sends_its_waiters_back_to_read() {
+        let Some(url) = url() else { return };
+        let backend = connected(&url).await;
+        let session = session(&backend).await;
+        let name = fresh_name("ended");
+        let mut holder = claim_on(&session, &name).await;
+        let Take::Granted(held) = holder.try_take().await.unwrap() else {
+            panic!("not granted")
+        };
+        let mut waiter = claim_on(&session, &name).await;
+        assert!(matches!(waiter.try_take().await.unwrap(), Take::Busy(_)));
+        backend.inner.watches.end_all();
+        let soon = Instant::now() + Duration::from_secs(5);
+        timeout(Duration::from_secs(1), waiter.wait(soon))
+            .await
+            .expect("the waiter of an ended watch stayed on the timer")
+            .unwrap();
+        assert!(!waiter.first);
+        assert!(matches!(waiter.try_take().await.unwrap(), Take::Busy(_)));
+        let (waited, ()) = tokio::join!(waiter.wait(soon), async {
+            sleep(Duration::from_millis(100)).await;
+            session.release(&held).await.unwrap();
+        });
+        waited.unwrap();
+        assert!(
+            waiter.first,
+            "the release was not heard of on the new watch"
+        );
+        let Take::Granted(next) = waiter.try_take().await.unwrap() else {
+            panic!("not granted")
+        };
+        session.release(&next).await.unwrap();
+        session.close(&[]).await.unwrap();
     }
 
     /// Item 13 of issue 12 (clean abandon, S5): a create whose answer never

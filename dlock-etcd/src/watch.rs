@@ -30,23 +30,27 @@ use tokio::task::JoinHandle;
 /// The keys one watch response says were deleted.
 pub(crate) type Deleted = Arc<[Vec<u8>]>;
 
-/// How long a queue's watch is kept without subscribers (checked every
-/// half of it).
-const LINGER: Duration = Duration::from_secs(10);
-
-/// How long making a watch may take before the waiter goes on without one
-/// (it then looks again on the core's fallback timer).
-const CREATE_LIMIT: Duration = Duration::from_secs(2);
+/// How often a queue's watch checks for subscribers: it ends at the third
+/// check in a row that finds none (10–15 s after the last one left).
+const IDLE_CHECK: Duration = Duration::from_secs(5);
 
 /// How many responses a subscriber may fall behind before it must read the
 /// queue again (it is told: `RecvError::Lagged`).
 const BACKLOG: usize = 256;
 
-/// The watches of one backend, by queue (`prefix/<flat name>/`).
+/// The watches of one backend, by queue (`prefix/<flat name>/`). The map
+/// is locked only to find a queue's slot; a slow creation holds up the
+/// waiters of its own queue only.
 #[derive(Default)]
 pub(crate) struct QueueWatches {
-    queues: Mutex<HashMap<String, Entry>>,
+    queues: std::sync::Mutex<HashMap<String, Arc<Slot>>>,
     ids: AtomicU64,
+}
+
+/// One queue's watch, if it has one.
+#[derive(Default)]
+struct Slot {
+    entry: Mutex<Option<Entry>>,
 }
 
 struct Entry {
@@ -57,67 +61,98 @@ struct Entry {
     task: JoinHandle<()>,
 }
 
+impl Entry {
+    /// Ends the watch: its subscribers see the channel closed once they
+    /// have read what it sent, and read the queue again.
+    fn end(self) {
+        self.task.abort();
+    }
+}
+
 impl QueueWatches {
     /// A receiver of every deletion in `queue` from now on, on the watch of
     /// the queue (made first if there is none on this client generation);
-    /// `None` if etcd did not make one in time.
+    /// `None` if etcd did not make one within `limit` (the waiter then
+    /// looks again on the core's fallback timer, and the next take tries
+    /// again).
     pub(crate) async fn subscribe(
         self: &Arc<Self>,
         client: Client,
         generation: u64,
         queue: &str,
+        limit: Duration,
     ) -> Option<broadcast::Receiver<Deleted>> {
-        let mut queues = self.queues.lock().await;
-        if let Some(entry) = queues.get(queue) {
-            if entry.generation == generation && !entry.task.is_finished() {
-                return Some(entry.events.subscribe());
-            }
-            // Made on a client since replaced (whose connection hung), or
-            // ended: make another.
-            if let Some(old) = queues.remove(queue) {
-                old.task.abort();
-            }
-        }
-        let stream = match tokio::time::timeout(CREATE_LIMIT, create(client, queue)).await {
-            Ok(Ok(stream)) => stream,
-            Ok(Err(e)) => {
-                tracing::debug!(error = %e, "no watch of the lock queue; waiting on the fallback timer");
-                return None;
-            }
-            Err(_) => {
-                tracing::debug!(
-                    "no watch of the lock queue in time; waiting on the fallback timer"
-                );
-                return None;
-            }
+        let slot = {
+            let mut queues = self.queues.lock().unwrap_or_else(|e| e.into_inner());
+            queues.entry(queue.to_owned()).or_default().clone()
         };
-        let (events, subscriber) = broadcast::channel(BACKLOG);
-        let id = self.ids.fetch_add(1, Ordering::Relaxed);
-        let task = tokio::spawn(forward(
-            stream,
-            events.clone(),
-            Arc::downgrade(self),
-            queue.to_owned(),
-            id,
-        ));
-        queues.insert(
-            queue.to_owned(),
-            Entry {
+        let subscribed = async {
+            let mut entry = slot.entry.lock().await;
+            if let Some(e) = entry.as_ref() {
+                if e.generation == generation && !e.task.is_finished() {
+                    return Some(e.events.subscribe());
+                }
+                // Made on a client since replaced (whose connection hung),
+                // or ended: make another.
+                if let Some(old) = entry.take() {
+                    old.end();
+                }
+            }
+            let stream = match create(client, queue).await {
+                Ok(stream) => stream,
+                Err(e) => {
+                    tracing::debug!(error = %e, "no watch of the lock queue; waiting on the fallback timer");
+                    return None;
+                }
+            };
+            let (events, subscriber) = broadcast::channel(BACKLOG);
+            let id = self.ids.fetch_add(1, Ordering::Relaxed);
+            let task = tokio::spawn(forward(
+                stream,
+                events.clone(),
+                Arc::downgrade(self),
+                queue.to_owned(),
+                id,
+            ));
+            *entry = Some(Entry {
                 id,
                 generation,
                 events,
                 task,
-            },
-        );
-        Some(subscriber)
+            });
+            Some(subscriber)
+        };
+        let subscribed = tokio::time::timeout(limit, subscribed).await;
+        if subscribed.is_err() {
+            tracing::debug!("no watch of the lock queue in time; waiting on the fallback timer");
+        }
+        subscribed.ok().flatten()
+    }
+
+    /// Ends every watch (the client they run on was replaced): their
+    /// waiters read again and subscribe to new ones. A watch being made
+    /// just now is left; it is made again at its next use.
+    pub(crate) fn end_all(&self) {
+        let slots: Vec<Arc<Slot>> = self
+            .queues
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain()
+            .map(|(_, slot)| slot)
+            .collect();
+        for slot in slots {
+            if let Ok(mut entry) = slot.entry.try_lock()
+                && let Some(entry) = entry.take()
+            {
+                entry.end();
+            }
+        }
     }
 }
 
 impl Drop for QueueWatches {
     fn drop(&mut self) {
-        for entry in self.queues.get_mut().values() {
-            entry.task.abort();
-        }
+        self.end_all();
     }
 }
 
@@ -148,7 +183,7 @@ async fn create(client: Client, queue: &str) -> Result<WatchStream, dlock_core::
 
 /// Passes the watch's deletions to the subscribers until the watch ends
 /// (subscribers then see the channel closed and read again) or has had no
-/// subscriber for `LINGER`; then removes its entry.
+/// subscriber for three checks; then removes its entry.
 async fn forward(
     mut stream: WatchStream,
     events: broadcast::Sender<Deleted>,
@@ -156,7 +191,7 @@ async fn forward(
     queue: String,
     id: u64,
 ) {
-    let mut idle = tokio::time::interval(LINGER / 2);
+    let mut idle = tokio::time::interval(IDLE_CHECK);
     let mut unused = 0;
     loop {
         tokio::select! {
@@ -191,7 +226,7 @@ async fn forward(
                     unused = 0;
                 } else {
                     unused += 1;
-                    // The first tick is at once: two more make LINGER.
+                    // The first check is at once.
                     if unused > 2 {
                         break;
                     }
@@ -199,9 +234,21 @@ async fn forward(
             }
         }
     }
-    if let Some(owner) = owner.upgrade() {
-        let mut queues = owner.queues.lock().await;
-        if queues.get(&queue).is_some_and(|e| e.id == id) {
+    // Out of its slot (which leaves the map if nothing else took its
+    // place): the subscribers see the channel closed.
+    let Some(owner) = owner.upgrade() else { return };
+    let slot = owner
+        .queues
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(&queue)
+        .cloned();
+    let Some(slot) = slot else { return };
+    let mut entry = slot.entry.lock().await;
+    if entry.as_ref().is_some_and(|e| e.id == id) {
+        *entry = None;
+        let mut queues = owner.queues.lock().unwrap_or_else(|e| e.into_inner());
+        if queues.get(&queue).is_some_and(|s| Arc::ptr_eq(s, &slot)) {
             queues.remove(&queue);
         }
     }

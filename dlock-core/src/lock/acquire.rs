@@ -183,7 +183,12 @@ impl Acquire<'_> {
                 self.pause(e).await
             }
             e @ Error::SessionLost { .. } => {
-                self.state.mark_lost();
+                // Not a session closed meanwhile (the core's own
+                // `SessionLost` for work past its end): its holds were
+                // freed as closed.
+                if self.state.check_alive().is_ok() {
+                    self.state.mark_lost();
+                }
                 Err(e)
             }
             e => Err(e),

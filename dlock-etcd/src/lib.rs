@@ -225,11 +225,19 @@ impl Inner {
         queue: &str,
         limit: Duration,
     ) -> Option<tokio::sync::broadcast::Receiver<watch::Deleted>> {
-        self.replace_if_stalled().await.ok()?;
-        let generation = self.generation.load(Ordering::Acquire);
-        self.watches
-            .subscribe(self.client(), generation, queue, limit)
-            .await
+        let subscribed = tokio::time::timeout(limit, async {
+            self.replace_if_stalled().await.ok()?;
+            let (client, generation) = {
+                let client = self.client.read().unwrap_or_else(|e| e.into_inner());
+                (client.clone(), self.generation.load(Ordering::Acquire))
+            };
+            self.watches.subscribe(client, generation, queue).await
+        })
+        .await;
+        if subscribed.is_err() {
+            tracing::debug!("no watch of the lock queue in time; waiting on the fallback timer");
+        }
+        subscribed.ok().flatten()
     }
 
     /// Records that a request hung: the connections it went over may be
@@ -253,8 +261,12 @@ impl Inner {
         match new_client(&self.endpoints, &self.options).await {
             Ok(client) => {
                 tracing::debug!(url = %self.url, "replaced the etcd client after a stuck request");
-                *self.client.write().unwrap_or_else(|e| e.into_inner()) = client;
-                self.generation.fetch_add(1, Ordering::AcqRel);
+                {
+                    // The client and its generation change together.
+                    let mut current = self.client.write().unwrap_or_else(|e| e.into_inner());
+                    *current = client;
+                    self.generation.fetch_add(1, Ordering::AcqRel);
+                }
                 self.watches.end_all();
                 Ok(())
             }
@@ -806,7 +818,13 @@ impl Backend for EtcdBackend {
         options: &SessionOptions,
     ) -> Result<Arc<dyn RawSession>, Error> {
         Ok(Arc::new(
-            session::EtcdSession::open(self.inner.clone(), id, options.ttl_value()).await?,
+            session::EtcdSession::open(
+                self.inner.clone(),
+                id,
+                options.ttl_value(),
+                options.request_timeout_or_default(),
+            )
+            .await?,
         ))
     }
 

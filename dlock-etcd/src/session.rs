@@ -37,6 +37,8 @@ pub(crate) struct EtcdSession {
     id: SessionId,
     lease: i64,
     ttl: Duration,
+    /// The core's limit on one request of this session.
+    request_timeout: Duration,
     /// The lease's keep-alive stream between renewals. A renewal takes it
     /// out for its exchange and puts it back only once answered, so a
     /// renewal cut off by its timeout drops the stream with it: the late
@@ -84,10 +86,10 @@ impl EtcdSession {
             fences: Vec::new(),
             ahead: None,
             first: false,
-            // Within the take's request timeout (the core's default is
-            // TTL/6): a creation that takes longer leaves this wait on the
-            // fallback timer, not the take failed.
-            watch_limit: (self.ttl / 8).min(Duration::from_millis(500)),
+            // A quarter of the take's request timeout, the rest for its
+            // other requests: a creation that takes longer leaves this wait
+            // on the fallback timer rather than the take cut off.
+            watch_limit: self.request_timeout / 4,
         };
         attempt.new_key();
         attempt
@@ -97,6 +99,7 @@ impl EtcdSession {
         inner: Arc<Inner>,
         id: SessionId,
         ttl: Duration,
+        request_timeout: Duration,
     ) -> Result<Self, Error> {
         let seconds = ttl.as_secs() + u64::from(ttl.subsec_nanos() > 0);
         // A grant repeated after a lost reply leaves an unused lease that
@@ -111,6 +114,7 @@ impl EtcdSession {
             lease: granted.id(),
             // etcd may raise a TTL below its minimum: run with what it granted.
             ttl: Duration::from_secs(granted.ttl().max(1) as u64),
+            request_timeout,
             inner,
             id,
             keeper: tokio::sync::Mutex::new(None),
@@ -740,6 +744,7 @@ mod server_tests {
             backend.inner.clone(),
             SessionId::generate(None),
             Duration::from_secs(5),
+            Duration::from_secs(1),
         )
         .await
         .unwrap()

@@ -48,10 +48,7 @@ pub(crate) struct QueueWatches {
 }
 
 /// One queue's watch, if it has one.
-#[derive(Default)]
-struct Slot {
-    entry: Mutex<Option<Entry>>,
-}
+type Slot = Mutex<Option<Entry>>;
 
 struct Entry {
     id: u64,
@@ -61,10 +58,11 @@ struct Entry {
     task: JoinHandle<()>,
 }
 
-impl Entry {
+impl Drop for Entry {
     /// Ends the watch: its subscribers see the channel closed once they
-    /// have read what it sent, and read the queue again.
-    fn end(self) {
+    /// have read what it sent, and read the queue again. (A dropped
+    /// `JoinHandle` alone would leave the task running.)
+    fn drop(&mut self) {
         self.task.abort();
     }
 }
@@ -72,61 +70,78 @@ impl Entry {
 impl QueueWatches {
     /// A receiver of every deletion in `queue` from now on, on the watch of
     /// the queue (made first if there is none on this client generation);
-    /// `None` if etcd did not make one within `limit` (the waiter then
-    /// looks again on the core's fallback timer, and the next take tries
-    /// again).
+    /// `None` if etcd made none (the waiter then looks again on the core's
+    /// fallback timer, and its next take tries again). The caller bounds
+    /// the time; cut off, it leaves no watch half made.
     pub(crate) async fn subscribe(
         self: &Arc<Self>,
         client: Client,
         generation: u64,
         queue: &str,
-        limit: Duration,
     ) -> Option<broadcast::Receiver<Deleted>> {
-        let slot = {
-            let mut queues = self.queues.lock().unwrap_or_else(|e| e.into_inner());
-            queues.entry(queue.to_owned()).or_default().clone()
-        };
-        let subscribed = async {
-            let mut entry = slot.entry.lock().await;
-            if let Some(e) = entry.as_ref() {
-                if e.generation == generation && !e.task.is_finished() {
-                    return Some(e.events.subscribe());
-                }
-                // Made on a client since replaced (whose connection hung),
-                // or ended: make another.
-                if let Some(old) = entry.take() {
-                    old.end();
-                }
+        let (slot, mut entry) = loop {
+            let slot = self.slot(queue, true)?;
+            let entry = slot.clone().lock_owned().await;
+            // Still the queue's slot (not emptied and dropped from the map
+            // meanwhile): a watch made in a dropped slot would end with it.
+            if self
+                .slot(queue, false)
+                .is_some_and(|s| Arc::ptr_eq(&s, &slot))
+            {
+                break (slot, entry);
             }
-            let stream = match create(client, queue).await {
-                Ok(stream) => stream,
-                Err(e) => {
-                    tracing::debug!(error = %e, "no watch of the lock queue; waiting on the fallback timer");
-                    return None;
-                }
-            };
-            let (events, subscriber) = broadcast::channel(BACKLOG);
-            let id = self.ids.fetch_add(1, Ordering::Relaxed);
-            let task = tokio::spawn(forward(
-                stream,
-                events.clone(),
-                Arc::downgrade(self),
-                queue.to_owned(),
-                id,
-            ));
-            *entry = Some(Entry {
-                id,
-                generation,
-                events,
-                task,
-            });
-            Some(subscriber)
         };
-        let subscribed = tokio::time::timeout(limit, subscribed).await;
-        if subscribed.is_err() {
-            tracing::debug!("no watch of the lock queue in time; waiting on the fallback timer");
+        if let Some(e) = entry.as_ref() {
+            if e.generation == generation && !e.task.is_finished() {
+                return Some(e.events.subscribe());
+            }
+            // Made on a client since replaced (whose connection hung), or
+            // ended: make another (dropping the old one ends it).
+            *entry = None;
         }
-        subscribed.ok().flatten()
+        let stream = match create(client, queue).await {
+            Ok(stream) => stream,
+            Err(e) => {
+                tracing::debug!(error = %e, "no watch of the lock queue; waiting on the fallback timer");
+                self.drop_slot(queue, &slot);
+                return None;
+            }
+        };
+        let (events, subscriber) = broadcast::channel(BACKLOG);
+        let id = self.ids.fetch_add(1, Ordering::Relaxed);
+        let task = tokio::spawn(forward(
+            stream,
+            events.clone(),
+            Arc::downgrade(self),
+            queue.to_owned(),
+            id,
+        ));
+        *entry = Some(Entry {
+            id,
+            generation,
+            events,
+            task,
+        });
+        Some(subscriber)
+    }
+
+    /// The queue's slot, made if `make`.
+    fn slot(&self, queue: &str, make: bool) -> Option<Arc<Slot>> {
+        let mut queues = self.queues.lock().unwrap_or_else(|e| e.into_inner());
+        match queues.get(queue) {
+            Some(slot) => Some(slot.clone()),
+            None if make => Some(queues.entry(queue.to_owned()).or_default().clone()),
+            None => None,
+        }
+    }
+
+    /// Drops `slot` from the map if it is still the queue's (called with its
+    /// entry locked and empty).
+    fn drop_slot(&self, queue: &str, slot: &Arc<Slot>) {
+        let mut queues = self.queues.lock().unwrap_or_else(|e| e.into_inner());
+        if queues.get(queue).is_some_and(|s| Arc::ptr_eq(s, slot)) {
+            queues.remove(queue);
+        }
     }
 
     /// Ends every watch (the client they run on was replaced): their
@@ -141,10 +156,11 @@ impl QueueWatches {
             .map(|(_, slot)| slot)
             .collect();
         for slot in slots {
-            if let Ok(mut entry) = slot.entry.try_lock()
-                && let Some(entry) = entry.take()
-            {
-                entry.end();
+            // A slot locked now (a subscriber in it) ends its watch when
+            // that subscriber lets go of it: out of the map, its last
+            // reference is the subscriber's.
+            if let Ok(mut entry) = slot.try_lock() {
+                *entry = None;
             }
         }
     }
@@ -244,12 +260,10 @@ async fn forward(
         .get(&queue)
         .cloned();
     let Some(slot) = slot else { return };
-    let mut entry = slot.entry.lock().await;
+    let mut entry = slot.lock().await;
     if entry.as_ref().is_some_and(|e| e.id == id) {
-        *entry = None;
-        let mut queues = owner.queues.lock().unwrap_or_else(|e| e.into_inner());
-        if queues.get(&queue).is_some_and(|s| Arc::ptr_eq(s, &slot)) {
-            queues.remove(&queue);
-        }
+        // Dropping the entry aborts this task: leave the map first.
+        owner.drop_slot(&queue, &slot);
+        let _ending = entry.take();
     }
 }

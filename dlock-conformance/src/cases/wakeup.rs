@@ -203,7 +203,13 @@ pub async fn many_waiters_one_handoff_each(h: &dyn Harness) -> Outcome {
         let attempts: u64 = sessions.iter().map(|s| s.stats().take_attempts).sum();
         let period = raw::poll_fallback(&sessions[0]).min(ttl).mul_f64(0.9);
         let polls = (elapsed.as_secs_f64() / period.as_secs_f64()).ceil() as u64 + 1;
-        let allowed = WAITERS as u64 * (3 + polls);
+        // Linear: a few takes per waiter, plus its polls, and as many
+        // again for wake-ups a waiter without a queue lane of its own
+        // meets (SQL: 16 lanes per backend, here 20 waiters per session),
+        // where MariaDB measured 4.6–7.8 takes per waiter, up to 0.97 of
+        // `3 + polls` and once 1.03 in CI. A herd makes ~WAITERS²/2
+        // (20,000 here), several times this bound.
+        let allowed = WAITERS as u64 * (3 + 2 * polls);
         ensure!(
             attempts <= allowed,
             "{attempts} take attempts for {WAITERS} handoffs in {elapsed:?} (allowed {allowed}): a herd?"

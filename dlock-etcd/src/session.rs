@@ -1,5 +1,6 @@
 //! A session is a lease; an attempt is one key in the name's queue.
 
+use std::collections::HashSet;
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
@@ -7,8 +8,6 @@ use std::time::Duration;
 use async_trait::async_trait;
 use dlock_core::backend::{Busy, Claim, ExpiryModel, Hold, RawSession, Take};
 use dlock_core::{Error, FencingToken, LockName, SessionId};
-use std::collections::HashSet;
-
 use etcd_client::{
     Compare, CompareOp, GetOptions, LeaseKeepAliveStream, LeaseKeeper, PutOptions, SortOrder,
     SortTarget, Txn, TxnOp, TxnOpResponse,
@@ -587,11 +586,13 @@ impl Claim for EtcdClaim {
             sleep_until(until).await;
             return Ok(());
         };
+        let mine = self.key.as_bytes();
+        let has_mine = |batch: &Deleted| batch.iter().any(|k| k.as_slice() == mine);
         loop {
             tokio::select! {
                 batch = deleted.recv() => match batch {
                     Ok(batch) => {
-                        if batch.iter().any(|k| *k == self.key.as_bytes()) {
+                        if has_mine(&batch) {
                             self.ahead = None;
                             return Ok(());
                         }
@@ -601,11 +602,10 @@ impl Claim for EtcdClaim {
                         if keys.is_empty() {
                             // Not on a key of ours already seen deleted (or
                             // perhaps, if this waiter fell behind).
-                            let mine = self.key.as_bytes();
                             let mut gone = false;
                             loop {
                                 match deleted.try_recv() {
-                                    Ok(batch) => gone |= batch.iter().any(|k| *k == mine),
+                                    Ok(batch) => gone |= has_mine(&batch),
                                     Err(TryRecvError::Lagged(_)) => gone = true,
                                     Err(TryRecvError::Empty | TryRecvError::Closed) => break,
                                 }
@@ -758,6 +758,22 @@ mod server_tests {
         session.new_claim(name, "test".into())
     }
 
+    /// A hold of `name` by `holding`, and a claim of `waiting` queued
+    /// behind it.
+    async fn held_and_waiting(
+        holding: &EtcdSession,
+        waiting: &EtcdSession,
+        name: &LockName,
+    ) -> (Hold, EtcdClaim) {
+        let mut holder = claim_on(holding, name).await;
+        let Take::Granted(held) = holder.try_take().await.unwrap() else {
+            panic!("not granted")
+        };
+        let mut waiter = claim_on(waiting, name).await;
+        assert!(matches!(waiter.try_take().await.unwrap(), Take::Busy(_)));
+        (held, waiter)
+    }
+
     /// S1 (issue 15's handoff without a read): a waiter is granted without
     /// asking only once every key its last read found ahead is deleted, and
     /// only if that read found all of them; never on a key of its own that
@@ -876,12 +892,7 @@ mod server_tests {
         let holding = session(&backend).await;
         let name = fresh_name("alone");
 
-        let mut holder = claim_on(&holding, &name).await;
-        let Take::Granted(held) = holder.try_take().await.unwrap() else {
-            panic!("not granted")
-        };
-        let mut waiter = claim_on(&waiting, &name).await;
-        assert!(matches!(waiter.try_take().await.unwrap(), Take::Busy(_)));
+        let (held, mut waiter) = held_and_waiting(&holding, &waiting, &name).await;
         link.set_all(Fault::Flows {
             to_server: Flow::Hold,
             to_client: Flow::Pass,
@@ -913,12 +924,7 @@ mod server_tests {
         let backend = connected(&url).await;
         let session = session(&backend).await;
         let name = fresh_name("ended");
-        let mut holder = claim_on(&session, &name).await;
-        let Take::Granted(held) = holder.try_take().await.unwrap() else {
-            panic!("not granted")
-        };
-        let mut waiter = claim_on(&session, &name).await;
-        assert!(matches!(waiter.try_take().await.unwrap(), Take::Busy(_)));
+        let (held, mut waiter) = held_and_waiting(&session, &session, &name).await;
         backend.inner.watches.end_all();
         let soon = Instant::now() + Duration::from_secs(5);
         timeout(Duration::from_secs(1), waiter.wait(soon))

@@ -80,14 +80,11 @@ impl QueueWatches {
         queue: &str,
     ) -> Option<broadcast::Receiver<Deleted>> {
         let (slot, mut entry) = loop {
-            let slot = self.slot(queue, true)?;
+            let slot = self.slot_or_new(queue);
             let entry = slot.clone().lock_owned().await;
             // Still the queue's slot (not emptied and dropped from the map
             // meanwhile): a watch made in a dropped slot would end with it.
-            if self
-                .slot(queue, false)
-                .is_some_and(|s| Arc::ptr_eq(&s, &slot))
-            {
+            if self.holds(queue, &slot) {
                 break (slot, entry);
             }
         };
@@ -125,14 +122,19 @@ impl QueueWatches {
         Some(subscriber)
     }
 
-    /// The queue's slot, made if `make`.
-    fn slot(&self, queue: &str, make: bool) -> Option<Arc<Slot>> {
+    /// The queue's slot, made if it has none.
+    fn slot_or_new(&self, queue: &str) -> Arc<Slot> {
         let mut queues = self.queues.lock().unwrap_or_else(|e| e.into_inner());
-        match queues.get(queue) {
-            Some(slot) => Some(slot.clone()),
-            None if make => Some(queues.entry(queue.to_owned()).or_default().clone()),
-            None => None,
+        if let Some(slot) = queues.get(queue) {
+            return slot.clone();
         }
+        queues.entry(queue.to_owned()).or_default().clone()
+    }
+
+    /// Whether `slot` is the queue's.
+    fn holds(&self, queue: &str, slot: &Arc<Slot>) -> bool {
+        let queues = self.queues.lock().unwrap_or_else(|e| e.into_inner());
+        queues.get(queue).is_some_and(|s| Arc::ptr_eq(s, slot))
     }
 
     /// Drops `slot` from the map if it is still the queue's (called with its

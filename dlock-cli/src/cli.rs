@@ -78,9 +78,10 @@ session (TTL --ttl). Phases, run phase by phase across the backends:
   3. hot lock: all clients acquire, write a fenced register and release
      one lock for --duration: handoffs/s (grants to a different client
      than the last), release->next-grant latency, per-client counts and
-     Jain's fairness index; then the same on the store's own lock where it
-     has one (pg_advisory_lock, GET_LOCK, etcd's lock service, the
-     ZooKeeper lock recipe), in a second table;
+     Jain's fairness index; the same clients on the store's own lock where
+     it has one (pg_advisory_lock, GET_LOCK, etcd's lock service, the
+     ZooKeeper lock recipe), in a second table, in turns with dlock's
+     (A B B A A B B A, each side --duration in all) so drift hits both;
   4. independent locks: each client on its own lock for --duration:
      acquisitions/s;
   5. safety: the register's refusals and the history check (overlapping

@@ -92,13 +92,11 @@ async fn measure(urls: &[String], args: BenchArgs) -> Result<u8, Failure> {
     let phase_ms = phases::millis(args.duration);
     let mut hot = Vec::with_capacity(targets.len());
     for t in &targets {
-        let bar = progress.bar(phase_ms, "hot lock", &contended(t));
-        let dlock = phases::hot_lock(t, args.duration, &bar).await?;
+        let sides = if t.has_native_lock() { 2 } else { 1 };
+        let bar = progress.bar(sides * phase_ms, "hot lock", &contended(t));
+        let (dlock, safety, native) = phases::hot_lock(t, args.duration, &bar).await?;
         bar.finish();
-        let bar = progress.bar(phase_ms, "native lock", &contended(t));
-        let native = phases::native_lock(t, args.duration, &bar).await?;
-        bar.finish();
-        hot.push((dlock, native));
+        hot.push(((dlock, safety), native));
     }
     let mut independent = Vec::with_capacity(targets.len());
     for t in &targets {

@@ -405,7 +405,9 @@ pub(crate) fn markdown(report: &Report) -> String {
          release→grant runs from the release's call to that grant's return. \
          fairness: fewest/most grants of a client and Jain's index (1 = even). \
          native: the store's own lock (pg_advisory_lock, GET_LOCK, etcd's lock service, \
-         the ZooKeeper recipe) under the same contention, after dlock's hot lock. \
+         the ZooKeeper recipe) under the same contention, in turns with dlock's hot lock \
+         (A B B A A B B A, each side the phase's duration in all, handoffs counted \
+         within a turn), so that drift over the phase hits both. \
          independent: each client on its own lock. safety: fenced-register refusals \
          and the history check (overlapping holds, grant order) over the hot-lock phase. \
          locks held by one session: one renewal round (what the renewal task sends each \

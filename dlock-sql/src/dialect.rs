@@ -429,8 +429,7 @@ impl Statements {
         hot.push(&self.renew);
         hot.extend(&self.held);
         if let Some(q) = &self.queue {
-            hot.extend([&q.lock, &q.unlock]);
-            hot.extend(&q.release);
+            hot.extend([&q.lock, &q.unlock, q.release.sql()]);
         }
         hot.into_iter().map(|s| s.text.clone()).collect()
     }
@@ -499,10 +498,32 @@ pub(crate) struct QueueSql {
     /// This connection's id on the server (to cancel its wait), and on
     /// PostgreSQL its TCP keepalives.
     pub(crate) pid: Sql,
-    /// PostgreSQL: the release (arguments as `release`) and the unlock of
-    /// `?5` in one statement, answering how many rows it freed. MySQL
-    /// releases, then unlocks.
-    pub(crate) release: Option<Sql>,
+    /// A lane's release (arguments as `release`) with the unlock of `?5`
+    /// in the same statement.
+    pub(crate) release: LaneRelease,
+}
+
+/// How a lane's release lets its queue lock go in the same statement, so
+/// that the next waiter's turn starts the moment the row is freed (its
+/// take, a locking write, then waits for this commit).
+#[derive(Debug)]
+pub(crate) enum LaneRelease {
+    /// PostgreSQL: unlocks whatever it frees, answering one row with how
+    /// many it freed.
+    Counted(Sql),
+    /// MySQL: `RELEASE_LOCK` inside the `SET` of the release's `UPDATE`,
+    /// which runs only for a row that matched (the hold). Its affected
+    /// rows (sqlx asks for found rows) are the rows freed; where none
+    /// matched, nothing was unlocked, and the lane unlocks on its own.
+    Matched(Sql),
+}
+
+impl LaneRelease {
+    fn sql(&self) -> &Sql {
+        match self {
+            Self::Counted(sql) | Self::Matched(sql) => sql,
+        }
+    }
 }
 
 impl QueueSql {
@@ -533,7 +554,7 @@ impl QueueSql {
                 // The unlock hands the queue lock to the next waiter at once
                 // (its take then waits for this commit); only if none took it
                 // does a notification go to waiters outside the queue.
-                release: Some(sql(&format!(
+                release: LaneRelease::Counted(sql(&format!(
                     "WITH freed AS (UPDATE {{t}} SET {free} WHERE name = ?1 AND owner = ?2 \
                      AND token = ?3 AND holder = ?4 AND expires_at > {{now}} RETURNING name) \
                      SELECT (SELECT COUNT(*) FROM freed), pg_advisory_unlock(?5), \
@@ -546,7 +567,17 @@ impl QueueSql {
                 lock: sql("SELECT GET_LOCK(?1, 31536000)"),
                 unlock: sql("SELECT RELEASE_LOCK(?1)"),
                 pid: sql("SELECT CAST(CONNECTION_ID() AS SIGNED)"),
-                release: None,
+                // The unlock's answer (1, or 0 or NULL for a lock not this
+                // connection's) adds nothing to `expires_at`, but the
+                // server cannot know that without calling it, once per
+                // matched row. The functions of the lock manager are unsafe
+                // for statement-based replication, like the take's: the
+                // queue is off there.
+                release: LaneRelease::Matched(sql(&format!(
+                    "UPDATE {{t}} SET {free} + 0 * COALESCE(RELEASE_LOCK(?5), 0) \
+                     WHERE name = ?1 AND owner = ?2 AND token = ?3 AND holder = ?4 \
+                     AND expires_at > {{now}}"
+                ))),
             }),
             Dialect::Sqlite => None,
         }

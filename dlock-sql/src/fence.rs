@@ -263,7 +263,9 @@ impl FenceSql {
 }
 
 /// The typed connections: each knows its SQL; `$check` turns the check's
-/// query into the refusal (`None` when accepted).
+/// query into the refusal (`None` when accepted). (Unused with no store's
+/// feature on.)
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 macro_rules! typed_fence {
     ($conn:ty, $db:ty, $sql:expr, |$this:ident, $query:ident, $table:ident, $resource:ident| $check:expr) => {
         #[async_trait]

@@ -12,8 +12,8 @@
 //!   the core's bounded waits;
 //! * the head takes the row on its lane and keeps the queue lock for as long
 //!   as it holds the row, so the next waiter is woken by the lock manager
-//!   the moment the holder releases (release and unlock in one statement on
-//!   PostgreSQL) — no notification, no poll;
+//!   the moment the holder releases (release and unlock in one statement) —
+//!   no notification, no poll;
 //! * a holder or head that stalls (paused, or gone while its connection
 //!   lingers) cannot stall the lock for long: once a row has been free or
 //!   expired for the grace period ([`grace_ms`]), anyone may take it.

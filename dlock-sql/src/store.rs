@@ -20,7 +20,9 @@ use tokio::sync::oneshot::error::TryRecvError;
 use tokio::time::{Instant, sleep_until, timeout};
 
 use crate::conns::{Conns, Slot};
-use crate::dialect::{Arg, Close, Dialect, MYSQL_BUSY, MYSQL_OFFSET, RENEW_CHUNK, Sql};
+use crate::dialect::{
+    Arg, Close, Dialect, LaneRelease, MYSQL_BUSY, MYSQL_OFFSET, RENEW_CHUNK, Sql,
+};
 use crate::queue::{QueueKey, Queued, grace_ms};
 use crate::{Inner, token_of};
 
@@ -536,24 +538,28 @@ impl SqlSession {
         ]
     }
 
-    /// Releases `hold` on its lane and lets the queue lock go: in one
-    /// statement on PostgreSQL (the next waiter's take then waits for this
-    /// one's commit), in two on MySQL. Returns the rows freed. The lane goes
-    /// back to the lanes' cache only after an unlock that answered.
+    /// Releases `hold` on its lane and lets the queue lock go, in one
+    /// statement (the next waiter's take then waits for this one's
+    /// commit); on MySQL a second one only if the hold was gone, since its
+    /// statement unlocks only with a row it frees. Returns the rows freed.
+    /// The lane goes back to the lanes' cache only after an unlock that
+    /// answered.
     async fn release_on_lane(&self, mut lane: Conn, hold: &Hold) -> Result<u64, sqlx::Error> {
         let sql = &self.inner.sql;
         let queue = sql.queue.as_ref().expect("a lane implies a queue");
         let key = self.inner.queue_key(&hold.name);
         let args = self.release_args(hold, &key);
         let freed = match &queue.release {
-            Some(both) => {
+            LaneRelease::Counted(both) => {
                 let row = lane.fetch_one(both.bind(&args)).await?;
                 row.try_get::<i64, _>(0)? as u64
             }
-            None => {
-                let done = lane.execute(sql.release.bind(&args)).await?;
-                lane.fetch_one(queue.unlock.bind(&args[4..5])).await?;
-                done.rows_affected()
+            LaneRelease::Matched(both) => {
+                let freed = lane.execute(both.bind(&args)).await?.rows_affected();
+                if freed == 0 {
+                    lane.fetch_one(queue.unlock.bind(&args[4..5])).await?;
+                }
+                freed
             }
         };
         lane.mark_unlocked();

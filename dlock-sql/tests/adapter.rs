@@ -650,6 +650,49 @@ async fn abandoned_waiters_leave_the_queue(store: &str) {
 
 on_stores!(abandoned_waiters_leave_the_queue: postgres, mysql);
 
+/// Issue 15: a lock granted through the queue keeps the queue lock on its
+/// lane while held, and its release lets it go in the same statement (MySQL:
+/// `RELEASE_LOCK` inside the release's `UPDATE`, which runs only for the row
+/// it frees). A release that finds its hold gone (force-released) frees no
+/// row, and must still let the queue lock go, or the lane would go back to
+/// its cache holding it and every later take would wait out the grace
+/// period.
+async fn a_release_of_a_gone_hold_still_leaves_the_queue(store: &str) {
+    let Some(url) = url(store, "a_release_of_a_gone_hold_still_leaves_the_queue") else {
+        return;
+    };
+    let backend = connect(&url).await;
+    let lock = name("gone");
+    let holder = backend.session(SessionOptions::new()).await.unwrap();
+    let held = holder.lock(&lock).unwrap().acquire().await.unwrap();
+    let waiter = backend.session(SessionOptions::new()).await.unwrap();
+    let waiting = waiter.lock(&lock).unwrap();
+    let granted =
+        tokio::spawn(async move { waiting.acquire_timeout(Duration::from_secs(10)).await });
+    let until = Instant::now() + Duration::from_secs(5);
+    while in_queue(store, &url, &lock).await < 1 {
+        assert!(Instant::now() < until, "the waiter did not queue");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    held.release().await.unwrap();
+    let head = granted.await.unwrap().unwrap();
+    assert_eq!(
+        in_queue(store, &url, &lock).await,
+        1,
+        "a grant through the queue keeps the queue lock while held"
+    );
+    assert!(backend.force_release(&lock).await.unwrap());
+    assert!(matches!(head.release().await, Err(Error::NotHeld { .. })));
+    assert_eq!(
+        in_queue(store, &url, &lock).await,
+        0,
+        "the release of a gone hold kept the queue lock"
+    );
+    drop((holder, waiter));
+}
+
+on_stores!(a_release_of_a_gone_hold_still_leaves_the_queue: postgres, mysql);
+
 /// Issue 15: with `dlock_queue=0` there is no wait queue (no lanes, takes
 /// without the queue's test): the backend declares itself unfair, and a
 /// waiter still gets a released lock promptly (PostgreSQL by `NOTIFY`,

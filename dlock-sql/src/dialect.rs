@@ -512,7 +512,7 @@ pub(crate) enum LaneRelease {
     /// many it freed.
     Counted(Sql),
     /// MySQL: `RELEASE_LOCK` inside the `SET` of the release's `UPDATE`,
-    /// which runs only for a row that matched (the hold). Its affected
+    /// which runs only for the row it matches (the hold). Its affected
     /// rows (sqlx asks for found rows) are the rows freed; where none
     /// matched, nothing was unlocked, and the lane unlocks on its own.
     Matched(Sql),
@@ -567,17 +567,19 @@ impl QueueSql {
                 lock: sql("SELECT GET_LOCK(?1, 31536000)"),
                 unlock: sql("SELECT RELEASE_LOCK(?1)"),
                 pid: sql("SELECT CAST(CONNECTION_ID() AS SIGNED)"),
-                // The unlock's answer (1, or 0 or NULL for a lock not this
-                // connection's) adds nothing to `expires_at`, but the
-                // server cannot know that without calling it, once per
-                // matched row. The functions of the lock manager are unsafe
-                // for statement-based replication, like the take's: the
-                // queue is off there.
-                release: LaneRelease::Matched(sql(&format!(
-                    "UPDATE {{t}} SET {free} + 0 * COALESCE(RELEASE_LOCK(?5), 0) \
+                // `free`, with the unlock: its answer (1, or 0 or NULL for
+                // a lock not this connection's) adds nothing to
+                // `expires_at`, but the server cannot know that without
+                // calling it, once per matched row (after any row-lock
+                // wait; a statement that fails after it leaves the row
+                // held, and the next head finds it busy: a delay, not a
+                // grant). The functions of the lock manager are unsafe for
+                // statement-based replication, like the take's: the queue
+                // is off there.
+                release: LaneRelease::Matched(sql("UPDATE {t} SET holder = NULL, \
+                     expires_at = {now} + 0 * COALESCE(RELEASE_LOCK(?5), 0) \
                      WHERE name = ?1 AND owner = ?2 AND token = ?3 AND holder = ?4 \
-                     AND expires_at > {{now}}"
-                ))),
+                     AND expires_at > {now}")),
             }),
             Dialect::Sqlite => None,
         }
@@ -621,6 +623,24 @@ mod tests {
         assert!(m.take.text().contains("ON DUPLICATE KEY UPDATE"));
         assert!(!m.release.text().contains("pg_notify"));
         assert!(!m.take.text().contains('{'), "{}", m.take.text());
+    }
+
+    /// The lane's release frees the row as the plain release does (its
+    /// `SET` starts with it, its `WHERE` is the same) and unlocks the
+    /// queue key (`?5`) once.
+    #[test]
+    fn mysql_lane_release_is_the_release_with_the_unlock() {
+        let m = Statements::new(Dialect::MySql, "l", true);
+        let LaneRelease::Matched(both) = &m.queue.as_ref().unwrap().release else {
+            panic!("MySQL's lane release answers no count");
+        };
+        let (plain, text) = (m.release.text(), both.text());
+        let (plain_set, plain_where) = plain.split_once(" WHERE ").unwrap();
+        let (set, condition) = text.split_once(" WHERE ").unwrap();
+        assert!(set.starts_with(plain_set), "{set}");
+        assert_eq!(condition, plain_where);
+        assert_eq!(set.matches("RELEASE_LOCK(?)").count(), 1, "{set}");
+        assert_eq!(both.order, [4, 0, 1, 2, 3]);
     }
 
     #[test]

@@ -57,10 +57,11 @@
 //!   lock wait runs in a task; the head takes the row on its lane and keeps
 //!   the queue lock while it holds the row, and releases and unlocks in one
 //!   statement (MySQL: `RELEASE_LOCK` inside the release's `UPDATE`, which
-//!   runs only for the row it frees; a release that finds its hold gone
+//!   runs only for the row it matches; a release that finds its hold gone
 //!   unlocks in a second statement), so the next waiter's turn starts the
 //!   moment the row is free: its take, a locking write, waits for the
-//!   release's commit. Safety stays with the row: the queue only decides who
+//!   release's commit (so a slow commit now shows in the head's take,
+//!   bounded by the request timeout, rather than in its queue wait). Safety stays with the row: the queue only decides who
 //!   asks, so a wrong queue state can only delay a grant.
 //!   - *Stuck heads.* A row free or expired for a grace period (a quarter of
 //!     the TTL, at most 250 ms) can be taken by anyone, so a head or holder

@@ -541,7 +541,8 @@ impl SqlSession {
     /// Releases `hold` on its lane and lets the queue lock go, in one
     /// statement (the next waiter's take then waits for this one's
     /// commit); on MySQL a second one only if the hold was gone, since its
-    /// statement unlocks only with a row it frees. Returns the rows freed.
+    /// statement unlocks only with the row it matches. Returns the rows
+    /// freed.
     /// The lane goes back to the lanes' cache only after an unlock that
     /// answered.
     async fn release_on_lane(&self, mut lane: Conn, hold: &Hold) -> Result<u64, sqlx::Error> {
@@ -556,8 +557,18 @@ impl SqlSession {
             }
             LaneRelease::Matched(both) => {
                 let freed = lane.execute(both.bind(&args)).await?.rows_affected();
-                if freed == 0 {
-                    lane.fetch_one(queue.unlock.bind(&args[4..5])).await?;
+                if freed == 0
+                    && lane
+                        .fetch_one(queue.unlock.bind(&args[4..5]))
+                        .await
+                        .is_err()
+                {
+                    // The hold is gone whatever the unlock's fate: say so
+                    // (a retryable error would be retried elsewhere, find
+                    // nothing and pass for a release). The lane, still
+                    // marked as holding the queue lock, is unlocked and
+                    // closed as it drops.
+                    return Ok(0);
                 }
                 freed
             }

@@ -665,7 +665,9 @@ async fn a_release_of_a_gone_hold_still_leaves_the_queue(store: &str) {
     let lock = name("gone");
     let holder = backend.session(SessionOptions::new()).await.unwrap();
     let held = holder.lock(&lock).unwrap().acquire().await.unwrap();
-    let waiter = backend.session(SessionOptions::new()).await.unwrap();
+    // No renewal before the release (it would drop the lane of a gone hold).
+    let long = SessionOptions::new().ttl(Duration::from_secs(60));
+    let waiter = backend.session(long).await.unwrap();
     let waiting = waiter.lock(&lock).unwrap();
     let granted =
         tokio::spawn(async move { waiting.acquire_timeout(Duration::from_secs(10)).await });

@@ -81,7 +81,8 @@ session (TTL --ttl). Phases, run phase by phase across the backends:
      Jain's fairness index; the same clients on the store's own lock where
      it has one (pg_advisory_lock, GET_LOCK, etcd's lock service, the
      ZooKeeper lock recipe), in a second table, in turns with dlock's
-     (A B B A A B B A, each side --duration in all) so drift hits both;
+     (A B B A A B B A after an uncounted warm-up turn of each, each side
+     --duration in all, counted within each turn) so drift hits both;
   4. independent locks: each client on its own lock for --duration:
      acquisitions/s;
   5. safety: the register's refusals and the history check (overlapping
@@ -296,7 +297,8 @@ pub(crate) struct BenchArgs {
     pub(crate) cycles: u64,
 
     /// How long each contended phase (hot lock, independent locks) runs on
-    /// each backend.
+    /// each backend; the hot lock runs this long on each side where the
+    /// store has a lock of its own (dlock's and the store's, in turns).
     #[arg(long, value_name = "D", default_value = "10s", value_parser = parse_positive_duration)]
     pub(crate) duration: Duration,
 

@@ -5,8 +5,8 @@
 //! backend fails the run before anything is measured), then run the phases
 //! one at a time across the backends: the latency phases round-robin (every
 //! backend does one ping, one acquire+release and one raw floor cycle per
-//! round; then one plain and one fenced write), the contended phases backend by backend (dlock's hot lock, then
-//! the store's own lock under the same contention). Then close the sessions, write
+//! round; then one plain and one fenced write), the contended phases backend by backend (dlock's hot lock in
+//! turns with the store's own lock under the same contention). Then close the sessions, write
 //! `<out>/bench.{md,json,svg}` and print the table (or the JSON).
 
 mod chart;
@@ -92,11 +92,10 @@ async fn measure(urls: &[String], args: BenchArgs) -> Result<u8, Failure> {
     let phase_ms = phases::millis(args.duration);
     let mut hot = Vec::with_capacity(targets.len());
     for t in &targets {
-        let sides = if t.has_native_lock() { 2 } else { 1 };
-        let bar = progress.bar(sides * phase_ms, "hot lock", &contended(t));
-        let (dlock, safety, native) = phases::hot_lock(t, args.duration, &bar).await?;
+        let bar = progress.bar(phase_ms, "hot lock", &contended(t));
+        let phase = phases::hot_lock(t, args.duration, &bar).await?;
         bar.finish();
-        hot.push(((dlock, safety), native));
+        hot.push(((phase.dlock, phase.safety), phase.native));
     }
     let mut independent = Vec::with_capacity(targets.len());
     for t in &targets {

@@ -7,7 +7,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use dlock_conformance::checker::{FencedRegister, History, Op, Phase};
+use dlock_conformance::checker::{Event, FencedRegister, History, Op, Phase};
 use dlock_core::floor::{Floor, NativeGuard};
 use dlock_core::url::StoreUrl;
 use dlocks::{Backend, Error, FencingToken, Lock, LockGuard, LockName, Session, SessionOptions};
@@ -136,12 +136,6 @@ impl Target {
         self.clients.first().and_then(|c| c.floor.as_ref())
     }
 
-    /// Whether every client's floor has a lock of the store's own, which
-    /// the hot-lock phase then runs in turns with dlock's.
-    pub(crate) fn has_native_lock(&self) -> bool {
-        native_lock_of(self).is_some()
-    }
-
     /// Take attempts and waits over all clients' sessions so far.
     fn counters(&self) -> (u64, u64) {
         self.clients.iter().fold((0, 0), |(takes, waits), c| {
@@ -243,46 +237,68 @@ async fn cycle(lock: &Lock) -> Result<(), Error> {
     lock.acquire_timeout(OP_TIMEOUT).await?.release().await
 }
 
-/// How many turns each side of a contended phase gets. dlock's hot lock and
-/// the store's own lock take turns in the order A B B A A B B A, each turn
-/// an eighth of the two sides' time, so that whatever drifts over the phase
-/// (the machine's load, a server's JIT or caches) falls on both alike. Run
-/// one after the other, the side that went second gained ~10 % on
-/// ZooKeeper whichever it was (2026-11-28).
-const TURNS: u32 = 4;
+/// Which side of the hot-lock phase a turn is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Side {
+    /// dlock's hot lock.
+    Dlock,
+    /// The store's own lock.
+    Native,
+}
+
+/// The order of the hot-lock phase's turns where the store has a lock of
+/// its own: A B B A A B B A, each turn a quarter of the phase's duration,
+/// so that a drift over the phase (the machine's load, a server's JIT or
+/// caches) falls on both sides alike. Run one after the other, the side
+/// that went second gained ~10 % on ZooKeeper whichever it was
+/// (2026-11-28). Both sides first run a short turn that is not counted, so
+/// that neither meets a cold path in its first counted turn.
+const ORDER: [Side; 8] = {
+    use Side::{Dlock as A, Native as B};
+    [A, B, B, A, A, B, B, A]
+};
+
+/// The uncounted warm-up turn of each side: at most this long.
+const WARM_UP: Duration = Duration::from_millis(500);
+
+/// What the hot-lock phase found: dlock's figures and safety verdict, and
+/// the store's own lock's figures where it has one.
+pub(crate) struct HotLockPhase {
+    /// dlock's hot lock.
+    pub(crate) dlock: HotLock,
+    /// The safety verdict over dlock's turns (phase 5).
+    pub(crate) safety: Safety,
+    /// The store's own lock, if it has one.
+    pub(crate) native: Option<NativeReport>,
+}
 
 /// Phase 3 and the safety verdict (phase 5): every client loops acquire →
 /// fenced register write → release on one lock; where every client's floor
 /// has a lock of the store's own, the same clients loop lock → release on
-/// it, in turns with dlock's ([`TURNS`]). Each side runs for `duration` in
-/// all. A native wait cannot be cut short, so a client still waiting at the
-/// end of a turn takes its grant first. The bar counts milliseconds of
-/// both sides.
+/// it, in turns with dlock's ([`ORDER`]). Each side runs for `duration` in
+/// all, and only what happened within its turns counts (a native wait
+/// cannot be cut short, so a client still waiting at the end of a turn
+/// takes its grant first; that grant is not counted). The bar counts the
+/// counted turns' milliseconds.
 pub(crate) async fn hot_lock(
     t: &Target,
     duration: Duration,
     bar: &ProgressBar,
-) -> Result<(HotLock, Safety, Option<NativeReport>), Failure> {
+) -> Result<HotLockPhase, Failure> {
     let name = t.name("hot")?;
     let register = Arc::new(FencedRegister::new());
-    let native = native_lock_of(t);
-    // Whose turn each is (true: dlock's): A B B A A B B A, or dlock's
-    // alone where the store has no lock of its own.
-    let (order, turn): (Vec<bool>, _) = match native {
-        Some(_) => (
-            (0..2 * TURNS).map(|k| matches!(k % 4, 0 | 3)).collect(),
-            duration / TURNS,
-        ),
-        None => (vec![true], duration),
+    let native = native_lock_of(t)?;
+    let (order, length): (&[Side], _) = match native {
+        Some(_) => (&ORDER, duration / 4),
+        None => (&[Side::Dlock], duration),
     };
-    let (takes_before, waits_before) = t.counters();
-    let (mut dlock, mut store) = (Tally::default(), Tally::default());
-    for dlock_turn in order {
-        let contenders: Vec<Contender> = match &native {
-            Some(side) if !dlock_turn => side
+    bar.set_length(order.len() as u64 * millis(length));
+    let contenders = |side: Side| -> Result<Vec<Contender>, Failure> {
+        Ok(match (side, &native) {
+            (Side::Native, Some(store)) => store
                 .floors
                 .iter()
-                .map(|f| Contender::Native(f.clone(), side.name.clone()))
+                .map(|f| Contender::Native(f.clone(), store.name.clone()))
                 .collect(),
             _ => {
                 let mut locks = Vec::with_capacity(t.clients.len());
@@ -292,21 +308,40 @@ pub(crate) async fn hot_lock(
                 }
                 locks
             }
+        })
+    };
+    if native.is_some() {
+        let warm_up = length.min(WARM_UP);
+        let hidden = ProgressBar::hidden();
+        for side in [Side::Native, Side::Dlock] {
+            Tally::default()
+                .run(t, contenders(side)?, warm_up, &hidden)
+                .await?;
+        }
+    }
+    let (takes_before, waits_before) = t.counters();
+    let (mut dlock, mut theirs) = (Tally::default(), Tally::default());
+    for &side in order {
+        let tally = match side {
+            Side::Dlock => &mut dlock,
+            Side::Native => &mut theirs,
         };
-        let tally = if dlock_turn { &mut dlock } else { &mut store };
-        tally.run(t, contenders, turn, bar).await?;
+        tally.run(t, contenders(side)?, length, bar).await?;
     }
     let (takes_after, waits_after) = t.counters();
     let mut hot = contention(t, &dlock);
     let per_grant = |n: u64| n as f64 / hot.grants.max(1) as f64;
     hot.take_attempts_per_grant = Some(per_grant(takes_after - takes_before));
     hot.waits_per_grant = Some(per_grant(waits_after - waits_before));
-    let native = native.map(|side| NativeReport {
-        lock: side.lock,
-        hot_lock: contention(t, &store),
-        dlock_handoffs_x_native: None,
-    });
-    Ok((hot, dlock.safety(&register), native))
+    Ok(HotLockPhase {
+        dlock: hot,
+        safety: dlock.safety(&register),
+        native: native.map(|store| NativeReport {
+            lock: store.lock,
+            hot_lock: contention(t, &theirs),
+            dlock_handoffs_x_native: None,
+        }),
+    })
 }
 
 /// The store's own lock under the same contention as dlock's hot lock.
@@ -320,28 +355,36 @@ struct NativeSide {
 }
 
 /// The store's own lock, if every client's floor has one.
-fn native_lock_of(t: &Target) -> Option<NativeSide> {
-    let floors: Vec<Arc<dyn Floor>> = t
-        .clients
-        .iter()
-        .map(|c| c.floor.clone())
-        .collect::<Option<_>>()?;
-    let lock = floors.first()?.native()?.name().to_owned();
-    let name = t.name("native").ok()?;
-    Some(NativeSide { floors, lock, name })
+fn native_lock_of(t: &Target) -> Result<Option<NativeSide>, Failure> {
+    let floors: Option<Vec<Arc<dyn Floor>>> = t.clients.iter().map(|c| c.floor.clone()).collect();
+    let Some(floors) = floors else {
+        return Ok(None);
+    };
+    let Some(lock) = floors
+        .first()
+        .and_then(|f| f.native())
+        .map(|n| n.name().to_owned())
+    else {
+        return Ok(None);
+    };
+    let name = t.name("native")?;
+    Ok(Some(NativeSide { floors, lock, name }))
 }
 
-/// One side's turns of a contended phase, added up. Handoffs are counted
-/// within a turn (a grant after the other side's turn is no handoff); the
-/// safety check (phase 5) runs over the turns' histories together, and the
-/// fenced register spans them all.
+/// One side's turns of a contended phase, added up. What counts is what
+/// happened within a turn: grants up to its end, handoffs between them (a
+/// grant after the other side's turn is no handoff); the safety check
+/// (phase 5) runs over every event of the turns together, and the fenced
+/// register spans them all.
 #[derive(Default)]
 struct Tally {
-    /// Time spent in this side's turns.
+    /// The turns' length.
     seconds: f64,
     /// Release→grant of every handoff.
     handoffs: Vec<Duration>,
-    /// Per client, over all turns.
+    /// Grants per client, over all turns.
+    grants: Vec<u64>,
+    /// Per client, over all turns: the errors.
     outcomes: Vec<Outcome>,
     /// Every turn's events.
     history: History,
@@ -364,15 +407,35 @@ impl Tally {
             tasks.spawn(hot_client(i, contender, deadline, history.clone()));
         }
         let outcomes = join(t, tasks, start, deadline, bar).await?;
-        self.add(&history, outcomes, start.elapsed().as_secs_f64());
+        self.add(&history, outcomes, length, deadline);
         Ok(())
     }
 
-    /// Adds one turn's `history` and `outcomes`, which took `seconds`.
-    fn add(&mut self, history: &History, outcomes: Vec<Outcome>, seconds: f64) {
-        self.seconds += seconds;
+    /// Adds one turn's `history` and `outcomes`: `length` long, counted
+    /// until `deadline`.
+    fn add(
+        &mut self,
+        history: &History,
+        outcomes: Vec<Outcome>,
+        length: Duration,
+        deadline: Instant,
+    ) {
+        self.seconds += length.as_secs_f64();
         let events = history.events();
-        self.handoffs.extend(stats::handoffs(&events));
+        let counted: Vec<Event> = events
+            .iter()
+            .filter(|e| e.at <= deadline)
+            .cloned()
+            .collect();
+        self.handoffs.extend(stats::handoffs(&counted));
+        self.grants.resize(self.grants.len().max(outcomes.len()), 0);
+        for e in &counted {
+            if (e.op, e.phase) == (Op::Acquire, Phase::Ok)
+                && let Some(n) = self.grants.get_mut(e.client)
+            {
+                *n += 1;
+            }
+        }
         for event in events {
             self.history.push(event);
         }
@@ -381,7 +444,6 @@ impl Tally {
             return;
         }
         for (sum, o) in self.outcomes.iter_mut().zip(outcomes) {
-            sum.done += o.done;
             sum.errors += o.errors;
             if sum.first_error.is_none() {
                 sum.first_error = o.first_error;
@@ -425,7 +487,7 @@ fn contention(t: &Target, tally: &Tally) -> HotLock {
         stats::record(&mut release_to_grant, *d);
     }
     let seconds = tally.seconds;
-    let per_client: Vec<u64> = tally.outcomes.iter().map(|o| o.done).collect();
+    let per_client = tally.grants.clone();
     let grants: u64 = per_client.iter().sum();
     let (errors, first_error) = errors(&tally.outcomes);
     HotLock {
@@ -522,8 +584,14 @@ async fn hot_client(
                     out.failed(&e).await;
                 }
             }
-            Err(Error::Timeout { .. }) => {
+            Err(Error::Timeout { cause: None, .. }) => {
                 history.record(i, Op::Acquire, Phase::Fail, None);
+                break;
+            }
+            Err(e @ Error::Timeout { .. }) => {
+                // The store was failing or silent when the turn ended.
+                history.record(i, Op::Acquire, Phase::Fail, None);
+                out.failed(&e).await;
                 break;
             }
             Err(e) => {
@@ -734,34 +802,30 @@ mod tests {
         history.push(event(Op::Release, Phase::Invoke, None, released));
     }
 
-    fn outcomes(done: [u64; 2]) -> Vec<Outcome> {
-        done.iter()
-            .enumerate()
-            .map(|(client, &done)| Outcome {
-                done,
-                ..Outcome::new(client)
-            })
-            .collect()
+    fn outcomes() -> Vec<Outcome> {
+        (0..2).map(Outcome::new).collect()
     }
+
+    const TURN: Duration = Duration::from_millis(500);
 
     #[test]
     fn turns_add_up_with_no_handoff_across_the_other_sides_turn() {
         let t0 = Instant::now();
+        let end = t0 + Duration::from_secs(10);
         let (first, second) = (History::new(), History::new());
         hold(&first, 0, 1, t0);
         hold(&first, 1, 2, t0 + Duration::from_millis(2));
         // The other side's turn ran in between; then client 0 again.
         hold(&second, 0, 3, t0 + Duration::from_secs(1));
         let mut tally = Tally::default();
-        tally.add(&first, outcomes([1, 1]), 0.5);
-        tally.add(&second, outcomes([1, 0]), 0.5);
+        tally.add(&first, outcomes(), TURN, end);
+        tally.add(&second, outcomes(), TURN, end);
         assert_eq!(
             tally.handoffs,
             [Duration::from_millis(1)],
             "only the handoff within the first turn counts"
         );
-        let per_client: Vec<u64> = tally.outcomes.iter().map(|o| o.done).collect();
-        assert_eq!(per_client, [2, 1]);
+        assert_eq!(tally.grants, [2, 1]);
         assert_eq!(tally.seconds, 1.0);
         let safety = tally.safety(&FencedRegister::new());
         assert!(safety.ok(), "{}", safety.verdict);
@@ -769,15 +833,45 @@ mod tests {
     }
 
     #[test]
+    fn a_grant_after_the_turns_end_does_not_count() {
+        let t0 = Instant::now();
+        let turn = History::new();
+        hold(&turn, 0, 1, t0);
+        // A native wait cannot be cut short: client 1's grant comes after
+        // the end, as the turn drains.
+        hold(&turn, 1, 2, t0 + Duration::from_millis(3));
+        let mut tally = Tally::default();
+        tally.add(&turn, outcomes(), TURN, t0 + Duration::from_millis(2));
+        assert_eq!(tally.grants, [1, 0]);
+        assert!(tally.handoffs.is_empty(), "{:?}", tally.handoffs);
+        assert_eq!(
+            tally.history.intervals().len(),
+            2,
+            "the safety check still sees every hold"
+        );
+    }
+
+    #[test]
+    fn each_side_gets_as_many_turns_at_the_same_mean_place() {
+        let places = |side| {
+            let at: Vec<usize> = (0..ORDER.len()).filter(|&k| ORDER[k] == side).collect();
+            (at.len(), at.iter().sum::<usize>())
+        };
+        assert_eq!(places(Side::Dlock), places(Side::Native));
+        assert_eq!(places(Side::Dlock).0, 4);
+    }
+
+    #[test]
     fn the_safety_check_spans_the_turns() {
         let t0 = Instant::now();
+        let end = t0 + Duration::from_secs(10);
         let (first, second) = (History::new(), History::new());
         hold(&first, 0, 5, t0);
         // A later turn granted an older token: the grant order is broken.
         hold(&second, 1, 4, t0 + Duration::from_secs(1));
         let mut tally = Tally::default();
-        tally.add(&first, outcomes([1, 0]), 0.5);
-        tally.add(&second, outcomes([0, 1]), 0.5);
+        tally.add(&first, outcomes(), TURN, end);
+        tally.add(&second, outcomes(), TURN, end);
         let safety = tally.safety(&FencedRegister::new());
         assert!(!safety.ok(), "a token going back across turns passed");
     }

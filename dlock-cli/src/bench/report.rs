@@ -98,7 +98,8 @@ pub(crate) struct NativeReport {
 pub(crate) struct HotLock {
     /// Clients contending.
     pub(crate) clients: usize,
-    /// How long the phase ran, until the last client stopped.
+    /// How long the phase's counted turns ran (the hot lock: this side's
+    /// turns, grants up to each turn's end).
     pub(crate) seconds: f64,
     /// Successful acquisitions.
     pub(crate) grants: u64,
@@ -406,10 +407,11 @@ pub(crate) fn markdown(report: &Report) -> String {
          fairness: fewest/most grants of a client and Jain's index (1 = even). \
          native: the store's own lock (pg_advisory_lock, GET_LOCK, etcd's lock service, \
          the ZooKeeper recipe) under the same contention, in turns with dlock's hot lock \
-         (A B B A A B B A, each side the phase's duration in all, handoffs counted \
-         within a turn), so that drift over the phase hits both. \
+         (A B B A A B B A after an uncounted warm-up turn of each, each side the \
+         phase's duration in all, grants and handoffs counted within a turn), so that \
+         drift over the phase hits both. \
          independent: each client on its own lock. safety: fenced-register refusals \
-         and the history check (overlapping holds, grant order) over the hot-lock phase. \
+         and the history check (overlapping holds, grant order) over dlock's hot-lock turns. \
          locks held by one session: one renewal round (what the renewal task sends each \
          period) of one hold and of all of them, and the client's live heap growth per held \
          lock. fenced writes: one small write of the protected data as a user would send it, \

@@ -181,8 +181,16 @@ fn check_backend(b: &Value) {
     let safety = &b["safety"];
     assert_eq!(safety["verdict"], "ok", "{b:#}");
     assert_eq!(safety["register_rejections"], 0, "{b:#}");
-    assert_eq!(safety["register_accepted"], hot["grants"], "{b:#}");
-    assert_eq!(safety["holds_checked"], hot["grants"], "{b:#}");
+    // Every hold of dlock's counted turns wrote the register once and was
+    // checked. The grants count those up to each turn's end: a grant that
+    // lands just after it (at most one per client and turn, four turns where
+    // the store has a lock of its own) is checked, not counted.
+    assert_eq!(
+        safety["register_accepted"], safety["holds_checked"],
+        "{b:#}"
+    );
+    let (checked, grants) = (num(&safety["holds_checked"]), num(&hot["grants"]));
+    assert!(grants <= checked && checked <= grants + 3.0 * 4.0, "{b:#}");
 }
 
 /// The figures of one contended phase (`hot`, dlock's or the native lock's)

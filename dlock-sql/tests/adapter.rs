@@ -591,6 +591,23 @@ async fn in_queue(store: &str, url: &str, name: &LockName) -> i64 {
     }
 }
 
+/// Waits (up to 5 s) until `n` connections hold or wait for `name`'s queue
+/// lock ([`in_queue`]); fails with `what` otherwise.
+async fn until_in_queue(store: &str, url: &str, name: &LockName, n: i64, what: &str) {
+    let until = Instant::now() + Duration::from_secs(5);
+    loop {
+        let now = in_queue(store, url, name).await;
+        if now == n {
+            return;
+        }
+        assert!(
+            Instant::now() < until,
+            "{now} in the queue, not {n}: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// Issue 15 (S5, L4): waiters line up in the database's own lock queue, one
 /// connection each, and waiters that give up leave it at once, although
 /// the waiter ahead of them stays: their waits are cancelled on the
@@ -603,23 +620,7 @@ async fn abandoned_waiters_leave_the_queue(store: &str) {
     let lock = name("queue");
     let holder = backend.session(SessionOptions::new()).await.unwrap();
     let held = holder.lock(&lock).unwrap().acquire().await.unwrap();
-    let queued = |n: i64, what: &'static str| {
-        let (url, lock) = (url.clone(), lock.clone());
-        async move {
-            let until = Instant::now() + Duration::from_secs(5);
-            loop {
-                let now = in_queue(store, &url, &lock).await;
-                if now == n {
-                    return;
-                }
-                assert!(
-                    Instant::now() < until,
-                    "{now} in the queue, not {n}: {what}"
-                );
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        }
-    };
+    let queued = |n: i64, what: &'static str| until_in_queue(store, &url, &lock, n, what);
     let mut waiters = Vec::new();
     for n in 1..=3 {
         let session = backend.session(SessionOptions::new()).await.unwrap();
@@ -653,7 +654,7 @@ on_stores!(abandoned_waiters_leave_the_queue: postgres, mysql);
 /// Issue 15: a lock granted through the queue keeps the queue lock on its
 /// lane while held, and its release lets it go in the same statement (MySQL:
 /// `RELEASE_LOCK` inside the release's `UPDATE`, which runs only for the row
-/// it frees). A release that finds its hold gone (force-released) frees no
+/// it matches). A release that finds its hold gone (force-released) frees no
 /// row, and must still let the queue lock go, or the lane would go back to
 /// its cache holding it and every later take would wait out the grace
 /// period.
@@ -671,11 +672,7 @@ async fn a_release_of_a_gone_hold_still_leaves_the_queue(store: &str) {
     let waiting = waiter.lock(&lock).unwrap();
     let granted =
         tokio::spawn(async move { waiting.acquire_timeout(Duration::from_secs(10)).await });
-    let until = Instant::now() + Duration::from_secs(5);
-    while in_queue(store, &url, &lock).await < 1 {
-        assert!(Instant::now() < until, "the waiter did not queue");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    until_in_queue(store, &url, &lock, 1, "the waiter did not queue").await;
     held.release().await.unwrap();
     let head = granted.await.unwrap().unwrap();
     assert_eq!(

@@ -93,9 +93,8 @@ async fn measure(urls: &[String], args: BenchArgs) -> Result<u8, Failure> {
     let mut hot = Vec::with_capacity(targets.len());
     for t in &targets {
         let bar = progress.bar(phase_ms, "hot lock", &contended(t));
-        let phase = phases::hot_lock(t, args.duration, &bar).await?;
+        hot.push(phases::hot_lock(t, args.duration, &bar).await?);
         bar.finish();
-        hot.push(((phase.dlock, phase.safety), phase.native));
     }
     let mut independent = Vec::with_capacity(targets.len());
     for t in &targets {
@@ -130,10 +129,12 @@ async fn measure(urls: &[String], args: BenchArgs) -> Result<u8, Failure> {
         .zip(latency.into_iter().zip(fenced_writes).zip(primitives))
         .zip(hot.into_iter().zip(independent).zip(many))
         .map(
-            |(
-                (t, ((latency, fenced_writes), primitives)),
-                ((((hot_lock, safety), native_lock), independent), many_holds),
-            )| {
+            |((t, ((latency, fenced_writes), primitives)), ((hot, independent), many_holds))| {
+                let phases::HotLockPhase {
+                    dlock: hot_lock,
+                    safety,
+                    native: native_lock,
+                } = hot;
                 let ratio = |a: Option<f64>, b: Option<f64>| match (a, b) {
                     (Some(a), Some(b)) if b > 0.0 => Some(a / b),
                     _ => None,

@@ -786,7 +786,6 @@ async fn within<T>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use dlock_conformance::checker::Event;
 
     /// Client `client` takes `token` at `at` and releases 1 ms later.
     fn hold(history: &History, client: usize, token: u64, at: Instant) {
@@ -810,18 +809,29 @@ mod tests {
 
     const TURN: Duration = Duration::from_millis(500);
 
+    /// A tally of `turns`, each [`TURN`] long and counted to its end.
+    fn tally_of(turns: &[&History]) -> Tally {
+        let mut tally = Tally::default();
+        for turn in turns {
+            tally.add(
+                turn,
+                outcomes(),
+                TURN,
+                Instant::now() + Duration::from_secs(60),
+            );
+        }
+        tally
+    }
+
     #[test]
     fn turns_add_up_with_no_handoff_across_the_other_sides_turn() {
         let t0 = Instant::now();
-        let end = t0 + Duration::from_secs(10);
         let (first, second) = (History::new(), History::new());
         hold(&first, 0, 1, t0);
         hold(&first, 1, 2, t0 + Duration::from_millis(2));
         // The other side's turn ran in between; then client 0 again.
         hold(&second, 0, 3, t0 + Duration::from_secs(1));
-        let mut tally = Tally::default();
-        tally.add(&first, outcomes(), TURN, end);
-        tally.add(&second, outcomes(), TURN, end);
+        let tally = tally_of(&[&first, &second]);
         assert_eq!(
             tally.handoffs,
             [Duration::from_millis(1)],
@@ -866,14 +876,11 @@ mod tests {
     #[test]
     fn the_safety_check_spans_the_turns() {
         let t0 = Instant::now();
-        let end = t0 + Duration::from_secs(10);
         let (first, second) = (History::new(), History::new());
         hold(&first, 0, 5, t0);
         // A later turn granted an older token: the grant order is broken.
         hold(&second, 1, 4, t0 + Duration::from_secs(1));
-        let mut tally = Tally::default();
-        tally.add(&first, outcomes(), TURN, end);
-        tally.add(&second, outcomes(), TURN, end);
+        let tally = tally_of(&[&first, &second]);
         let safety = tally.safety(&FencedRegister::new());
         assert!(!safety.ok(), "a token going back across turns passed");
     }

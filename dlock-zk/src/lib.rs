@@ -26,16 +26,22 @@
 //!   after a connection loss during the create, the attempt finds its own
 //!   node by the guid instead of creating a second one; it `sync`s first, so
 //!   the server it reconnected to has applied every create the leader
-//!   accepted before). The create and the list of the queue are sent
-//!   together (ZooKeeper answers one session's requests in order, so the
-//!   list sees the new node): an uncontended take of a name whose parent
-//!   exists is one round trip. The lowest sequence holds; a waiter sets an
+//!   accepted before). The create is a `multi` with an empty `setData` of
+//!   the parent, whose answer is the parent's stat after the create: where
+//!   the parent has one child, the new node is alone and holds, and an
+//!   uncontended take of a name whose parent exists is one round trip with
+//!   no list (the recipe's create and list cost ~1.3× a create and delete
+//!   here: the list's answer came ~0.2 ms after the create's); otherwise the
+//!   queue is listed. The lowest sequence holds; a waiter sets an
 //!   exists-watch on its predecessor only (no herd) and then re-checks.
 //!   Fair: FIFO by sequence. A cancelled or timed-out waiter deletes its
 //!   node.
 //! * **Token** = the own node's `czxid` (the zxid that created it): global,
 //!   strictly increasing, durable. Not the sequence suffix, which belongs to
-//!   the parent and restarts if the parent is recreated.
+//!   the parent and restarts if the parent is recreated. A multi is one
+//!   transaction with one zxid, so where a server answers the multi's
+//!   create without a stat (ZOOKEEPER-4026, 3.8.0 among them), the parent's
+//!   `mzxid` from the `setData` is that czxid.
 //! * **Release** is one `delete` of the node (so a release whose reply is
 //!   lost has still happened); the node's path is unique to its grant (the
 //!   guid is never reused), and the token is checked against the hold's key,

@@ -166,9 +166,66 @@ async fn parents_come_and_go_with_their_queues() {
     );
 }
 
+/// A take finds itself alone from its create's own answer (the parent's
+/// stat, from the `setData` in the same multi) and lists nothing: that must
+/// grant only where the new node is the parent's one child, with the node's
+/// czxid as the token (the parent's mzxid where the server answers a multi's
+/// create without a stat, as 3.8.0 does). Alone on a new name, on a kept
+/// parent, behind a holder (busy: two children), and the waiter's grant
+/// after the holder's release.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_take_alone_is_granted_from_its_create_with_the_nodes_czxid() {
+    let _beside = SERVER.read().await;
+    if skipped(
+        "zk",
+        "a_take_alone_is_granted_from_its_create_with_the_nodes_czxid",
+    ) {
+        return;
+    }
+    let url = format!("{}/dlock-test", standalone_url());
+    let backend = connect(&url).await;
+    let open = || backend.session(SessionOptions::new().ttl(Duration::from_secs(5)));
+    let (first, second) = (open().await.unwrap(), open().await.unwrap());
+    let name = format!("adapter/alone-{:08x}", rand::random::<u32>());
+    let token_of = |guard: &dlock_core::LockGuard| {
+        let (backend, name) = (&backend, guard.name().clone());
+        async move { backend.inspect(&name).await.unwrap().expect("held").token }
+    };
+    let mut last = None;
+    for _ in 0..3 {
+        // (a new parent first, then the kept one)
+        let guard = dlock_conformance::unit::acquired(&first, &name).await;
+        assert_eq!(token_of(&guard).await, guard.token(), "alone");
+        assert!(last < Some(guard.token()), "tokens go up");
+        last = Some(guard.token());
+        let busy = second
+            .lock(name.as_str())
+            .unwrap()
+            .try_acquire()
+            .await
+            .unwrap();
+        assert!(busy.is_none(), "granted beside a holder");
+        guard.release().await.unwrap();
+    }
+    let holder = dlock_conformance::unit::acquired(&first, &name).await;
+    let waiter = tokio::spawn({
+        let lock = second.lock(name.as_str()).unwrap();
+        async move { lock.acquire_timeout(Duration::from_secs(10)).await }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!waiter.is_finished(), "granted behind a holder");
+    holder.release().await.unwrap();
+    let granted = waiter.await.unwrap().unwrap();
+    assert_eq!(token_of(&granted).await, granted.token(), "after a wait");
+    assert!(last < Some(granted.token()), "tokens go up");
+    granted.release().await.unwrap();
+    first.close().await.unwrap();
+    second.close().await.unwrap();
+}
+
 /// An emptied parent stays for a moment after the release, so that the
-/// name's next acquire is the recipe's create and list (no failed create, no
-/// multi), and goes once the name has been left alone for that moment, while
+/// name's next acquire is one create (no failed create, no multi with the
+/// parent), and goes once the name has been left alone for that moment, while
 /// the session lives.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn emptied_parents_stay_a_moment_then_go() {

@@ -58,6 +58,10 @@
 //! * `user:password@` authenticates with the `digest` scheme, and the nodes
 //!   dlock creates then carry the `CREATOR_ALL` ACL (only that user may touch
 //!   them); without credentials they are open to anyone (`ANYONE_ALL`).
+//!   A take writes the lock's parent (the `setData` of its multi), so a
+//!   parent made beforehand by hand needs `WRITE` as well as `CREATE` and
+//!   `DELETE` for dlock's user; without it every take fails with
+//!   [`Error::Auth`] and leaves nothing behind (the multi is undone).
 //!   ZooKeeper accepts any digest credentials at connect and checks them
 //!   against each node's ACL, so `connect` reads the root once: a wrong
 //!   password (or a user the root's ACL does not admit) is

@@ -191,10 +191,24 @@ async fn a_take_alone_is_granted_from_its_create_with_the_nodes_czxid() {
         let (backend, name) = (&backend, guard.name().clone());
         async move { backend.inspect(&name).await.unwrap().expect("held").token }
     };
+    // The parent's data version: each take's multi writes it once.
+    let host = standalone_url().trim_start_matches("zk://").to_owned();
+    let zk = zookeeper_client::Client::connect(&host).await.unwrap();
+    let parent = format!("/dlock-test/{}", LockName::new(&name).unwrap().flat());
+    let version = || async { zk.check_stat(&parent).await.unwrap().map(|s| s.version) };
     let mut last = None;
     for _ in 0..3 {
         // (a new parent first, then the kept one)
+        let before = version().await;
         let guard = dlock_conformance::unit::acquired(&first, &name).await;
+        let after = version().await.expect("the parent is there");
+        if let Some(before) = before {
+            // (0: the parent went meanwhile, after 2 s idle, and came back)
+            assert!(
+                after == before + 1 || after == 0,
+                "no multi: {before} → {after}"
+            );
+        }
         assert_eq!(token_of(&guard).await, guard.token(), "alone");
         assert!(last < Some(guard.token()), "tokens go up");
         last = Some(guard.token());
@@ -224,7 +238,7 @@ async fn a_take_alone_is_granted_from_its_create_with_the_nodes_czxid() {
 }
 
 /// An emptied parent stays for a moment after the release, so that the
-/// name's next acquire is one create (no failed create, no multi with the
+/// name's next acquire is one multi (no failed create, no create of the
 /// parent), and goes once the name has been left alone for that moment, while
 /// the session lives.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

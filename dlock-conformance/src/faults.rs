@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use dlock_core::backend::{Claim, ExpiryModel, Hold, RawSession, Renewed, Take};
+use dlock_core::backend::{Claim, ExpiryModel, Hold, RawSession, RenewalReport, Renewed, Take};
 use dlock_core::{Backend, Error, LockName, SessionId, SessionOptions};
 use tokio::time::{Instant, sleep_until};
 
@@ -184,6 +184,11 @@ impl RawSession for FaultySession {
     async fn renew_each(&self, holds: &[Hold]) -> Result<Vec<Renewed>, Error> {
         self.renewal_faults().await?;
         self.inner.renew_each(holds).await
+    }
+
+    async fn renew_into(&self, holds: &[Hold], report: &RenewalReport) -> Result<(), Error> {
+        self.renewal_faults().await?;
+        self.inner.renew_into(holds, report).await
     }
 
     async fn release(&self, hold: &Hold) -> Result<(), Error> {

@@ -53,6 +53,7 @@ macro_rules! forward_backend {
     (@munch ($ty:ty, $inner:ident) [scheme $($rest:ident)*] [$($done:tt)*]) => {
         $crate::forward_backend!(@munch ($ty, $inner) [$($rest)*] [$($done)*
             fn scheme(&self) -> &'static str {
+                #[allow(unused_imports)] // (unused where the call resolves without it)
                 use $crate::Backend as _;
                 self.$inner.scheme()
             }
@@ -61,6 +62,7 @@ macro_rules! forward_backend {
     (@munch ($ty:ty, $inner:ident) [min_ttl $($rest:ident)*] [$($done:tt)*]) => {
         $crate::forward_backend!(@munch ($ty, $inner) [$($rest)*] [$($done)*
             fn min_ttl(&self) -> ::std::time::Duration {
+                #[allow(unused_imports)] // (unused where the call resolves without it)
                 use $crate::Backend as _;
                 self.$inner.min_ttl()
             }
@@ -69,6 +71,7 @@ macro_rules! forward_backend {
     (@munch ($ty:ty, $inner:ident) [max_ttl $($rest:ident)*] [$($done:tt)*]) => {
         $crate::forward_backend!(@munch ($ty, $inner) [$($rest)*] [$($done)*
             fn max_ttl(&self) -> ::std::time::Duration {
+                #[allow(unused_imports)] // (unused where the call resolves without it)
                 use $crate::Backend as _;
                 self.$inner.max_ttl()
             }
@@ -77,6 +80,7 @@ macro_rules! forward_backend {
     (@munch ($ty:ty, $inner:ident) [capabilities $($rest:ident)*] [$($done:tt)*]) => {
         $crate::forward_backend!(@munch ($ty, $inner) [$($rest)*] [$($done)*
             fn capabilities(&self) -> $crate::Capabilities {
+                #[allow(unused_imports)] // (unused where the call resolves without it)
                 use $crate::Backend as _;
                 self.$inner.capabilities()
             }
@@ -88,6 +92,7 @@ macro_rules! forward_backend {
                 &self,
                 limit: ::std::time::Duration,
             ) -> ::std::result::Result<(), $crate::Error> {
+                #[allow(unused_imports)] // (unused where the call resolves without it)
                 use $crate::Backend as _;
                 self.$inner.wait_ready(limit).await
             }
@@ -96,6 +101,7 @@ macro_rules! forward_backend {
             async fn ready_in(
                 &self,
             ) -> ::std::result::Result<::std::time::Duration, $crate::Error> {
+                #[allow(unused_imports)] // (unused where the call resolves without it)
                 use $crate::Backend as _;
                 self.$inner.ready_in().await
             }
@@ -111,6 +117,7 @@ macro_rules! forward_backend {
                 ::std::sync::Arc<dyn $crate::backend::RawSession>,
                 $crate::Error,
             > {
+                #[allow(unused_imports)] // (unused where the call resolves without it)
                 use $crate::Backend as _;
                 self.$inner.open(id, options).await
             }
@@ -122,6 +129,7 @@ macro_rules! forward_backend {
                 &self,
                 name: &$crate::LockName,
             ) -> ::std::result::Result<::std::option::Option<$crate::LockInfo>, $crate::Error> {
+                #[allow(unused_imports)] // (unused where the call resolves without it)
                 use $crate::Backend as _;
                 self.$inner.inspect(name).await
             }
@@ -133,6 +141,7 @@ macro_rules! forward_backend {
                 &self,
                 prefix: &str,
             ) -> ::std::result::Result<::std::vec::Vec<$crate::LockInfo>, $crate::Error> {
+                #[allow(unused_imports)] // (unused where the call resolves without it)
                 use $crate::Backend as _;
                 self.$inner.list(prefix).await
             }
@@ -145,6 +154,7 @@ macro_rules! forward_backend {
                 name: &$crate::LockName,
                 token: $crate::FencingToken,
             ) -> ::std::result::Result<bool, $crate::Error> {
+                #[allow(unused_imports)] // (unused where the call resolves without it)
                 use $crate::Backend as _;
                 self.$inner.validate(name, token).await
             }
@@ -156,6 +166,7 @@ macro_rules! forward_backend {
                 &self,
                 name: &$crate::LockName,
             ) -> ::std::result::Result<bool, $crate::Error> {
+                #[allow(unused_imports)] // (unused where the call resolves without it)
                 use $crate::Backend as _;
                 self.$inner.force_release(name).await
             }
@@ -164,6 +175,7 @@ macro_rules! forward_backend {
     (@munch ($ty:ty, $inner:ident) [ping $($rest:ident)*] [$($done:tt)*]) => {
         $crate::forward_backend!(@munch ($ty, $inner) [$($rest)*] [$($done)*
             async fn ping(&self) -> ::std::result::Result<(), $crate::Error> {
+                #[allow(unused_imports)] // (unused where the call resolves without it)
                 use $crate::Backend as _;
                 self.$inner.ping().await
             }

@@ -8,9 +8,9 @@
 //! | `dlock_acquire_total` | counter | `backend`, `outcome` | acquires by how they ended: `granted`, `busy` (a try found it held), `timeout` (the wait ran out), `error` |
 //! | `dlock_acquire_wait_seconds` | histogram | `backend`, `outcome` | from the call to its answer |
 //! | `dlock_hold_seconds` | histogram | `backend` | from the grant to the end of the hold (released or lost) |
-//! | `dlock_renewal_seconds` | histogram | `backend` | one renewal round trip (all of a session's holds) |
+//! | `dlock_renewal_seconds` | histogram | `backend` | one renewal round that answered for every hold it sent (all of a session's holds, or a retry's rest) |
 //! | `dlock_renewal_lag_seconds` | histogram | `backend` | time left before the earliest local deadline when a renewal lands: the early warning of a lost lock (near zero: the store or network is too slow for the TTL) |
-//! | `dlock_renewal_failures_total` | counter | `backend` | renewals that failed or timed out (retried until the deadline), or found the session gone |
+//! | `dlock_renewal_failures_total` | counter | `backend` | renewal rounds that failed, timed out or left some holds unanswered (what they confirmed stands; the rest is retried until its deadline), or found the session gone |
 //! | `dlock_lost_total` | counter | `backend`, `cause` | holds that ended other than by release: `expired`, `revoked`, `session_lost`, `closed` (the session closed while holding), `hold_limit` |
 //! | `dlock_sessions_open` | gauge | `backend` | sessions alive now |
 //!

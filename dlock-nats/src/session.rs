@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use dlock_core::backend::{Busy, Claim, ExpiryModel, Hold, RawSession, Take};
+use dlock_core::backend::{
+    Busy, Claim, ExpiryModel, Hold, RawSession, RenewalReport, Renewed, Take,
+};
 use dlock_core::{Error, FencingToken, LockName, SessionId};
 use futures::StreamExt;
 use tokio::time::Instant;
@@ -168,15 +170,43 @@ impl RawSession for NatsSession {
     }
 
     async fn renew(&self, holds: &[Hold]) -> Result<Vec<bool>, Error> {
-        // (a write per hold: KV keys expire one by one. A bounded number
-        // in flight: 10,000 at once took longer than 256 at a time)
-        let renewals: Vec<_> = holds.iter().map(|h| self.renew_one(h)).collect();
-        futures::stream::iter(renewals)
-            .buffered(RENEWALS_IN_FLIGHT)
-            .collect::<Vec<_>>()
-            .await
+        let report = RenewalReport::new(holds.len());
+        self.renew_into(holds, &report).await?;
+        report
+            .answers()
             .into_iter()
+            .map(|r| match r {
+                Renewed::Held => Ok(true),
+                Renewed::Lost => Ok(false),
+                _ => Err(Error::unavailable(
+                    crate::SCHEME,
+                    "a hold's renewal was not answered",
+                )),
+            })
             .collect()
+    }
+
+    /// A write per hold (KV keys expire one by one), each answer recorded
+    /// as it comes: a round cut off at its request timeout keeps the holds
+    /// it renewed. A bounded number in flight (10,000 at once took longer
+    /// than 256 at a time), sent in the core's order (nearest deadline
+    /// first). A hold whose write failed stays unanswered; the first such
+    /// error is returned once the others are in.
+    async fn renew_into(&self, holds: &[Hold], report: &RenewalReport) -> Result<(), Error> {
+        let renewals: Vec<_> = (holds.iter().enumerate())
+            .map(|(i, hold)| async move { (i, self.renew_one(hold).await) })
+            .collect();
+        let mut answers = futures::stream::iter(renewals).buffer_unordered(RENEWALS_IN_FLIGHT);
+        let mut first_error = None;
+        while let Some((i, answer)) = answers.next().await {
+            match answer {
+                Ok(held) => report.record(i, held.into()),
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        first_error.map_or(Ok(()), Err)
     }
 
     async fn release(&self, hold: &Hold) -> Result<(), Error> {

@@ -588,3 +588,63 @@ async fn a_try_right_after_a_release_finds_the_lock_free() {
     b.close().await.unwrap();
     delete_bucket(&raw, bucket).await;
 }
+
+/// L3, S4: a session whose holds take longer to renew than its request
+/// timeout keeps them all. NATS renews with a write per hold; each write
+/// the server confirmed before the round was cut off moves its hold's
+/// deadline, and the period's retries renew the rest first. Here 3,000
+/// holds behind a link that delays each way by 10 ms: a round (3,000
+/// writes, 256 in flight, 12 round trips of ~30 ms) needs ~400 ms against
+/// a 200 ms request timeout. Red before: every round was cut off and
+/// counted as nothing, and all 3,000 holds were lost one TTL later (as in
+/// a loaded CI run of `ten_thousand_names`, 2026-11-28).
+#[tokio::test]
+async fn holds_slower_to_renew_than_the_request_timeout_are_all_kept() {
+    use dlock_conformance::wire::Fault;
+    use futures::StreamExt;
+
+    const HOLDS: usize = 3_000;
+    let bucket = "dlock_slow_rounds";
+    let (_direct, proxied, raw, proxy) = behind_a_proxy(bucket).await;
+    let backend = NatsBackend::connect(proxied.as_str()).await.unwrap();
+    let ttl = Duration::from_millis(4_500);
+    let options = SessionOptions::new()
+        .ttl(ttl)
+        .request_timeout(Duration::from_millis(200));
+    let session = backend.session(options).await.unwrap();
+    let guards: Vec<_> = futures::stream::iter(0..HOLDS)
+        .map(|i| {
+            let lock = session.lock(format!("n{i}")).unwrap();
+            async move { lock.acquire_timeout(Duration::from_secs(30)).await.unwrap() }
+        })
+        .buffer_unordered(64)
+        .collect()
+        .await;
+    let before = session.stats();
+    proxy.set(Fault::delay(
+        Duration::from_millis(10),
+        Duration::from_millis(10),
+    ));
+    tokio::time::sleep(ttl * 3).await;
+    let after = session.stats();
+    let lost = guards.iter().filter(|g| !g.is_held()).count();
+    proxy.set(Fault::Pass);
+    assert_eq!(lost, 0, "{lost} of {HOLDS} holds lost: {after:?}");
+    // (the rounds were cut off, or this shows nothing; and the periods'
+    // retries still renewed every hold)
+    assert!(
+        after.renewal_failures > before.renewal_failures,
+        "no round was cut off: {after:?}"
+    );
+    assert!(
+        after.renewals >= before.renewals + 2,
+        "fewer than two periods renewed every hold: {before:?} then {after:?}"
+    );
+    futures::stream::iter(guards)
+        .map(|g| async move { g.release().await.unwrap() })
+        .buffer_unordered(64)
+        .collect::<()>()
+        .await;
+    session.close().await.unwrap();
+    delete_bucket(&raw, bucket).await;
+}

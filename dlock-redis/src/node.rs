@@ -862,19 +862,22 @@ impl Node {
         Ok(released == 1)
     }
 
-    /// Renews every `(keys, owner, token)` in one script; with the restart
-    /// guard on (`min_uptime > 0`), a node that restarted confirms none.
-    /// `None` for the holds of a script that got no answer (on a cluster,
-    /// their master failed while others answered); an error if none did.
+    /// Renews every `(keys, owner, token)` in a script per chunk (and per
+    /// slot on a cluster); with the restart guard on (`min_uptime > 0`), a
+    /// node that restarted confirms none. Tells `said` each hold's answer
+    /// (by its index in `holds`) as its script answers; the holds of a
+    /// script with no answer (on a cluster, their master failed while others
+    /// answered) are not told; an error if no script answered.
     pub(crate) async fn renew(
         &self,
         holds: &[(Keys, &str, FencingToken)],
         ttl: Duration,
         min_uptime: Duration,
         limit: Duration,
-    ) -> Result<Vec<Option<bool>>, Error> {
+        said: &(dyn Fn(usize, bool) + Sync),
+    ) -> Result<(), Error> {
         if holds.is_empty() {
-            return Ok(Vec::new());
+            return Ok(());
         }
         // On a cluster, a script's keys must share a slot: one group of
         // holds per slot, each with its slot's guard record. The answers
@@ -928,15 +931,17 @@ impl Node {
                 (chunk, out)
             }
         });
-        let mut renewed = vec![None; holds.len()];
+        // (each script's answers are passed on as they come: a round cut
+        // off at its timeout keeps the holds of the scripts already answered)
+        let mut chunks: futures::stream::FuturesUnordered<_> = chunks.collect();
         let mut first_error = None;
         let mut answered = false;
-        for (chunk, out) in futures::future::join_all(chunks).await {
+        while let Some((chunk, out)) = chunks.next().await {
             match out {
                 Ok(out) => {
                     answered = true;
                     for (&i, v) in chunk.iter().zip(out) {
-                        renewed[i] = Some(v == 1);
+                        said(i, v == 1);
                     }
                 }
                 Err(e) => {
@@ -946,7 +951,7 @@ impl Node {
         }
         match first_error {
             Some(e) if !answered => Err(e),
-            _ => Ok(renewed),
+            _ => Ok(()),
         }
     }
 

@@ -6,7 +6,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use dlock_core::backend::{Busy, Claim, ExpiryModel, Hold, RawSession, Renewed, Take};
+use dlock_core::backend::{
+    Busy, Claim, ExpiryModel, Hold, RawSession, RenewalReport, Renewed, Take,
+};
 use dlock_core::{Error, FencingToken, LockName, SessionId};
 use futures::future::join_all;
 use tokio::time::{Instant, sleep_until};
@@ -108,53 +110,61 @@ impl RawSession for RedisSession {
         Ok(each.into_iter().map(|r| r == Renewed::Held).collect())
     }
 
-    /// On a cluster, the holds of a master that did not answer are
-    /// [`Renewed::Unknown`] (the others' holds are renewed); on Redlock, a
-    /// hold is held with a majority of votes, unknown while the nodes that
-    /// did not answer could still make one.
     async fn renew_each(&self, holds: &[Hold]) -> Result<Vec<Renewed>, Error> {
+        let report = RenewalReport::new(holds.len());
+        self.renew_into(holds, &report).await?;
+        Ok(report.answers())
+    }
+
+    /// A hold is held once a majority of the nodes confirmed it and lost
+    /// once too many refused it for a majority to remain, each recorded as
+    /// the answers come (on a cluster, one script per slot: a round cut off
+    /// at its timeout keeps the slots already answered). The holds of a
+    /// master that did not answer stay unknown (the others' are renewed);
+    /// on Redlock, so do those the nodes that did not answer could still
+    /// decide. An error, after recording, unless a majority of the nodes
+    /// answered.
+    async fn renew_into(&self, holds: &[Hold], report: &RenewalReport) -> Result<(), Error> {
         if holds.is_empty() {
-            return Ok(Vec::new());
+            return Ok(());
         }
         let (prefix, cluster) = (&self.inner.options.prefix, self.inner.options.cluster);
         let request: Vec<_> = holds
             .iter()
             .map(|h| (Keys::new(prefix, &h.name, cluster), h.key.as_str(), h.token))
             .collect();
+        for (i, hold) in holds.iter().enumerate() {
+            if !self.owns(hold) {
+                report.record(i, Renewed::Lost);
+            }
+        }
+        let (nodes, quorum) = (self.inner.nodes.len(), self.inner.quorum());
+        // (votes and refusals per hold)
+        let tally = std::sync::Mutex::new(vec![(0usize, 0usize); holds.len()]);
+        let said = |i: usize, held: bool| {
+            let mut tally = tally.lock().unwrap_or_else(|e| e.into_inner());
+            let (votes, refusals) = &mut tally[i];
+            if held {
+                *votes += 1;
+                if *votes >= quorum {
+                    report.record(i, Renewed::Held);
+                }
+            } else {
+                *refusals += 1;
+                if nodes - *refusals < quorum {
+                    report.record(i, Renewed::Lost);
+                }
+            }
+        };
         let min_uptime = self.inner.min_uptime();
         let answers = join_all(
             self.inner
                 .nodes
                 .iter()
-                .map(|n| n.renew(&request, self.ttl, min_uptime, self.limit)),
+                .map(|n| n.renew(&request, self.ttl, min_uptime, self.limit, &said)),
         )
         .await;
-        let nodes = self.inner.nodes.len();
-        let mut votes = vec![0usize; holds.len()];
-        let mut refusals = vec![0usize; holds.len()];
-        for answer in majority(&self.inner, answers)? {
-            for (i, said) in answer.into_iter().enumerate() {
-                match said {
-                    Some(true) => votes[i] += 1,
-                    Some(false) => refusals[i] += 1,
-                    None => {}
-                }
-            }
-        }
-        let quorum = self.inner.quorum();
-        Ok(holds
-            .iter()
-            .enumerate()
-            .map(|(i, h)| {
-                if !self.owns(h) || nodes - refusals[i] < quorum {
-                    Renewed::Lost
-                } else if votes[i] >= quorum {
-                    Renewed::Held
-                } else {
-                    Renewed::Unknown
-                }
-            })
-            .collect())
+        majority(&self.inner, answers).map(|_| ())
     }
 
     async fn release(&self, hold: &Hold) -> Result<(), Error> {

@@ -51,7 +51,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use tokio::time::timeout;
 
-pub use primitives::{Busy, Claim, ExpiryModel, Hold, RawSession, Renewed, Take};
+pub use primitives::{Busy, Claim, ExpiryModel, Hold, RawSession, RenewalReport, Renewed, Take};
 
 use crate::capabilities::Capabilities;
 use crate::clock;

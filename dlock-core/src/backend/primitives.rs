@@ -5,6 +5,7 @@
 //! rules they keep are in the [module docs](crate::backend).
 
 use std::fmt::Debug;
+use std::sync::Mutex;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -56,7 +57,8 @@ pub enum ExpiryModel {
     Session,
 }
 
-/// What a renewal says of one hold ([`RawSession::renew_each`]).
+/// What a renewal says of one hold ([`RawSession::renew_each`],
+/// [`RenewalReport::record`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Renewed {
@@ -74,6 +76,89 @@ pub enum Renewed {
 impl From<bool> for Renewed {
     fn from(held: bool) -> Self {
         if held { Renewed::Held } else { Renewed::Lost }
+    }
+}
+
+/// Where a renewal records each hold's answer as soon as the store gives it
+/// ([`RawSession::renew_into`]). The core reads it after the round, also
+/// after cutting the round off at its request timeout: a store that renews
+/// holds in many requests (a write per NATS key, a script per Redis Cluster
+/// slot) keeps what was confirmed before the cut, so a session with more
+/// holds than one request timeout can renew still keeps them (L3), while
+/// every deadline it moves was confirmed by the store (S4).
+///
+/// A hold with no answer recorded is [`Renewed::Unknown`]. Recording
+/// `Unknown` changes nothing, and `Lost` is never turned back into `Held`.
+///
+/// ```
+/// use dlock_core::backend::{RenewalReport, Renewed};
+/// let report = RenewalReport::new(3);
+/// report.record(0, Renewed::Held);
+/// report.record(2, Renewed::Lost);
+/// report.record(2, Renewed::Held); // (a lost hold stays lost)
+/// assert_eq!(report.answers(), [Renewed::Held, Renewed::Unknown, Renewed::Lost]);
+/// ```
+#[derive(Debug)]
+pub struct RenewalReport {
+    answers: Mutex<Vec<Renewed>>,
+}
+
+impl RenewalReport {
+    /// A report for a round of `holds` holds, none answered yet.
+    pub fn new(holds: usize) -> Self {
+        Self {
+            answers: Mutex::new(vec![Renewed::Unknown; holds]),
+        }
+    }
+
+    /// Records the store's answer for the hold at `index` in the round's
+    /// `holds`. An index past the round's holds is ignored.
+    pub fn record(&self, index: usize, renewed: Renewed) {
+        let mut answers = self.answers.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(slot) = answers.get_mut(index) {
+            match (*slot, renewed) {
+                (_, Renewed::Unknown) | (Renewed::Lost, _) => {}
+                _ => *slot = renewed,
+            }
+        }
+    }
+
+    /// Records a whole round's answers, in the holds' order; fails (and
+    /// records nothing) when they are not one per hold: an adapter bug the
+    /// core must not guess around.
+    pub fn record_all(&self, answers: Vec<Renewed>) -> Result<(), Error> {
+        let expected = self.len();
+        if answers.len() != expected {
+            return Err(Error::protocol(
+                "dlock-core",
+                format!(
+                    "adapter bug: renew answered for {} holds, {expected} were sent",
+                    answers.len()
+                ),
+            ));
+        }
+        for (index, renewed) in answers.into_iter().enumerate() {
+            self.record(index, renewed);
+        }
+        Ok(())
+    }
+
+    /// How many holds the round renews.
+    pub fn len(&self) -> usize {
+        self.answers.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    /// Whether the round renews no hold (a session heartbeat).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The answers so far, one per hold, in the holds' order.
+    pub fn answers(&self) -> Vec<Renewed> {
+        self.answers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 }
 
@@ -108,8 +193,7 @@ pub trait RawSession: Send + Sync + Debug {
     /// servers (a Redis Cluster's masters): the holds of a server that did
     /// not answer are [`Renewed::Unknown`], so that one failing server does
     /// not cost the holds the others confirmed (L3). An `Err` still means
-    /// that nothing was confirmed. What the core calls; the default calls
-    /// `renew`.
+    /// that nothing was confirmed. The default calls `renew`.
     ///
     /// # Cancel safety
     /// As [`renew`](Self::renew).
@@ -120,6 +204,21 @@ pub trait RawSession: Send + Sync + Debug {
             .into_iter()
             .map(Renewed::from)
             .collect())
+    }
+
+    /// [`renew_each`](Self::renew_each), recording each hold's answer in
+    /// `report` as soon as it is known, for a store that renews holds in
+    /// more than one request: the core cuts a round off at its request
+    /// timeout and keeps the answers recorded before the cut (the others
+    /// are [`Renewed::Unknown`] and retried first). An `Err` leaves what was
+    /// recorded valid: only answers the store gave may be recorded. What
+    /// the core calls; the default records `renew_each`'s answers when they
+    /// are all in, for a store that renews in one round trip.
+    ///
+    /// # Cancel safety
+    /// As [`renew`](Self::renew); answers recorded before a cut stand.
+    async fn renew_into(&self, holds: &[Hold], report: &RenewalReport) -> Result<(), Error> {
+        report.record_all(self.renew_each(holds).await?)
     }
 
     /// Releases `hold` if this session still holds it with that token; wakes

@@ -12,9 +12,11 @@ pub struct SessionStats {
     pub grants: u64,
     /// Waits for a change (notification or timer).
     pub waits: u64,
-    /// Renewal rounds that succeeded.
+    /// Renewal periods in which every hold was renewed: by one round, or
+    /// by a round and retries of the holds it left unanswered.
     pub renewals: u64,
-    /// Renewal rounds that failed.
+    /// Renewal rounds that left holds unanswered (failed, timed out, or a
+    /// server did not answer for some); what they confirmed still counts.
     pub renewal_failures: u64,
     /// Holds that ended other than by release.
     pub losses: u64,

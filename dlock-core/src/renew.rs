@@ -6,6 +6,7 @@
 //! store, counted from when the renewal was *sent*; when it passes, `lost()`
 //! fires even if the store cannot be reached).
 
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -16,14 +17,17 @@ use crate::backend::{RenewalReport, Renewed};
 use crate::clock::{self, sleep_until};
 use crate::error::Error;
 use crate::lost::LostReason;
-use crate::state::{SessionState, Stats, Tenure};
+use crate::state::{SessionState, Stats};
 use crate::telemetry;
 
-/// The holds of a renewal period that its rounds have not confirmed yet.
+/// A renewal period whose rounds have not confirmed every hold yet.
 struct Sweep {
     /// When the period's first round was sent.
     started: Instant,
-    left: Vec<Arc<Tenure>>,
+    /// The tenures its rounds confirmed: a retry sends every other one,
+    /// also those granted since the period began (on a session lease, a
+    /// grant's deadline is the lease's when it was granted).
+    confirmed: HashSet<u64>,
 }
 
 /// Renews `state` every period until it shuts down; expires overdue holds
@@ -32,11 +36,12 @@ struct Sweep {
 /// A period renews every hold, the nearest deadline first. A round that
 /// leaves some holds unanswered (cut off at the request timeout, a server
 /// that did not answer) keeps what it confirmed ([`RenewalReport`]), and
-/// the period's retries send only the holds still unanswered (at once if
+/// the period's retries send every hold it has not confirmed (at once if
 /// the round confirmed some, so the store is up), until the period ends and
-/// the next one renews every hold again: a session whose holds take more
-/// than one request timeout to renew still keeps them all (L3), and no hold
-/// waits behind the others' retries for longer than a period.
+/// the next one renews every hold again: on a store that renews in many
+/// requests (NATS, Redis), a session whose holds take more than one request
+/// timeout to renew still keeps them all (L3), and no hold waits behind the
+/// others' retries for longer than a period.
 pub(crate) async fn run(state: Arc<SessionState>) {
     let timing = state.timing;
     let retry_every = (timing.renew_every / 4).max(Duration::from_millis(5));
@@ -54,13 +59,12 @@ pub(crate) async fn run(state: Arc<SessionState>) {
         if clock::now() < next {
             continue;
         }
-        let (started, mut tenures) = match sweep.take() {
-            Some(s) if clock::now() < s.started + timing.renew_every => {
-                let left = s.left.into_iter().filter(|t| t.reason().is_none());
-                (s.started, left.collect())
-            }
-            _ => (clock::now(), state.tenures()),
+        let (started, mut confirmed) = match sweep.take() {
+            Some(s) if clock::now() < s.started + timing.renew_every => (s.started, s.confirmed),
+            _ => (clock::now(), HashSet::new()),
         };
+        let mut tenures = state.tenures();
+        tenures.retain(|t| !confirmed.contains(&t.id));
         tenures.sort_by_key(|t| t.deadline());
         let request: Vec<_> = tenures.iter().map(|t| t.hold.clone()).collect();
         let report = RenewalReport::new(request.len());
@@ -81,7 +85,6 @@ pub(crate) async fn run(state: Arc<SessionState>) {
         let until = timing.valid_until(sent);
         let answers = report.answers();
         let answered = answers.iter().filter(|r| **r != Renewed::Unknown).count();
-        let mut left = Vec::new();
         for (tenure, renewed) in tenures.into_iter().zip(answers) {
             if tenure.reason().is_some() {
                 continue; // released or lost meanwhile
@@ -89,12 +92,14 @@ pub(crate) async fn run(state: Arc<SessionState>) {
             match renewed {
                 Renewed::Lost => state.lose(&tenure, LostReason::Revoked),
                 Renewed::Held => {
-                    if !tenure.extend(until) {
+                    if tenure.extend(until) {
+                        confirmed.insert(tenure.id);
+                    } else {
                         state.lose(&tenure, LostReason::Expired);
                     }
                 }
                 // Its deadline stays; tried again first.
-                _ => left.push(tenure),
+                _ => {}
             }
         }
         let unknown = request.len() - answered;
@@ -122,7 +127,7 @@ pub(crate) async fn run(state: Arc<SessionState>) {
         }
         telemetry::renewal_failed(state.scheme);
         Stats::bump(&state.stats.renewal_failures);
-        sweep = Some(Sweep { started, left });
+        sweep = Some(Sweep { started, confirmed });
         // (a store that answered part of the round is up: the rest goes at
         // once; one that answered nothing is given time)
         next = if answered > 0 {

@@ -182,7 +182,9 @@ pub trait RawSession: Send + Sync + Debug {
 
     /// Extends the session and every hold in `holds`, in one round trip where
     /// the store allows. Returns, in order, whether each hold is still ours.
-    /// Called every renewal period, also with no holds (a session heartbeat).
+    /// Called every renewal period with every hold, also with none (a
+    /// session heartbeat), and on a retry with those the period has not
+    /// confirmed yet.
     ///
     /// # Cancel safety
     /// Must be cancel safe: the core cuts a renewal off at its request timeout
@@ -213,7 +215,9 @@ pub trait RawSession: Send + Sync + Debug {
     /// are [`Renewed::Unknown`] and retried first). An `Err` leaves what was
     /// recorded valid: only answers the store gave may be recorded. What
     /// the core calls; the default records `renew_each`'s answers when they
-    /// are all in, for a store that renews in one round trip.
+    /// are all in, for a store that renews in one round trip. On an
+    /// [`ExpiryModel::Session`] store, record `Held` only once the session's
+    /// lease is confirmed extended too (a hold's deadline moves with it).
     ///
     /// # Cancel safety
     /// As [`renew`](Self::renew); answers recorded before a cut stand.

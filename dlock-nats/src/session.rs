@@ -7,9 +7,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use dlock_core::backend::{
-    Busy, Claim, ExpiryModel, Hold, RawSession, RenewalReport, Renewed, Take,
-};
+use dlock_core::backend::{Busy, Claim, ExpiryModel, Hold, RawSession, RenewalReport, Take};
 use dlock_core::{Error, FencingToken, LockName, SessionId};
 use futures::StreamExt;
 use tokio::time::Instant;
@@ -172,18 +170,7 @@ impl RawSession for NatsSession {
     async fn renew(&self, holds: &[Hold]) -> Result<Vec<bool>, Error> {
         let report = RenewalReport::new(holds.len());
         self.renew_into(holds, &report).await?;
-        report
-            .answers()
-            .into_iter()
-            .map(|r| match r {
-                Renewed::Held => Ok(true),
-                Renewed::Lost => Ok(false),
-                _ => Err(Error::unavailable(
-                    crate::SCHEME,
-                    "a hold's renewal was not answered",
-                )),
-            })
-            .collect()
+        report.still_held(crate::SCHEME)
     }
 
     /// A write per hold (KV keys expire one by one), each answer recorded

@@ -100,14 +100,9 @@ impl RawSession for RedisSession {
     }
 
     async fn renew(&self, holds: &[Hold]) -> Result<Vec<bool>, Error> {
-        let each = self.renew_each(holds).await?;
-        if each.contains(&Renewed::Unknown) {
-            return Err(Error::unavailable(
-                "redis",
-                "the servers of some holds did not answer the renewal",
-            ));
-        }
-        Ok(each.into_iter().map(|r| r == Renewed::Held).collect())
+        let report = RenewalReport::new(holds.len());
+        self.renew_into(holds, &report).await?;
+        report.still_held("redis")
     }
 
     async fn renew_each(&self, holds: &[Hold]) -> Result<Vec<Renewed>, Error> {

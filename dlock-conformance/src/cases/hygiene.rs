@@ -171,9 +171,8 @@ pub async fn ten_thousand_names(h: &dyn Harness) -> Outcome {
     // slow day). A round cut off at the request timeout keeps the holds
     // the store confirmed before the cut (on stores that renew in many
     // requests: NATS, a Redis Cluster), and the rest are retried (at once
-    // when the round confirmed some); a
-    // hold is lost only when its deadline passes (S4 counts from when a
-    // round was sent).
+    // when the round confirmed some); a hold is lost only when its deadline
+    // passes (S4 counts from when a round was sent).
     let admin = ctx.admin().await?;
     let ttl = ctx
         .caps

@@ -97,6 +97,10 @@ impl From<bool> for Renewed {
 /// report.record(2, Renewed::Lost);
 /// report.record(2, Renewed::Held); // (a lost hold stays lost)
 /// assert_eq!(report.answers(), [Renewed::Held, Renewed::Unknown, Renewed::Lost]);
+/// assert!(report.still_held("demo").is_err()); // (one unanswered)
+/// report.record(1, Renewed::Held);
+/// assert_eq!(report.still_held("demo")?, [true, true, false]);
+/// # Ok::<(), dlock_core::Error>(())
 /// ```
 #[derive(Debug)]
 pub struct RenewalReport {
@@ -159,6 +163,24 @@ impl RenewalReport {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone()
+    }
+
+    /// The answers as [`RawSession::renew`] gives them (whether each hold
+    /// is still ours), for an adapter whose `renew` is its `renew_into`;
+    /// [`Error::Unavailable`] of `backend` if some hold went unanswered.
+    pub fn still_held(&self, backend: &'static str) -> Result<Vec<bool>, Error> {
+        let answers = self.answers();
+        let unknown = answers.iter().filter(|r| **r == Renewed::Unknown).count();
+        if unknown > 0 {
+            return Err(Error::unavailable(
+                backend,
+                format!(
+                    "the renewal of {unknown} of {} holds was not answered",
+                    answers.len()
+                ),
+            ));
+        }
+        Ok(answers.into_iter().map(|r| r == Renewed::Held).collect())
     }
 }
 

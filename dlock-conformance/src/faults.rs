@@ -23,6 +23,7 @@ pub struct Faults {
     crashed: AtomicBool,
     lose_take_replies: AtomicU32,
     lose_release_replies: AtomicU32,
+    hang_close_replies: AtomicU32,
     deaf: AtomicBool,
     /// How long a lost take reply keeps the caller waiting.
     lost_take_delay: std::sync::Mutex<Duration>,
@@ -62,6 +63,13 @@ impl Faults {
     /// The next `n` releases reach the store but their replies are lost.
     pub fn lose_release_replies(&self, n: u32) {
         self.lose_release_replies.store(n, Ordering::SeqCst);
+    }
+
+    /// The next `n` closes reach the store, but their replies never come
+    /// (a reply lost on a connection that stays open): the core's request
+    /// timeout cuts them off.
+    pub fn hang_close_replies(&self, n: u32) {
+        self.hang_close_replies.store(n, Ordering::SeqCst);
     }
 
     /// Notifications never arrive: waits last until their timer.
@@ -202,7 +210,11 @@ impl RawSession for FaultySession {
 
     async fn close(&self, holds: &[Hold]) -> Result<(), Error> {
         self.faults.crashed()?;
-        self.inner.close(holds).await
+        let result = self.inner.close(holds).await;
+        if Faults::take_one(&self.faults.hang_close_replies) {
+            std::future::pending::<()>().await;
+        }
+        result
     }
 }
 

@@ -184,6 +184,11 @@ impl Session {
     /// guards' `lost()` fire with [`LostReason::Closed`](crate::LostReason::Closed)) and waits for its
     /// background tasks to finish.
     ///
+    /// A close the store does not confirm within the request timeout is
+    /// retried with backoff until what it frees would have expired by itself
+    /// (at most about one TTL); only then does it return the error
+    /// ([`Error::Unavailable`]), and the store frees what is left on expiry.
+    ///
     /// # Cancel safety
     /// If dropped, the session is still closed (renewal stops at once), but the
     /// store side may linger until its TTL.

@@ -85,6 +85,7 @@ macro_rules! __with_cases {
             idempotent_take_extends_expiry: shared, "S4", "in-process slow lost reply";
             bad_input: shared, "typed errors", "–";
             session_close: shared, "S5, L3", "–";
+            close_retried_after_lost_reply: shared, "S5 (a close cut off is retried: every adapter's close is safe to repeat)", "in-process lost reply";
             renewal_replies_lost: shared, "S4, L3", "wire: replies lost";
             renewal_replies_late: shared, "S4", "wire: replies later than the request timeout";
             replies_late_but_in_time: shared, "S4 (validity from the send)", "wire: replies late, in time";

@@ -260,6 +260,11 @@ pub trait RawSession: Send + Sync + Debug {
     /// `holds` are the holds the core knows of (stores without a per-session
     /// index free those; others may free by session).
     ///
+    /// Safe to repeat: the core retries a close that failed with a retryable
+    /// error or was cut off at the request timeout (its effect unknown), so a
+    /// close that finds the session already closed and its holds already
+    /// freed answers `Ok`.
+    ///
     /// # Cancel safety
     /// If dropped, what was not freed expires after one TTL.
     async fn close(&self, holds: &[Hold]) -> Result<(), Error>;

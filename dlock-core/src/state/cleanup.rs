@@ -102,25 +102,45 @@ impl SessionState {
         deadline: Instant,
         give_up_at: Instant,
     ) -> Result<(), Error> {
-        let mut outcome_unknown = false;
+        self.until_confirmed("release", give_up_at, |retried| async move {
+            match self.raw.release(hold).await {
+                Err(Error::NotHeld { .. }) if retried && clock::now() < deadline => Ok(()),
+                result => result,
+            }
+        })
+        .await
+    }
+
+    /// Runs `request` (told whether an earlier try went unconfirmed) within
+    /// the request timeout, retrying a time-out or a transient error with
+    /// backoff (10 ms doubling to 500 ms) while the next try would begin
+    /// before `give_up_at`: what `request` frees in the store would expire
+    /// by then anyway. Every request it runs must be safe to repeat.
+    pub(super) async fn until_confirmed<F, Fut>(
+        &self,
+        what: &'static str,
+        give_up_at: Instant,
+        mut request: F,
+    ) -> Result<(), Error>
+    where
+        F: FnMut(bool) -> Fut,
+        Fut: Future<Output = Result<(), Error>>,
+    {
+        let mut retried = false;
         let mut backoff = Duration::from_millis(10);
         loop {
-            let result = match timeout(self.timing.request_timeout, self.raw.release(hold)).await {
+            let result = match timeout(self.timing.request_timeout, request(retried)).await {
                 Ok(result) => result,
-                Err(_) => Err(Error::unavailable(self.scheme, "release timed out")),
+                Err(_) => Err(Error::unavailable(self.scheme, format!("{what} timed out"))),
             };
             match result {
-                Ok(()) => return Ok(()),
-                Err(Error::NotHeld { .. }) if outcome_unknown && clock::now() < deadline => {
-                    return Ok(());
-                }
                 Err(e) if e.is_retryable() && clock::now() + backoff < give_up_at => {
-                    tracing::debug!(target: crate::state::LOG_TARGET, lock = %hold.name, error = %e, "release failed; retrying");
-                    outcome_unknown = true;
+                    tracing::debug!(target: crate::state::LOG_TARGET, what, error = %e, "not confirmed; retrying");
+                    retried = true;
                     sleep(backoff).await;
                     backoff = (backoff * 2).min(Duration::from_millis(500));
                 }
-                Err(e) => return Err(e),
+                result => return result,
             }
         }
     }

@@ -338,20 +338,38 @@ impl SessionState {
             crate::telemetry::sessions_open(self.scheme, -1.0);
         }
         self.shutdown.cancel();
+        let give_up_at = self.close_give_up_at();
         let holds = self.take_holds(LostReason::Closed);
         let result = if was == CLOSED {
             Ok(())
         } else {
-            match timeout(self.timing.request_timeout, self.raw.close(&holds)).await {
-                Ok(r) => r,
-                Err(_) => Err(Error::unavailable(self.scheme, "close timed out")),
-            }
+            self.until_confirmed("close", give_up_at, |_| self.raw.close(&holds))
+                .await
         };
         self.ended.cancel();
         self.tasks.close();
         let _ = timeout(self.timing.request_timeout * 2, self.tasks.wait()).await;
         tracing::debug!(target: crate::state::LOG_TARGET, session = %self.id, "session closed");
         result
+    }
+
+    /// Until when a close is worth retrying: while what the session holds in
+    /// the store (its holds, and on a session store the session) could
+    /// still be there; later the store has freed it by itself. Read before
+    /// the holds are taken out.
+    fn close_give_up_at(&self) -> Instant {
+        let holds = self
+            .tenures
+            .lock()
+            .unwrap()
+            .values()
+            .map(|t| t.deadline())
+            .max();
+        let session = match self.expiry {
+            ExpiryModel::Session => Some(self.session_deadline()),
+            ExpiryModel::PerHold => None,
+        };
+        holds.max(session).unwrap_or_else(Instant::now) + self.timing.drift
     }
 
     /// Ends the session in the background, once its last [`KeepOpen`] is gone.
@@ -362,10 +380,13 @@ impl SessionState {
             _ => {}
         }
         self.shutdown.cancel();
+        let give_up_at = self.close_give_up_at();
         let holds = self.take_holds(LostReason::Closed);
         let state = self.clone();
         self.spawn(async move {
-            let _ = timeout(state.timing.request_timeout, state.raw.close(&holds)).await;
+            let _ = state
+                .until_confirmed("close", give_up_at, |_| state.raw.close(&holds))
+                .await;
             state.ended.cancel();
         });
         self.tasks.close();

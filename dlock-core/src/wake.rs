@@ -57,6 +57,40 @@ impl PollBackoff {
     }
 }
 
+impl PollBackoff {
+    /// When `waiter` should look again: as [`next_wake`](Self::next_wake)
+    /// if it is the longest-waiting waiter of its key in this process,
+    /// otherwise `until` (the holder's expiry, the core's fallback timer) or
+    /// a wake-up. One waiter per key and process polls the store: the others
+    /// learn of a release from this process's own release, or when the
+    /// poller is granted the lock or goes away (its [`Waiter`] passes the
+    /// wake-up on, and the next one polls from then on, starting at
+    /// [`MIN`](Self::MIN)). 200 waiters of one lock in one process polling
+    /// each on its own kept a MongoDB server so busy that releases timed
+    /// out (`many_waiters_one_handoff_each`).
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use std::time::Duration;
+    /// use dlock_core::wake::{PollBackoff, WakeHub};
+    /// use tokio::time::Instant;
+    /// let hub = Arc::new(WakeHub::default());
+    /// let (first, second) = (hub.subscribe("jobs/report"), hub.subscribe("jobs/report"));
+    /// let far = Instant::now() + Duration::from_secs(60);
+    /// let mut backoff = PollBackoff::default();
+    /// assert!(backoff.next_wake_for(&first, far) < far);
+    /// assert_eq!(backoff.next_wake_for(&second, far), far);
+    /// ```
+    pub fn next_wake_for(&mut self, waiter: &Waiter, until: Instant) -> Instant {
+        if waiter.is_first() {
+            self.next_wake(until)
+        } else {
+            *self = Self::default();
+            until
+        }
+    }
+}
+
 impl Default for PollBackoff {
     fn default() -> Self {
         Self { next: Self::MIN }
@@ -90,6 +124,15 @@ impl Waiter {
     /// The key this waiter waits on.
     pub fn key(&self) -> &str {
         &self.key
+    }
+
+    /// Whether this is the longest-waiting live waiter of its key in its
+    /// hub (the one [`WakeHub::wake_first`] wakes).
+    pub fn is_first(&self) -> bool {
+        let map = self.hub.waiters.lock().unwrap();
+        map.get(&self.key)
+            .and_then(|list| list.iter().find(|w| w.strong_count() > 0))
+            .is_some_and(|first| std::ptr::eq(first.as_ptr(), Arc::as_ptr(&self.notify)))
     }
 }
 
@@ -198,6 +241,24 @@ mod tests {
         tokio::time::timeout(quick, second.notified())
             .await
             .expect("passed on");
+    }
+
+    #[tokio::test]
+    async fn only_the_first_waiter_polls_and_the_next_takes_over() {
+        let hub = Arc::new(WakeHub::default());
+        let (first, second) = (hub.subscribe("a"), hub.subscribe("a"));
+        let other = hub.subscribe("b");
+        let far = Instant::now() + Duration::from_secs(60);
+        let (mut b1, mut b2) = (PollBackoff::default(), PollBackoff::default());
+        assert!(b1.next_wake_for(&first, far) < far);
+        assert_eq!(b2.next_wake_for(&second, far), far, "two pollers");
+        assert!(other.is_first(), "first is per key");
+        drop(first);
+        tokio::time::timeout(Duration::from_millis(50), second.notified())
+            .await
+            .expect("the next waiter is woken to take over");
+        let next = b2.next_wake_for(&second, far);
+        assert!(next <= Instant::now() + PollBackoff::MIN, "{next:?}");
     }
 
     #[test]

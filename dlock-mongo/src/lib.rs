@@ -81,10 +81,15 @@
 //!   free a lock, and wakes this process's waiters of that name; a stream that
 //!   breaks is reopened after its last resume token, and waiters poll
 //!   meanwhile. Otherwise (a standalone server) waiters poll with a bounded
-//!   backoff (5 ms doubling to 100 ms). Either way a waiter also wakes when the
+//!   backoff (5 ms doubling to 100 ms), one per lock and process: the
+//!   longest-waiting waiter of a name polls, the others wait until it is
+//!   granted the lock or goes away, and the next polls from then on (200
+//!   waiters polling each on their own kept the server too busy to answer
+//!   releases in time). Either way a waiter also wakes when the
 //!   holder's `expiresAt` passes (the take reports the server-measured time
 //!   left), on the core's fallback timer, and at once when a lock is released
-//!   by this process. Not fair: whoever asks first after a release wins.
+//!   by this process (the longest-waiting waiter of that name only). Not
+//!   fair: whoever asks first after a release wins.
 //! * **Consistency**: every write uses write concern `majority`, every read read
 //!   concern `majority`, all on the primary, whatever the URL says — a grant
 //!   acknowledged by a primary that then loses an election must not be rolled
@@ -125,9 +130,10 @@
 //! | Mongo-compatible services that present as `mongos` (DocumentDB's gateway, FerretDB 2, ...) | polling (they refuse change streams: code 115) | the gateway's | refused unless `dlock_mongos=allow` |
 //!
 //! Every deployment must also pass the connect probe ("Compatibility").
-//! Polling is bounded: a waiter retries the take after 5 ms, doubling to at
-//! most 100 ms between tries, and at the busy lock's server-reported expiry
-//! at the latest; a release by this process wakes its own waiters at once.
+//! Polling is bounded: the polling waiter retries the take after 5 ms,
+//! doubling to at most 100 ms between tries, and every waiter at the busy
+//! lock's server-reported expiry at the latest; a release by this process
+//! wakes its longest-waiting waiter of that name at once.
 //! Where change streams are up, waiters sleep until a free event (or the
 //! expiry, or the core's fallback timer); while a broken stream is being
 //! reopened they poll as above. Which of the two a backend uses is

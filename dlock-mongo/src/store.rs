@@ -474,7 +474,7 @@ impl RawSession for MongoSession {
                 name: hold.name.to_string(),
             });
         }
-        self.inner.hub.wake_all(hold.name.as_str());
+        self.inner.hub.wake_first(hold.name.as_str());
         Ok(())
     }
 
@@ -490,7 +490,7 @@ impl RawSession for MongoSession {
             .await;
         op.done(r).map_err(map_err)?;
         for hold in holds {
-            self.inner.hub.wake_all(hold.name.as_str());
+            self.inner.hub.wake_first(hold.name.as_str());
         }
         let op = self.inner.clients.op(Some(self.stall));
         let r = op
@@ -615,7 +615,7 @@ impl Claim for MongoClaim {
         let until = if self.inner.stream_live.load(Ordering::Acquire) {
             until
         } else {
-            self.backoff.next_wake(until)
+            self.backoff.next_wake_for(&self.subscription, until)
         };
         tokio::select! {
             _ = self.subscription.notified() => {}
@@ -639,7 +639,7 @@ impl Claim for MongoClaim {
             .await;
         let done = op.done(r).map_err(map_err)?;
         if done.matched_count > 0 {
-            self.inner.hub.wake_all(self.name.as_str());
+            self.inner.hub.wake_first(self.name.as_str());
         }
         Ok(())
     }

@@ -102,8 +102,9 @@
 //!   every waiter without a queue, waits for a release by notification:
 //!   PostgreSQL releases `pg_notify` in the same statement and waiters
 //!   `LISTEN` on one connection per backend; MySQL and SQLite waiters poll
-//!   with a bounded backoff (5 ms doubling to 100 ms) and wake at the
-//!   holder's `expires_at`. SQLite waiters also wake when the database's
+//!   with a bounded backoff (5 ms doubling to 100 ms), the longest-waiting
+//!   waiter of a name in the process only (the next takes over when it is
+//!   granted or leaves), and wake at the holder's `expires_at`. SQLite waiters also wake when the database's
 //!   files are written (its WAL: every commit, a release in another process
 //!   too), seen through the OS's file notifications (inotify, FSEvents; the
 //!   `notify` crate) on a watch of the database's directory that the first

@@ -1013,15 +1013,15 @@ impl Claim for SqlClaim {
             }
             return Ok(());
         }
-        let until = if self.inner.sql.dialect == Dialect::Postgres {
-            until
-        } else {
-            self.backoff.next_wake(until)
-        };
         let (hub, name) = (&self.inner.hub, &self.name);
         let waiter = self
             .waiter
             .get_or_insert_with(|| hub.subscribe(name.as_str()));
+        let until = if self.inner.sql.dialect == Dialect::Postgres {
+            until
+        } else {
+            self.backoff.next_wake_for(waiter, until)
+        };
         // SQLite: commits are seen as writes to the database's files (see
         // `file_wake`). The waiter is registered first, so a write seen
         // from the watch's start on is kept; one before it may have been

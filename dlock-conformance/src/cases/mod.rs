@@ -102,6 +102,7 @@ macro_rules! __with_cases {
             waiter_learns_session_lost: shared, "L5, S5", "wire: waiter blackholed past TTL";
             lost_hold_release_retried: shared, "S5, L1", "wire: replies lost, then refused";
             release_retried_after_cut: shared, "S5, L1", "wire: connections refused while releasing";
+            one_poller_per_process: shared, "L6 (a process's waiters poll a busy lock as often as one would)", "–";
             many_waiters_one_handoff_each: exclusive, "L6, S1 (200 waiters)", "–";
             ten_thousand_names: exclusive, "S5 (no leaked state, before and after close), L3 (10,000 holds renewed)", "–";
             tokens_after_restart: exclusive, "S2 (durable tokens)", "servers killed, restarted";

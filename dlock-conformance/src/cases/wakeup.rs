@@ -218,6 +218,68 @@ pub async fn many_waiters_one_handoff_each(h: &dyn Harness) -> Outcome {
     passed()
 }
 
+/// L6: the waiters of one process for a busy lock ask the store about as
+/// often as one waiter would: where waiters poll (no notification: the
+/// Mongo-wire server, SQLite without its file watch), only the
+/// longest-waiting one of a process polls, and the next takes over when it
+/// is granted the lock (`PollBackoff::next_wake_for`). 40 waiters wait 1.5 s
+/// on a lock held with a TTL long enough that neither the holder's expiry
+/// nor the fallback timer comes due; then every one gets it once. Red
+/// before on MongoDB: every waiter polled on its own, ~20 takes each
+/// (200 such waiters kept the server so busy that releases timed out in
+/// CI: `many_waiters_one_handoff_each`).
+pub async fn one_poller_per_process(h: &dyn Harness) -> Outcome {
+    const WAITERS: usize = 40;
+    const HOLD: Duration = Duration::from_millis(1500);
+    let ctx = Ctx::new(h, "one_poller_per_process");
+    let name = ctx.name("x");
+    let admin = ctx.admin().await?;
+    let ttl = Duration::from_secs(10)
+        .min(admin.max_ttl())
+        .max(ctx.caps.ttl);
+    let options = ctx
+        .options()
+        .ttl(ttl)
+        .poll_fallback(Duration::from_secs(10).min(ttl));
+    let holder = ctx.client_with(options.clone()).await?;
+    let waiters = ctx.client_with(options).await?;
+    let g0 = holder.lock(&name)?.acquire().await?;
+    let register = Arc::new(FencedRegister::new());
+    let mut tasks = JoinSet::new();
+    for i in 0..WAITERS {
+        let (lock, register) = (waiters.lock(&name)?, register.clone());
+        tasks.spawn(async move {
+            let g = lock.acquire_timeout(Duration::from_secs(60)).await?;
+            register.write(i, g.token());
+            g.release().await?;
+            Ok::<_, Failure>(())
+        });
+    }
+    sleep(HOLD).await;
+    let attempts = waiters.stats().take_attempts;
+    // Each waiter's first take, then one poller's (5 ms doubling to 100
+    // ms: ~19 in 1.5 s), with room for a take-over or two; a poll each
+    // would be ~WAITERS × 19.
+    let polls = (HOLD.as_millis() / 100) as u64 + 6;
+    let allowed = 2 * WAITERS as u64 + 2 * polls;
+    g0.release().await?;
+    let mut done = 0;
+    while let Some(r) = tasks.join_next().await {
+        r.map_err(|e| Failure(format!("waiter task: {e}")))??;
+        done += 1;
+    }
+    ensure!(done == WAITERS, "{done} of {WAITERS} waiters finished");
+    register.check()?;
+    ensure!(
+        attempts <= allowed,
+        "{WAITERS} waiters of one process sent {attempts} takes while the lock was held \
+         {HOLD:?} (allowed {allowed}): each polls on its own?"
+    );
+    waiters.close().await?;
+    holder.close().await?;
+    passed()
+}
+
 /// L4, S5: on fair backends waiters are served in arrival order, and a waiter
 /// cancelled in the middle of the queue blocks nobody.
 pub async fn fifo_with_cancelled_waiter(h: &dyn Harness) -> Outcome {

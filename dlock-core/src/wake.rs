@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use tokio::sync::Notify;
-use tokio::time::Instant;
+use tokio::time::{Instant, sleep_until};
 
 /// Bounded polling for waiters that have no store notification: 5 ms,
 /// doubling to 100 ms. Each wait ends at the next poll or at the core's
@@ -57,50 +57,23 @@ impl PollBackoff {
     }
 }
 
-impl PollBackoff {
-    /// When `waiter` should look again: as [`next_wake`](Self::next_wake)
-    /// if it is the longest-waiting waiter of its key in this process,
-    /// otherwise `until` (the holder's expiry, the core's fallback timer) or
-    /// a wake-up. One waiter per key and process polls the store: the others
-    /// learn of a release from this process's own release, or when the
-    /// poller is granted the lock or goes away (its [`Waiter`] passes the
-    /// wake-up on, and the next one polls from then on, starting at
-    /// [`MIN`](Self::MIN)). 200 waiters of one lock in one process polling
-    /// each on its own kept a MongoDB server so busy that releases timed
-    /// out (`many_waiters_one_handoff_each`).
-    ///
-    /// ```
-    /// use std::sync::Arc;
-    /// use std::time::Duration;
-    /// use dlock_core::wake::{PollBackoff, WakeHub};
-    /// use tokio::time::Instant;
-    /// let hub = Arc::new(WakeHub::default());
-    /// let (first, second) = (hub.subscribe("jobs/report"), hub.subscribe("jobs/report"));
-    /// let far = Instant::now() + Duration::from_secs(60);
-    /// let mut backoff = PollBackoff::default();
-    /// assert!(backoff.next_wake_for(&first, far) < far);
-    /// assert_eq!(backoff.next_wake_for(&second, far), far);
-    /// ```
-    pub fn next_wake_for(&mut self, waiter: &Waiter, until: Instant) -> Instant {
-        if waiter.is_first() {
-            self.next_wake(until)
-        } else {
-            *self = Self::default();
-            until
-        }
-    }
-}
-
 impl Default for PollBackoff {
     fn default() -> Self {
         Self { next: Self::MIN }
     }
 }
 
+/// How late a key's poller may be before another waiter of the key polls
+/// in its place (see [`Waiter::wait_polling`]).
+const POLLER_LATE: Duration = Duration::from_millis(500);
+
 /// Per-key registrations of waiting claims.
 #[derive(Debug, Default)]
 pub struct WakeHub {
     waiters: Mutex<HashMap<String, Vec<Weak<Notify>>>>,
+    /// Per key with waiters: its poller (by address) and when it polls
+    /// next.
+    polls: Mutex<HashMap<String, (usize, Instant)>>,
 }
 
 /// One waiter's registration; unregisters when dropped.
@@ -134,6 +107,68 @@ impl Waiter {
             .and_then(|list| list.iter().find(|w| w.strong_count() > 0))
             .is_some_and(|first| std::ptr::eq(first.as_ptr(), Arc::as_ptr(&self.notify)))
     }
+
+    /// Waits, for a store without notifications, until this waiter should
+    /// take again: a wake-up, `until` (the holder's expiry, the core's
+    /// fallback timer), or its next poll ([`PollBackoff`]). One waiter per
+    /// key and process polls the store: the longest-waiting one. The others
+    /// learn of a release from this process's own release, or when the
+    /// poller is granted the lock or goes away (its [`Waiter`] passes the
+    /// wake-up on, and the next one polls from then on, starting at
+    /// [`PollBackoff::MIN`]); and if the poller has not polled for 500 ms
+    /// past its time (its acquire future is not being polled, its runtime
+    /// is blocked), the next waiter to notice polls in its place. 200
+    /// waiters of one lock in one process polling each on its own kept a
+    /// MongoDB server so busy that releases timed out
+    /// (`many_waiters_one_handoff_each`; `one_poller_per_process`).
+    ///
+    /// ```
+    /// # async fn demo() {
+    /// use std::sync::Arc;
+    /// use std::time::Duration;
+    /// use dlock_core::wake::{PollBackoff, WakeHub};
+    /// use tokio::time::Instant;
+    /// let hub = Arc::new(WakeHub::default());
+    /// let waiter = hub.subscribe("jobs/report");
+    /// let mut backoff = PollBackoff::default();
+    /// let start = Instant::now();
+    /// waiter.wait_polling(&mut backoff, start + Duration::from_secs(60)).await;
+    /// assert!(start.elapsed() < Duration::from_secs(1)); // the first poll
+    /// # }
+    /// ```
+    ///
+    /// # Cancel safety
+    /// Cancel safe.
+    pub async fn wait_polling(&self, backoff: &mut PollBackoff, until: Instant) {
+        loop {
+            let (polls, at) = self.poll_turn(backoff, until);
+            tokio::select! {
+                _ = self.notified() => return,
+                _ = sleep_until(at) => if polls || at >= until { return },
+            }
+        }
+    }
+
+    /// Whether this waiter polls now, and until when it waits: its next
+    /// poll (recorded as the key's) if it is first, the key's poller, or
+    /// the key's poller is late; else until the poller would be late.
+    fn poll_turn(&self, backoff: &mut PollBackoff, until: Instant) -> (bool, Instant) {
+        let me = Arc::as_ptr(&self.notify) as usize;
+        let first = self.is_first();
+        let now = Instant::now();
+        let mut polls = self.hub.polls.lock().unwrap();
+        match polls.get(&self.key) {
+            Some(&(poller, due)) if !first && poller != me && now < due + POLLER_LATE => {
+                *backoff = PollBackoff::default();
+                (false, (due + POLLER_LATE).min(until))
+            }
+            _ => {
+                let at = backoff.next_wake(until);
+                polls.insert(self.key.clone(), (me, at));
+                (true, at)
+            }
+        }
+    }
 }
 
 impl Drop for Waiter {
@@ -149,6 +184,7 @@ impl Drop for Waiter {
             }
             if list.is_empty() {
                 map.remove(&self.key);
+                self.hub.polls.lock().unwrap().remove(&self.key);
             }
         }
     }
@@ -243,22 +279,66 @@ mod tests {
             .expect("passed on");
     }
 
-    #[tokio::test]
+    /// Polls of `waiter` (returns from `wait_polling` not caused by a
+    /// wake-up) within `window`.
+    async fn polls_within(waiter: &Waiter, window: Duration) -> usize {
+        let (mut backoff, end) = (PollBackoff::default(), Instant::now() + window);
+        let mut polls = 0;
+        while Instant::now() < end {
+            waiter.wait_polling(&mut backoff, end).await;
+            polls += usize::from(Instant::now() < end);
+        }
+        polls
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn only_the_first_waiter_polls_and_the_next_takes_over() {
         let hub = Arc::new(WakeHub::default());
         let (first, second) = (hub.subscribe("a"), hub.subscribe("a"));
         let other = hub.subscribe("b");
-        let far = Instant::now() + Duration::from_secs(60);
-        let (mut b1, mut b2) = (PollBackoff::default(), PollBackoff::default());
-        assert!(b1.next_wake_for(&first, far) < far);
-        assert_eq!(b2.next_wake_for(&second, far), far, "two pollers");
-        assert!(other.is_first(), "first is per key");
+        let window = Duration::from_secs(2);
+        let (a, b, c) = tokio::join!(
+            polls_within(&first, window),
+            polls_within(&second, window),
+            polls_within(&other, window),
+        );
+        assert!(a >= 15, "the first polled {a} times");
+        assert_eq!(b, 0, "two pollers of one key");
+        assert!(c >= 15, "first is per key: {c}");
         drop(first);
-        tokio::time::timeout(Duration::from_millis(50), second.notified())
-            .await
-            .expect("the next waiter is woken to take over");
-        let next = b2.next_wake_for(&second, far);
-        assert!(next <= Instant::now() + PollBackoff::MIN, "{next:?}");
+        let mut backoff = PollBackoff::default();
+        let far = Instant::now() + Duration::from_secs(60);
+        // (the hand-off's wake-up, then polls from MIN on)
+        second.wait_polling(&mut backoff, far).await;
+        let start = Instant::now();
+        second.wait_polling(&mut backoff, far).await;
+        assert!(
+            start.elapsed() <= 2 * PollBackoff::MIN,
+            "{:?}",
+            start.elapsed()
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_late_poller_is_replaced() {
+        let hub = Arc::new(WakeHub::default());
+        let (first, second) = (hub.subscribe("a"), hub.subscribe("a"));
+        let mut backoff = PollBackoff::default();
+        let far = Instant::now() + Duration::from_secs(60);
+        first.wait_polling(&mut backoff, far).await; // polls once, then stalls
+        let stalled = Instant::now();
+        let took_over = polls_within(&second, Duration::from_secs(2)).await;
+        assert!(
+            took_over >= 10,
+            "{took_over} polls in place of a stalled poller"
+        );
+        assert!(stalled.elapsed() >= Duration::from_secs(2));
+        // Back from its stall, the first polls again, and the other stops.
+        let (a, b) = tokio::join!(polls_within(&first, Duration::from_secs(2)), async {
+            tokio::time::sleep(Duration::from_millis(700)).await;
+            polls_within(&second, Duration::from_millis(1300)).await
+        });
+        assert!(a >= 10 && b == 0, "first {a}, second {b}");
     }
 
     #[test]

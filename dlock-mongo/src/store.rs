@@ -392,7 +392,7 @@ impl RawSession for MongoSession {
 
     async fn claim(&self, name: &LockName, why: Option<&str>) -> Result<Box<dyn Claim>, Error> {
         Ok(Box::new(MongoClaim {
-            subscription: self.inner.hub.subscribe(name.as_str()),
+            subscription: Some(self.inner.hub.subscribe(name.as_str())),
             inner: self.inner.clone(),
             session: self.id.clone(),
             name: name.clone(),
@@ -515,7 +515,7 @@ struct MongoClaim {
     ttl: Duration,
     /// See [`MongoSession`]'s `stall`.
     stall: Duration,
-    subscription: Waiter,
+    subscription: Option<Waiter>,
     /// Whether a take was sent (so a grant may exist that abandon must free).
     sent: bool,
     backoff: PollBackoff,
@@ -612,19 +612,25 @@ impl Claim for MongoClaim {
     }
 
     async fn wait(&mut self, until: Instant) -> Result<(), Error> {
-        let until = if self.inner.stream_live.load(Ordering::Acquire) {
-            until
+        let (hub, name) = (&self.inner.hub, &self.name);
+        let subscription = self
+            .subscription
+            .get_or_insert_with(|| hub.subscribe(name.as_str()));
+        if self.inner.stream_live.load(Ordering::Acquire) {
+            tokio::select! {
+                _ = subscription.notified() => {}
+                _ = sleep_until(until) => {}
+            }
         } else {
-            self.backoff.next_wake_for(&self.subscription, until)
-        };
-        tokio::select! {
-            _ = self.subscription.notified() => {}
-            _ = sleep_until(until) => {}
+            subscription.wait_polling(&mut self.backoff, until).await;
         }
         Ok(())
     }
 
     async fn abandon(&mut self) -> Result<(), Error> {
+        // No longer waiting (its clean-up may be retried for a while): the
+        // next waiter polls, and a release wakes that one.
+        self.subscription = None;
         if !self.sent {
             return Ok(());
         }

@@ -12,6 +12,7 @@ use dlock_core::{Error, FencingToken, LockName, SessionId};
 use futures::StreamExt;
 use tokio::time::Instant;
 
+use crate::SCHEME;
 use crate::store::Free;
 use crate::value::{Value, key_of};
 use crate::{Inner, RENEWALS_IN_FLIGHT};
@@ -106,6 +107,43 @@ impl NatsSession {
         }
     }
 
+    /// Rewrites `hold` on the revision it was `written` at; false if the
+    /// key moved since. The write runs in a task of its own, so that its
+    /// answer is kept also when the core cuts the round off first: dropped
+    /// unanswered, a write that landed left a stale revision (that hold's
+    /// next renewal then took three round trips: a refused write, a read,
+    /// a write) and marked the connection as dead (the next requests went
+    /// to a new one), so that under load each cut round made the next one
+    /// slower, until holds were lost (`ten_thousand_names` in CI). The
+    /// task ends with its request's own time-out at the latest.
+    async fn write_on_revision(
+        &self,
+        hold: &Hold,
+        key: &str,
+        written: Written,
+    ) -> Result<bool, Error> {
+        let (inner, revisions) = (self.inner.clone(), self.revisions.clone());
+        let (key, owner) = (key.to_owned(), hold.key.clone());
+        let write = tokio::spawn(async move {
+            let next = inner
+                .update_at(&key, written.value, written.revision)
+                .await?;
+            if let Some(next) = next {
+                // (only if still there: a release may have begun meanwhile;
+                // and never back: a later write may have answered first)
+                if let Some(entry) = revisions.lock().unwrap().get_mut(&owner) {
+                    entry.revision = entry.revision.max(next);
+                }
+            }
+            Ok::<_, Error>(next.is_some())
+        });
+        match write.await {
+            Ok(written) => written,
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            Err(_) => Err(Error::unavailable(SCHEME, "renewal cancelled")),
+        }
+    }
+
     /// Rewrites one hold on its known revision; reads the key first only
     /// when that revision is unknown or stale.
     pub(crate) async fn renew_one(&self, hold: &Hold) -> Result<bool, Error> {
@@ -116,12 +154,7 @@ impl NatsSession {
         if let Some(written) = self.known(hold, &key) {
             // (a write on `revision` succeeds only if nothing else wrote the
             // key since this session did: it is still this hold)
-            let written_at = self.inner.update_at(&key, written.value, written.revision);
-            if let Some(next) = written_at.await? {
-                // (only if still there: a release may have begun meanwhile)
-                if let Some(entry) = self.revisions.lock().unwrap().get_mut(&hold.key) {
-                    entry.revision = next;
-                }
+            if self.write_on_revision(hold, &key, written).await? {
                 return Ok(true);
             }
         }

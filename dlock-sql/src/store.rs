@@ -1017,11 +1017,7 @@ impl Claim for SqlClaim {
         let waiter = self
             .waiter
             .get_or_insert_with(|| hub.subscribe(name.as_str()));
-        let until = if self.inner.sql.dialect == Dialect::Postgres {
-            until
-        } else {
-            self.backoff.next_wake_for(waiter, until)
-        };
+
         // SQLite: commits are seen as writes to the database's files (see
         // `file_wake`). The waiter is registered first, so a write seen
         // from the watch's start on is kept; one before it may have been
@@ -1029,9 +1025,13 @@ impl Claim for SqlClaim {
         if self.inner.watch_files() {
             return Ok(());
         }
-        tokio::select! {
-            _ = waiter.notified() => {}
-            _ = sleep_until(until) => {}
+        if self.inner.sql.dialect == Dialect::Postgres {
+            tokio::select! {
+                _ = waiter.notified() => {}
+                _ = sleep_until(until) => {}
+            }
+        } else {
+            waiter.wait_polling(&mut self.backoff, until).await;
         }
         Ok(())
     }

@@ -371,7 +371,8 @@ pub async fn session_close(h: &dyn Harness) -> Outcome {
 /// The retry repeats a close that has already happened: every adapter's
 /// close must be safe to repeat. Red before the core retried a close: "a
 /// close whose first reply never came gave Err(Unavailable .. close timed
-/// out)", as a loaded SQLite's close did in CI (`contention`).
+/// out)", as a loaded SQLite's close did in CI (`contention`, whose
+/// clients close after their last release: the second part).
 pub async fn close_retried_after_lost_reply(h: &dyn Harness) -> Outcome {
     let ctx = Ctx::new(h, "close_retried_after_lost_reply");
     let t = ctx.caps.ttl;
@@ -406,6 +407,17 @@ pub async fn close_retried_after_lost_reply(h: &dyn Harness) -> Outcome {
         );
         got.into_iter().next().expect("some").release().await?;
     }
+    // A session that holds nothing any more: its close is retried too (red
+    // before: a close with no holds had one try, as `contention`'s clients'
+    // do after their last release).
+    let (c, faults) = ctx.faulty_client().await?;
+    c.lock(&x)?.acquire().await?.release().await?;
+    faults.hang_close_replies(1);
+    let closed = c.close().await;
+    ensure!(
+        closed.is_ok(),
+        "a close without holds whose first reply never came gave {closed:?}"
+    );
     b.close().await?;
     passed()
 }

@@ -222,7 +222,7 @@ pub async fn many_waiters_one_handoff_each(h: &dyn Harness) -> Outcome {
 /// often as one waiter would: where waiters poll (no notification: the
 /// Mongo-wire server, SQLite without its file watch), only the
 /// longest-waiting one of a process polls, and the next takes over when it
-/// is granted the lock (`PollBackoff::next_wake_for`). 40 waiters wait 1.5 s
+/// is granted the lock (`Waiter::wait_polling`). 40 waiters wait 1.5 s
 /// on a lock held with a TTL long enough that neither the holder's expiry
 /// nor the fallback timer comes due; then every one gets it once. Red
 /// before on MongoDB: every waiter polled on its own, ~20 takes each

@@ -338,6 +338,9 @@ impl SessionState {
             crate::telemetry::sessions_open(self.scheme, -1.0);
         }
         self.shutdown.cancel();
+        // The session has ended even if this close is dropped while it
+        // retries: waits on it end with `SessionLost` (L5).
+        let ended = self.ended.clone().drop_guard();
         let give_up_at = self.close_give_up_at();
         let holds = self.take_holds(LostReason::Closed);
         let result = if was == CLOSED {
@@ -346,30 +349,23 @@ impl SessionState {
             self.until_confirmed("close", give_up_at, |_| self.raw.close(&holds))
                 .await
         };
-        self.ended.cancel();
+        drop(ended);
         self.tasks.close();
         let _ = timeout(self.timing.request_timeout * 2, self.tasks.wait()).await;
         tracing::debug!(target: crate::state::LOG_TARGET, session = %self.id, "session closed");
         result
     }
 
-    /// Until when a close is worth retrying: while what the session holds in
-    /// the store (its holds, and on a session store the session) could
-    /// still be there; later the store has freed it by itself. Read before
-    /// the holds are taken out.
+    /// Until when a close is worth retrying: while what the session may
+    /// have in the store could still be there. Its holds, grants whose
+    /// replies were lost (which a close frees too) and, on a session store,
+    /// the session itself were last taken or renewed by a request sent
+    /// before now, so the store frees them by itself within one TTL (plus
+    /// the drift) from now. Not only the known holds' deadlines: a session
+    /// whose guards were all released has none, and its close (SQLite's,
+    /// cut off behind busy writers in CI: `contention`) would get one try.
     fn close_give_up_at(&self) -> Instant {
-        let holds = self
-            .tenures
-            .lock()
-            .unwrap()
-            .values()
-            .map(|t| t.deadline())
-            .max();
-        let session = match self.expiry {
-            ExpiryModel::Session => Some(self.session_deadline()),
-            ExpiryModel::PerHold => None,
-        };
-        holds.max(session).unwrap_or_else(Instant::now) + self.timing.drift
+        Instant::now() + self.timing.ttl + self.timing.drift
     }
 
     /// Ends the session in the background, once its last [`KeepOpen`] is gone.

@@ -336,6 +336,7 @@ impl Backend for NatsBackend {
             inner: self.inner.clone(),
             id,
             ttl: options.ttl_value(),
+            request_timeout: options.request_timeout_or_default(),
             revisions: Revisions::default(),
         }))
     }

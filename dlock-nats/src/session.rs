@@ -22,6 +22,9 @@ pub(crate) struct NatsSession {
     pub(crate) inner: Arc<Inner>,
     pub(crate) id: SessionId,
     pub(crate) ttl: Duration,
+    /// The core's request timeout: how long a renewal write may outlive
+    /// its round (see `write_on_revision`).
+    pub(crate) request_timeout: Duration,
     pub(crate) revisions: Revisions,
 }
 
@@ -115,7 +118,10 @@ impl NatsSession {
     /// a write) and marked the connection as dead (the next requests went
     /// to a new one), so that under load each cut round made the next one
     /// slower, until holds were lost (`ten_thousand_names` in CI). The
-    /// task ends with its request's own time-out at the latest.
+    /// task gives up after twice the core's request timeout, so that a
+    /// silently dead connection is still replaced within about one
+    /// renewal period (L3: `renewal_on_dead_connection`), not only after
+    /// the request's own 5 s.
     async fn write_on_revision(
         &self,
         hold: &Hold,
@@ -124,10 +130,12 @@ impl NatsSession {
     ) -> Result<bool, Error> {
         let (inner, revisions) = (self.inner.clone(), self.revisions.clone());
         let (key, owner) = (key.to_owned(), hold.key.clone());
+        let limit = 2 * self.request_timeout;
         let write = tokio::spawn(async move {
-            let next = inner
-                .update_at(&key, written.value, written.revision)
-                .await?;
+            let update = inner.update_at(&key, written.value, written.revision);
+            let next = tokio::time::timeout(limit, update)
+                .await
+                .map_err(|_| Error::unavailable(SCHEME, "request timed out"))??;
             if let Some(next) = next {
                 // (only if still there: a release may have begun meanwhile;
                 // and never back: a later write may have answered first)

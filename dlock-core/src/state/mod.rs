@@ -365,7 +365,8 @@ impl SessionState {
     /// whose guards were all released has none, and its close (SQLite's,
     /// cut off behind busy writers in CI: `contention`) would get one try.
     fn close_give_up_at(&self) -> Instant {
-        Instant::now() + self.timing.ttl + self.timing.drift
+        // (the retry loop's clock: it counts time the host was suspended)
+        clock::now() + self.timing.ttl + self.timing.drift
     }
 
     /// Ends the session in the background, once its last [`KeepOpen`] is gone.

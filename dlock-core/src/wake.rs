@@ -108,6 +108,19 @@ impl Waiter {
             .is_some_and(|first| std::ptr::eq(first.as_ptr(), Arc::as_ptr(&self.notify)))
     }
 
+    /// Waits, for a store that notifies, until a wake-up or `until` (the
+    /// holder's expiry, the core's fallback timer); see
+    /// [`wait_polling`](Self::wait_polling) for a store that does not.
+    ///
+    /// # Cancel safety
+    /// Cancel safe.
+    pub async fn wait_until(&self, until: Instant) {
+        tokio::select! {
+            _ = self.notified() => {}
+            _ = sleep_until(until) => {}
+        }
+    }
+
     /// Waits, for a store without notifications, until this waiter should
     /// take again: a wake-up, `until` (the holder's expiry, the core's
     /// fallback timer), or its next poll ([`PollBackoff`]). One waiter per

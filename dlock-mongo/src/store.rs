@@ -14,7 +14,7 @@ use mongodb::bson::oid::ObjectId;
 use mongodb::bson::{Bson, Document};
 use mongodb::error::{ErrorKind, WriteFailure};
 use mongodb::options::ReturnDocument;
-use tokio::time::{Instant, sleep_until};
+use tokio::time::Instant;
 
 use crate::query::{self, HoldRef, STATE_HELD, TakeSpec};
 use crate::{Inner, SCHEME};
@@ -617,10 +617,7 @@ impl Claim for MongoClaim {
             .subscription
             .get_or_insert_with(|| hub.subscribe(name.as_str()));
         if self.inner.stream_live.load(Ordering::Acquire) {
-            tokio::select! {
-                _ = subscription.notified() => {}
-                _ = sleep_until(until) => {}
-            }
+            subscription.wait_until(until).await;
         } else {
             subscription.wait_polling(&mut self.backoff, until).await;
         }

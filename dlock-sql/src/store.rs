@@ -1017,7 +1017,6 @@ impl Claim for SqlClaim {
         let waiter = self
             .waiter
             .get_or_insert_with(|| hub.subscribe(name.as_str()));
-
         // SQLite: commits are seen as writes to the database's files (see
         // `file_wake`). The waiter is registered first, so a write seen
         // from the watch's start on is kept; one before it may have been
@@ -1026,10 +1025,7 @@ impl Claim for SqlClaim {
             return Ok(());
         }
         if self.inner.sql.dialect == Dialect::Postgres {
-            tokio::select! {
-                _ = waiter.notified() => {}
-                _ = sleep_until(until) => {}
-            }
+            waiter.wait_until(until).await;
         } else {
             waiter.wait_polling(&mut self.backoff, until).await;
         }

@@ -10,6 +10,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::time::Instant;
 
 use serde_json::Value;
 
@@ -130,8 +131,12 @@ fn check(name: &str, report: &Value, failures: &mut Vec<String>) {
             bad.push(format!("only {} acquisitions", row["acquisitions"]));
         }
         eprintln!(
-            "{name}/{profile}: {} acquisitions, {} faults, {} overlaps, verdict {}",
-            row["acquisitions"], row["faults"], row["overlaps"], row["verdict"]
+            "{name}/{profile}: {} acquisitions, {} faults, {} overlaps, verdict {}, {:.1} s",
+            row["acquisitions"],
+            row["faults"],
+            row["overlaps"],
+            row["verdict"],
+            row["seconds"].as_f64().unwrap_or(f64::NAN)
         );
         if let Some(e) = row["first_server_error"].as_str() {
             eprintln!("{name}/{profile}: a server command failed: {e}");
@@ -160,7 +165,9 @@ fn every_profile_on_every_server() {
             let out = dir.path().join(name);
             runs.push((name, spawn(&with_options(&url, extra), servers, &out), out));
         }
+        let (started, names) = (Instant::now(), runs.iter().map(|r| r.0).collect::<Vec<_>>());
         collect(runs, &mut failures);
+        eprintln!("== {} in {:.0?}", names.join(", "), started.elapsed());
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }

@@ -132,8 +132,8 @@
 //!   each is a committed write: the take's new token must be durable before
 //!   the grant is reported (S2), and the release frees the row. The
 //!   database's own `pg_advisory_lock` / `GET_LOCK` writes nothing, so a
-//!   fenced lock hands over at about a quarter of its rate on the same
-//!   server (BENCHMARKS.md: ~3,100 against ~11,500–14,400 handoffs/s). That
+//!   fenced lock hands over at a fifth to a third of its rate on the same
+//!   server (BENCHMARKS.md: 0.22–0.31× in turns with it, in one run). That
 //!   is the price of tokens that survive a restart, not of the queue.
 //! * Fair on PostgreSQL and MySQL with the queue (L4); not on SQLite, a
 //!   single file with no lock manager to queue in (whoever asks first after

@@ -37,6 +37,14 @@ pub struct Capabilities {
     /// hosts say. `false` for a quorum (Redlock, etcd, ZooKeeper), where a
     /// client cut off from a minority of the hosts still decides.
     pub sharded: bool,
+    /// A take the client cut off in flight (its request timeout, a dropped
+    /// acquire) that reaches the store only after its attempt ended (the
+    /// hold released, the claim abandoned) grants nothing, also after other
+    /// attempts took and released the lock in between (S5). Without it such
+    /// a take holds the lock for up to one TTL after its release, on no
+    /// one's behalf (per-hold expiry; fencing still orders every later
+    /// grant after it).
+    pub refuses_late_takes: bool,
     /// Bound on release → a waiting client's grant, from the store's
     /// notification or poll period (generous: it catches a fixed slow poll).
     pub wakeup_bound: Duration,
@@ -57,6 +65,7 @@ impl Default for Capabilities {
             survives_reconnect: false,
             restart_loses_locks: true,
             sharded: false,
+            refuses_late_takes: false,
             wakeup_bound: Duration::from_millis(250),
             recovery_bound: Duration::from_secs(1),
         }
@@ -68,7 +77,8 @@ impl Capabilities {
     /// write before acknowledging it promises, when each waiter watches only
     /// the key ahead of it and a session outlives its connection (etcd,
     /// ZooKeeper): held locks and tokens survive restarts, waiters are
-    /// granted in order, one release wakes one waiter within 150 ms.
+    /// granted in order, one release wakes one waiter within 150 ms, and a
+    /// take delivered after its attempt ended creates nothing.
     /// `recovery_bound` is how late the store judges a session's expiry.
     pub fn watched_queue(recovery_bound: Duration) -> Self {
         Self {
@@ -79,6 +89,7 @@ impl Capabilities {
             survives_reconnect: true,
             restart_loses_locks: false,
             sharded: false,
+            refuses_late_takes: true,
             wakeup_bound: Duration::from_millis(150),
             recovery_bound,
         }
@@ -96,6 +107,7 @@ mod tests {
         let c = Capabilities::watched_queue(Duration::from_millis(1500));
         assert!(c.fair && c.durable_tokens && c.notify_wakeup && c.no_herd);
         assert!(c.survives_reconnect && !c.restart_loses_locks);
+        assert!(c.refuses_late_takes);
         assert_eq!(c.wakeup_bound, Duration::from_millis(150));
         assert_eq!(c.recovery_bound, Duration::from_millis(1500));
     }

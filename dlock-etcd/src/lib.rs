@@ -172,7 +172,8 @@ impl EtcdAdapter {
         // global revision, persisted by raft before it is acknowledged);
         // a waiter hears of the deletions ahead of it; the lease, not the
         // connection, carries the session. The leader checks lease expiry
-        // every 500 ms, and may run up to that late.
+        // every 500 ms, and may run up to that late. A doubtful attempt's
+        // key gets a tombstone that refuses its late create.
         Capabilities::watched_queue(Duration::from_millis(1500))
     }
 }

@@ -723,6 +723,9 @@ impl Backend for MongoBackend {
         // A session is its lock documents' `expiresAt`: nothing in the store
         // dies with a connection.
         caps.survives_reconnect = true;
+        // An attempt that ends while a take of it may still be on the wire
+        // joins its document's `ended` list, which that take meets.
+        caps.refuses_late_takes = true;
         caps
     }
 

@@ -85,7 +85,8 @@ pub(crate) fn take_filter(name: &LockName) -> Document {
 }
 
 /// The take's update: one pipeline stage that replaces the document with
-/// itself plus the new holder **if** it is free or expired by `$$NOW`;
+/// itself plus the new holder **if** it is free or expired by `$$NOW` (and
+/// the attempt has not ended: [`tombstone_update`]);
 /// extends it to `$$NOW + ttl` (keeping the token) if this attempt already
 /// holds it — a retry after a lost reply, whose validity the core counts from
 /// the retry — and leaves it untouched (a server-side no-op, no oplog entry)
@@ -122,7 +123,7 @@ pub(crate) fn take_update(spec: &TakeSpec<'_>) -> Vec<Document> {
     vec![doc! {
         "$replaceWith": {
             "$cond": {
-                "if": is_expired(),
+                "if": { "$and": [is_expired(), unended(spec.owner)] },
                 "then": { "$mergeObjects": ["$$ROOT", holder] },
                 "else": {
                     "$cond": {
@@ -134,6 +135,26 @@ pub(crate) fn take_update(spec: &TakeSpec<'_>) -> Vec<Document> {
             }
         }
     }]
+}
+
+/// How many ended attempts a lock's document remembers (see
+/// [`tombstone_update`]).
+pub(crate) const ENDED_KEPT: i64 = 32;
+
+/// Expression: attempt `owner` has not ended with a take of it on the wire
+/// (its tombstone is not in the document's `ended` list).
+fn unended(owner: &str) -> Document {
+    doc! { "$not": [{ "$in": [literal(owner), { "$ifNull": ["$ended", []] }] }] }
+}
+
+/// Adds attempt `owner`, which ends while a take of it may still be on the
+/// wire, to the document's `ended` list (the last [`ENDED_KEPT`] such
+/// attempts of the lock, whatever their age): that take, landing later,
+/// grants nothing ([`take_update`]), whoever took and freed the lock in
+/// between. Written before the update that frees the attempt's hold.
+pub(crate) fn tombstone_update(owner: &str) -> Vec<Document> {
+    let ended = doc! { "$concatArrays": [{ "$ifNull": ["$ended", []] }, [literal(owner)]] };
+    vec![doc! { "$set": { "ended": { "$slice": [ended, -ENDED_KEPT] } } }]
 }
 
 /// `max(expiresAt, $$NOW + ttl)`: a renewal never shortens a hold.

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use dlock_core::backend::{Busy, Claim, ExpiryModel, Hold, RawSession, Take};
+use dlock_core::backend::{Busy, Claim, Doubtful, ExpiryModel, Hold, RawSession, Take};
 use dlock_core::{Error, FencingToken, LockName, SessionId, SessionOptions};
 use futures::TryStreamExt;
 use mongodb::bson::oid::ObjectId;
@@ -295,6 +295,41 @@ pub(crate) struct MongoSession {
     stall: Duration,
     /// Whether a background ping is in flight (at most one).
     pinging: Arc<AtomicBool>,
+    /// Attempts with a take that may still be on the wire: their end leaves
+    /// a tombstone first.
+    doubtful: Doubtful,
+}
+
+/// Leaves attempt `owner`'s tombstone in `name`'s document (see
+/// [`query::tombstone_update`]), creating the document if need be.
+async fn leave_tombstone(
+    inner: &Inner,
+    name: &LockName,
+    owner: &str,
+    stall: Duration,
+) -> Result<(), Error> {
+    for _ in 0..2 {
+        let op = inner.clients.op(Some(stall));
+        let r = op
+            .conn
+            .locks
+            .update_one(query::take_filter(name), query::tombstone_update(owner))
+            .await;
+        if op.done(r).map_err(map_err)?.matched_count > 0 {
+            return Ok(());
+        }
+        // No document (never taken): created as a take would, then marked.
+        let op = inner.clients.op(Some(stall));
+        let inserted = op.conn.locks.insert_one(query::take_filter(name)).await;
+        match op.done(inserted) {
+            Err(e) if error_code(&e) != Some(DUPLICATE_KEY) => return Err(map_err(e)),
+            _ => {}
+        }
+    }
+    Err(Error::unavailable(
+        SCHEME,
+        "the lock's document is missing right after it was created",
+    ))
 }
 
 impl MongoSession {
@@ -310,6 +345,7 @@ impl MongoSession {
             ttl: options.ttl_value(),
             stall: options.request_timeout_or_default() * 9 / 10,
             pinging: Arc::new(AtomicBool::new(false)),
+            doubtful: Doubtful::default(),
         };
         session.ping(true).await?;
         Ok(session)
@@ -401,6 +437,7 @@ impl RawSession for MongoSession {
             ttl: self.ttl,
             stall: self.stall,
             sent: false,
+            doubtful: self.doubtful.clone(),
             backoff: PollBackoff::default(),
         }))
     }
@@ -459,6 +496,10 @@ impl RawSession for MongoSession {
     }
 
     async fn release(&self, hold: &Hold) -> Result<(), Error> {
+        let doubtful = self.doubtful.is_doubtful(&hold.key);
+        if doubtful {
+            leave_tombstone(&self.inner, &hold.name, &hold.key, self.stall).await?;
+        }
         let op = self.inner.clients.op(Some(self.stall));
         let r = op
             .conn
@@ -469,6 +510,9 @@ impl RawSession for MongoSession {
             )
             .await;
         let done = op.done(r).map_err(map_err)?;
+        if doubtful {
+            self.doubtful.end(&hold.key);
+        }
         if done.matched_count == 0 {
             return Err(Error::NotHeld {
                 name: hold.name.to_string(),
@@ -479,6 +523,12 @@ impl RawSession for MongoSession {
     }
 
     async fn close(&self, holds: &[Hold]) -> Result<(), Error> {
+        for hold in holds {
+            if self.doubtful.is_doubtful(&hold.key) {
+                leave_tombstone(&self.inner, &hold.name, &hold.key, self.stall).await?;
+                self.doubtful.end(&hold.key);
+            }
+        }
         let op = self.inner.clients.op(Some(self.stall));
         let r = op
             .conn
@@ -518,6 +568,8 @@ struct MongoClaim {
     subscription: Option<Waiter>,
     /// Whether a take was sent (so a grant may exist that abandon must free).
     sent: bool,
+    /// The session's doubtful attempts (see [`MongoSession`]).
+    doubtful: Doubtful,
     backoff: PollBackoff,
 }
 
@@ -530,9 +582,10 @@ impl fmt::Debug for MongoClaim {
     }
 }
 
-#[async_trait]
-impl Claim for MongoClaim {
-    async fn try_take(&mut self) -> Result<Take, Error> {
+impl MongoClaim {
+    /// The take itself: creates the lock's document if missing, then one
+    /// `findAndModify`.
+    async fn take(&mut self) -> Result<Take, Error> {
         self.sent = true;
         let ts = ObjectId::new();
         let spec = TakeSpec {
@@ -610,6 +663,19 @@ impl Claim for MongoClaim {
             })),
         }
     }
+}
+
+#[async_trait]
+impl Claim for MongoClaim {
+    /// Doubtful until answered (see [`Doubtful`]).
+    async fn try_take(&mut self) -> Result<Take, Error> {
+        let sending = self.doubtful.sending(&self.owner);
+        let taken = self.take().await;
+        if taken.is_ok() {
+            sending.answered();
+        }
+        taken
+    }
 
     async fn wait(&mut self, until: Instant) -> Result<(), Error> {
         let (hub, name) = (&self.inner.hub, &self.name);
@@ -631,6 +697,10 @@ impl Claim for MongoClaim {
         if !self.sent {
             return Ok(());
         }
+        let doubtful = self.doubtful.is_doubtful(&self.owner);
+        if doubtful {
+            leave_tombstone(&self.inner, &self.name, &self.owner, self.stall).await?;
+        }
         let op = self.inner.clients.op(Some(self.stall));
         let r = op
             .conn
@@ -641,6 +711,9 @@ impl Claim for MongoClaim {
             )
             .await;
         let done = op.done(r).map_err(map_err)?;
+        if doubtful {
+            self.doubtful.end(&self.owner);
+        }
         if done.matched_count > 0 {
             self.inner.hub.wake_first(self.name.as_str());
         }

@@ -851,6 +851,9 @@ fn capabilities(options: &RedisOptions) -> Capabilities {
     caps.restart_loses_locks = !options.restart_guard;
     // A Redis Cluster keeps each name on the master of its slot.
     caps.sharded = options.cluster;
+    // An attempt that ends with a take of it unanswered leaves a tombstone
+    // in the lock's slot that refuses that take for two minutes (or a TTL).
+    caps.refuses_late_takes = true;
     caps
 }
 

@@ -17,6 +17,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use dlock_core::backend::Doubtful;
 use dlock_core::wake::{Waiter, WakeHub};
 use dlock_core::{Error, FencingToken, LockInfo, LockName};
 use futures::StreamExt;
@@ -41,6 +42,12 @@ fn receipt_ms(cluster: bool, limit: Duration) -> u64 {
     u64::try_from(limit.as_millis().saturating_mul(2))
         .unwrap_or(u64::MAX)
         .max(10_000)
+}
+
+/// The tombstone key of attempt `owner` on the lock of `keys` (in the
+/// lock's slot).
+fn tombstone_key(keys: &Keys, owner: &str) -> String {
+    format!("{}:{owner}", keys.tombstone)
 }
 
 /// A fresh receipt key for one release request of the lock of `keys`
@@ -255,6 +262,8 @@ pub(crate) struct Keys {
     pub(crate) last: String,
     /// The prefix of a release's receipt key (see [`script::RELEASE`]).
     pub(crate) receipt: String,
+    /// The prefix of an attempt's tombstone key (see [`script::RELEASE`]).
+    pub(crate) tombstone: String,
     pub(crate) channel: String,
     pub(crate) boot: String,
 }
@@ -267,6 +276,7 @@ impl Keys {
         Self {
             last: format!("{lock}:t"),
             receipt: format!("{lock}:r"),
+            tombstone: format!("{lock}:x"),
             channel: format!("{lock}:c"),
             boot: boot_key(prefix, cluster.then(|| slots::slot(name.as_str()))),
             lock,
@@ -813,6 +823,7 @@ impl Node {
             .key(&keys.lock)
             .key(&keys.last)
             .key(&keys.boot)
+            .key(tombstone_key(keys, owner))
             .arg(owner)
             .arg(session)
             .arg(why)
@@ -824,6 +835,14 @@ impl Node {
                 invocation.invoke_async(&mut c).await
             })
             .await?;
+        if granted == -1 {
+            // Only a late copy meets its attempt's tombstone, and no one
+            // waits for its answer.
+            return Err(Error::protocol(
+                BACKEND,
+                "a take arrived after its attempt ended (tombstone)",
+            ));
+        }
         Ok(if granted == 1 {
             let token = u64::try_from(value)
                 .ok()
@@ -835,12 +854,16 @@ impl Node {
         })
     }
 
-    /// Owner-checked release; `token: None` releases whatever this owner holds.
+    /// Owner-checked release; `token: None` releases whatever this owner
+    /// holds. With `end` the attempt ends, and a take of it may still be
+    /// on the wire: its tombstone refuses that take (see
+    /// [`script::RELEASE`]).
     pub(crate) async fn release(
         &self,
         keys: &Keys,
         owner: &str,
         token: Option<FencingToken>,
+        end: Option<Duration>,
         limit: Duration,
     ) -> Result<bool, Error> {
         let token = token.map(|t| t.get().to_string()).unwrap_or_default();
@@ -849,11 +872,13 @@ impl Node {
             .key(&keys.lock)
             .key(&keys.last)
             .key(receipt_key(keys))
+            .key(tombstone_key(keys, owner))
             .arg(owner)
             .arg(token)
             .arg(&keys.channel)
             .arg(self.keep_last_ms)
-            .arg(receipt_ms(self.commands.target.is_cluster(), limit));
+            .arg(receipt_ms(self.commands.target.is_cluster(), limit))
+            .arg(end.map_or(0, |ttl| Doubtful::tombstone_life(ttl).as_millis() as u64));
         let released: i64 = self
             .request(limit, |mut c| async move {
                 invocation.invoke_async(&mut c).await

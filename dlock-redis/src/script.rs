@@ -90,10 +90,12 @@ fn with_set_last(body: &str) -> Script {
     Script::new(&format!("{SET_LAST}\n{body}"))
 }
 
-/// Take if free. KEYS: lock, last, boot. ARGV: owner, session, why, ttl_ms,
-/// keep_last_ms, min_uptime_ms. Returns `{1, token}` (granted, also when
-/// this owner already holds it — then the expiry is extended too) or
-/// `{0, ms_until_retry}` (busy, or the restart guard is on).
+/// Take if free. KEYS: lock, last, boot, the attempt's tombstone. ARGV:
+/// owner, session, why, ttl_ms, keep_last_ms, min_uptime_ms. Returns
+/// `{1, token}` (granted, also when this owner already holds it — then the
+/// expiry is extended too), `{0, ms_until_retry}` (busy, or the restart
+/// guard is on) or `{-1, 0}`: the attempt ended while this take was on the
+/// wire (its tombstone exists, see [`RELEASE`]), and it grants nothing.
 pub(crate) static TAKE: LazyLock<Script> = LazyLock::new(|| {
     guarded(
         r#"
@@ -101,6 +103,7 @@ local t = redis.call('TIME')
 local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local wait = guard_wait(KEYS[3], tonumber(ARGV[6]), math.floor(now_us / 1000))
 if wait > 0 then return {0, wait} end
+if redis.call('EXISTS', KEYS[4]) == 1 then return {-1, 0} end
 local owner = redis.call('HGET', KEYS[1], 'owner')
 if owner then
   if owner == ARGV[1] then
@@ -122,8 +125,13 @@ return {1, token}
     )
 });
 
-/// Owner-checked release. KEYS: lock, last, receipt. ARGV: owner, token
-/// (`""`: any), channel, keep_last_ms, receipt_ms. Returns 1 if released,
+/// Owner-checked release. KEYS: lock, last, receipt, the attempt's
+/// tombstone. ARGV: owner, token (`""`: any), channel, keep_last_ms,
+/// receipt_ms, tombstone_ms. With `tombstone_ms` > 0 (the attempt ends
+/// while a take of it may still be on the wire: `Doubtful`) it first
+/// leaves the attempt's tombstone for that long, whoever holds the lock
+/// now: a take of the attempt that lands later, even after other attempts'
+/// grants and releases, is refused (see [`TAKE`]). Returns 1 if released,
 /// by this request or by an earlier sending of the very same request: a
 /// release leaves a receipt key of its own (named by 64 random bits per
 /// request) for `receipt_ms`, so that a request sent again after its reply
@@ -141,6 +149,7 @@ pub(crate) static RELEASE: LazyLock<Script> = LazyLock::new(|| {
     with_set_last(
         r#"
 local keep_receipt = tonumber(ARGV[5]) > 0
+if tonumber(ARGV[6]) > 0 then redis.call('SET', KEYS[4], '1', 'PX', ARGV[6]) end
 if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then
   if keep_receipt then return redis.call('EXISTS', KEYS[3]) end
   return 0

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use dlock_core::backend::{
-    Busy, Claim, ExpiryModel, Hold, RawSession, RenewalReport, Renewed, Take,
+    Busy, Claim, Doubtful, ExpiryModel, Hold, RawSession, RenewalReport, Renewed, Take,
 };
 use dlock_core::{Error, FencingToken, LockName, SessionId};
 use futures::future::join_all;
@@ -22,6 +22,9 @@ pub(crate) struct RedisSession {
     ttl: Duration,
     /// How long one node may take to answer one of this session's requests.
     limit: Duration,
+    /// Attempts with a take that may still be on the wire: their end leaves
+    /// a tombstone.
+    doubtful: Doubtful,
 }
 
 impl RedisSession {
@@ -31,7 +34,31 @@ impl RedisSession {
             id,
             ttl,
             limit,
+            doubtful: Doubtful::default(),
         }
+    }
+
+    /// Releases `hold` everywhere; the end of its attempt, so a doubtful
+    /// one leaves its tombstone (forgotten once a node answered: a retry
+    /// after lost replies leaves it again).
+    async fn end_hold(&self, hold: &Hold) -> Result<usize, Error> {
+        let keys = Keys::new(
+            &self.inner.options.prefix,
+            &hold.name,
+            self.inner.options.cluster,
+        );
+        let end = self.doubtful.is_doubtful(&hold.key).then_some(self.ttl);
+        let released = release_everywhere(
+            &self.inner,
+            &keys,
+            &hold.key,
+            Some(hold.token),
+            end,
+            self.limit,
+        )
+        .await?;
+        self.doubtful.end(&hold.key);
+        Ok(released)
     }
 
     /// Whether `hold` was issued to this session (S3: another session's
@@ -49,20 +76,22 @@ impl fmt::Debug for RedisSession {
     }
 }
 
-/// Releases `owner`'s hold (any token if `None`) on every node; how many
+/// Releases `owner`'s hold (any token if `None`) on every node; with `end`
+/// (the attempt's TTL) its attempt ends and leaves a tombstone. How many
 /// nodes released it.
 async fn release_everywhere(
     inner: &Inner,
     keys: &Keys,
     owner: &str,
     token: Option<FencingToken>,
+    end: Option<Duration>,
     limit: Duration,
 ) -> Result<usize, Error> {
     let answers = join_all(
         inner
             .nodes
             .iter()
-            .map(|n| n.release(keys, owner, token, limit)),
+            .map(|n| n.release(keys, owner, token, end, limit)),
     )
     .await;
     let (released, answered) = count(answers)?;
@@ -94,6 +123,7 @@ impl RawSession for RedisSession {
             ttl: self.ttl,
             limit: self.limit,
             sent: false,
+            doubtful: self.doubtful.clone(),
             subscriptions: None,
             backoff: None,
         }))
@@ -169,13 +199,7 @@ impl RawSession for RedisSession {
         if !self.owns(hold) {
             return Err(not_held());
         }
-        let keys = Keys::new(
-            &self.inner.options.prefix,
-            &hold.name,
-            self.inner.options.cluster,
-        );
-        let released =
-            release_everywhere(&self.inner, &keys, &hold.key, Some(hold.token), self.limit).await?;
+        let released = self.end_hold(hold).await?;
         if released == 0 {
             Err(not_held())
         } else {
@@ -184,14 +208,10 @@ impl RawSession for RedisSession {
     }
 
     async fn close(&self, holds: &[Hold]) -> Result<(), Error> {
-        let releases = holds.iter().filter(|h| self.owns(h)).map(|h| async move {
-            let keys = Keys::new(
-                &self.inner.options.prefix,
-                &h.name,
-                self.inner.options.cluster,
-            );
-            release_everywhere(&self.inner, &keys, &h.key, Some(h.token), self.limit).await
-        });
+        let releases = holds
+            .iter()
+            .filter(|h| self.owns(h))
+            .map(|h| self.end_hold(h));
         for r in join_all(releases).await {
             r?;
         }
@@ -212,6 +232,8 @@ struct RedisClaim {
     limit: Duration,
     /// Whether a take was sent (abandon must then release everywhere).
     sent: bool,
+    /// The session's doubtful attempts (see [`RedisSession`]).
+    doubtful: Doubtful,
     /// Channel subscriptions, made at the first wait.
     subscriptions: Option<Vec<Subscription>>,
     /// After a split vote (some nodes granted, no majority), the next wait is
@@ -233,6 +255,10 @@ impl fmt::Debug for RedisClaim {
 impl Claim for RedisClaim {
     async fn try_take(&mut self) -> Result<Take, Error> {
         self.sent = true;
+        // Doubtful until every node answered: a take cut off here, or one
+        // that failed on a node (its request may still reach it), may land
+        // after this attempt ended.
+        let sending = self.doubtful.sending(&self.owner);
         let inner = &self.inner;
         let min_uptime = inner.min_uptime();
         let answers = join_all(inner.nodes.iter().map(|n| {
@@ -247,6 +273,9 @@ impl Claim for RedisClaim {
             )
         }))
         .await;
+        if answers.iter().all(Result::is_ok) {
+            sending.answered();
+        }
         let mut tokens = Vec::new();
         let mut retry_after: Option<Duration> = None;
         let mut answered = 0;
@@ -280,7 +309,8 @@ impl Claim for RedisClaim {
         // No majority: undo the partial grant at once so that others (and
         // our retry) are not blocked until those keys expire.
         if !tokens.is_empty() {
-            let _ = release_everywhere(inner, &self.keys, &self.owner, None, self.limit).await;
+            let _ =
+                release_everywhere(inner, &self.keys, &self.owner, None, None, self.limit).await;
             let spread = Duration::from_millis(2 + 3 * inner.nodes.len() as u64);
             self.backoff = Some(spread.mul_f64(rand::random::<f64>()));
         }
@@ -326,7 +356,9 @@ impl Claim for RedisClaim {
         // attempt while it retries the clean-up).
         self.subscriptions = None;
         if self.sent {
-            release_everywhere(&self.inner, &self.keys, &self.owner, None, self.limit).await?;
+            let end = self.doubtful.is_doubtful(&self.owner).then_some(self.ttl);
+            release_everywhere(&self.inner, &self.keys, &self.owner, None, end, self.limit).await?;
+            self.doubtful.end(&self.owner);
         }
         Ok(())
     }

@@ -135,6 +135,21 @@ pub(crate) const MYSQL_OFFSET: i64 = 1 << 50;
 /// `max_allowed_packet`).
 pub(crate) const RENEW_CHUNK: usize = 16_384;
 
+/// Where the tombstones' names start: `%` is in no lock name.
+const TOMBSTONE: &str = "%x/";
+/// Just past them (`0` follows `/`).
+const TOMBSTONE_END: &str = "%x0";
+
+/// The tombstone row's name of attempt `owner` (its last 200 bytes, which
+/// hold its random part, within every dialect's key length).
+pub(crate) fn tombstone_of(owner: &str) -> String {
+    let tail = owner.len().saturating_sub(200);
+    let tail = (tail..=owner.len())
+        .find(|i| owner.is_char_boundary(*i))
+        .unwrap_or(owner.len());
+    format!("{TOMBSTONE}{}", &owner[tail..])
+}
+
 /// Every statement the adapter runs, prepared for one dialect and table.
 #[derive(Debug)]
 pub(crate) struct Statements {
@@ -148,6 +163,13 @@ pub(crate) struct Statements {
     pub(crate) take: Sql,
     /// The holder's remaining ms (SQLite and MySQL after a busy take).
     pub(crate) state: Sql,
+    /// Leaves the tombstone `?1` (see [`tombstone_of`]) of an attempt that
+    /// ends while a take of it may still be on the wire, for `?2` ms: the
+    /// take refuses to insert or update anything while it lives. A row
+    /// with no holder, so no lock to anyone who lists or inspects.
+    pub(crate) tombstone: Sql,
+    /// Deletes the tombstones that have run out.
+    pub(crate) sweep: Sql,
     pub(crate) release: Sql,
     pub(crate) abandon: Sql,
     /// Extends the listed live holds of a session (`?3`, see
@@ -224,7 +246,12 @@ impl Statements {
             ],
         };
         let columns = "INSERT INTO {t} (name, holder, owner, token, why, acquired_at, expires_at)";
-        let values = "VALUES (?1, ?2, ?3, 1, ?4, {now}, {now} + ?5)";
+        // No row to insert or update while the attempt's tombstone `?8`
+        // lives: the attempt ended, and this is a late copy of its take
+        // (see `tombstone`).
+        let unended = "NOT EXISTS (SELECT 1 FROM {t} AS ended \
+             WHERE ended.name = ?8 AND ended.expires_at > {now})";
+        let values = format!("SELECT ?1, ?2, ?3, 1, ?4, {{now}}, {{now}} + ?5 WHERE {unended}");
         // Taken when free or expired (a new grant: token + 1, S2) unless
         // this very attempt released or abandoned it (a late copy of its
         // take), or when this attempt holds it already (same token, expiry
@@ -294,7 +321,8 @@ impl Statements {
                 };
                 let granted = format!("LAST_INSERT_ID() < {MYSQL_BUSY}");
                 sql(&format!(
-                    "{columns} VALUES (?1, ?2, ?3, LAST_INSERT_ID(1), ?4, {{now}}, {{now}} + ?5) \
+                    "{columns} SELECT ?1, ?2, ?3, LAST_INSERT_ID(1), ?4, {{now}}, {{now}} + ?5 \
+                     FROM DUAL WHERE {unended} \
                      ON DUPLICATE KEY UPDATE \
                      token = IF(({fresh}) AND {queue}, LAST_INSERT_ID(token + 1), \
                      IF({mine}, LAST_INSERT_ID(token), \
@@ -354,6 +382,18 @@ impl Statements {
             create,
             take,
             state: sql("SELECT expires_at - {now} FROM {t} WHERE name = ?1"),
+            tombstone: sql(&format!(
+                "INSERT INTO {{t}} (name, holder, owner, token, why, acquired_at, expires_at) \
+                 VALUES (?1, NULL, NULL, 0, NULL, {{now}}, {{now}} + ?2) {}",
+                match dialect {
+                    Dialect::MySql => "ON DUPLICATE KEY UPDATE expires_at = VALUES(expires_at)",
+                    _ => "ON CONFLICT (name) DO UPDATE SET expires_at = excluded.expires_at",
+                }
+            )),
+            sweep: sql(&format!(
+                "DELETE FROM {{t}} WHERE name >= '{TOMBSTONE}' AND name < '{TOMBSTONE_END}' \
+                 AND expires_at <= {{now}}"
+            )),
             release: sql(&format!(
                 "UPDATE {{t}} SET {free} WHERE name = ?1 AND owner = ?2 AND token = ?3 \
                  AND holder = ?4 AND expires_at > {{now}}{}",

@@ -208,6 +208,10 @@ impl SqlOptions {
     ///   declared fair and herd-free. SQLite, or `dlock_queue=0`, has no
     ///   queue: whoever asks first after a release wins, and one release
     ///   may wake one waiter per process.
+    /// * An attempt that ends while a take of it may still be on the wire
+    ///   leaves a tombstone row (named `%x/` and the attempt, no holder)
+    ///   for two minutes, or a TTL if longer: the take refuses to insert or
+    ///   update anything while it lives.
     pub fn capabilities(&self) -> Capabilities {
         let listens = self.dialect == Dialect::Postgres;
         let mut caps = Capabilities::default();
@@ -218,6 +222,9 @@ impl SqlOptions {
         caps.notify_wakeup = listens;
         caps.wakeup_bound = Duration::from_millis(if listens { 150 } else { 300 });
         caps.recovery_bound = Duration::from_secs(1);
+        // A doubtful attempt's end leaves a tombstone row that its late
+        // take meets (`Statements::tombstone`).
+        caps.refuses_late_takes = true;
         caps
     }
 

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use dlock_core::backend::{Busy, Claim, ExpiryModel, Hold, RawSession, Take};
+use dlock_core::backend::{Busy, Claim, Doubtful, ExpiryModel, Hold, RawSession, Take};
 use dlock_core::wake::{PollBackoff, Waiter};
 use dlock_core::{Error, LockName, SessionId};
 use sqlx::any::{AnyArguments, AnyQueryResult, AnyRow};
@@ -21,7 +21,7 @@ use tokio::time::{Instant, sleep_until, timeout};
 
 use crate::conns::{Conns, Slot};
 use crate::dialect::{
-    Arg, Close, Dialect, LaneRelease, MYSQL_BUSY, MYSQL_OFFSET, RENEW_CHUNK, Sql,
+    Arg, Close, Dialect, LaneRelease, MYSQL_BUSY, MYSQL_OFFSET, RENEW_CHUNK, Sql, tombstone_of,
 };
 use crate::queue::{QueueKey, Queued, grace_ms};
 use crate::{Inner, token_of};
@@ -442,6 +442,33 @@ pub(crate) struct SqlSession {
     id: SessionId,
     ttl: Duration,
     lanes: Arc<HeldLanes>,
+    /// Attempts with a take that may still be on the wire: their end leaves
+    /// a tombstone first.
+    doubtful: Doubtful,
+}
+
+/// Leaves the tombstone of attempt `owner`, which ends while a take of it
+/// may still be on the wire (see `Statements::tombstone`), before the
+/// statement that frees its row: a take landing after that is refused,
+/// whoever took and freed the lock in between. Sweeps the tombstones that
+/// ran out (one per faulty attempt: rare).
+async fn leave_tombstone(inner: &Inner, owner: &str, ttl: Duration) -> Result<(), Error> {
+    let scheme = inner.sql.dialect.scheme();
+    let life = Doubtful::tombstone_life(ttl).as_millis() as i64;
+    let name = tombstone_of(owner);
+    let mut conn = Conn::get(inner).await?;
+    conn.execute(
+        inner
+            .sql
+            .tombstone
+            .bind(&[Arg::Text(&name), Arg::Int(life)]),
+    )
+    .await
+    .map_err(|e| map_err(scheme, e))?;
+    if let Err(e) = conn.execute(inner.sql.sweep.bind(&[])).await {
+        tracing::debug!(error = %map_err(scheme, e), "sweeping tombstones failed");
+    }
+    Ok(())
 }
 
 /// The lanes of holds granted through the wait queue, by lock name and
@@ -513,6 +540,7 @@ impl SqlSession {
             inner,
             id,
             ttl,
+            doubtful: Doubtful::default(),
         }
     }
 
@@ -653,6 +681,7 @@ impl RawSession for SqlSession {
             Some(_) => None,
             None => Some(self.inner.hub.subscribe(name.as_str())),
         };
+        let owner = self.id.claim_owner();
         Ok(Box::new(SqlClaim {
             waiter,
             key: self.inner.queue_key(name),
@@ -661,9 +690,10 @@ impl RawSession for SqlSession {
             inner: self.inner.clone(),
             session: self.id.clone(),
             name: name.clone(),
-            owner: self.id.claim_owner(),
+            owner,
             why: why.map(str::to_owned),
             ttl_ms: self.ttl_ms(),
+            doubtful: self.doubtful.clone(),
             sent: false,
             in_flight: Vec::new(),
             backoff: PollBackoff::default(),
@@ -697,6 +727,10 @@ impl RawSession for SqlSession {
     }
 
     async fn release(&self, hold: &Hold) -> Result<(), Error> {
+        let doubtful = self.doubtful.is_doubtful(&hold.key);
+        if doubtful {
+            leave_tombstone(&self.inner, &hold.key, self.ttl).await?;
+        }
         let freed = match self.lanes.take(&hold.name, &hold.key) {
             Some(lane) => self.release_on_lane(lane, hold).await,
             None => {
@@ -709,6 +743,9 @@ impl RawSession for SqlSession {
             }
         }
         .map_err(|e| map_err(self.scheme(), e))?;
+        if doubtful {
+            self.doubtful.end(&hold.key);
+        }
         if freed == 0 {
             return Err(Error::NotHeld {
                 name: hold.name.to_string(),
@@ -725,6 +762,12 @@ impl RawSession for SqlSession {
     /// TTL later, as it would without a close), elsewhere every row the
     /// session holds.
     async fn close(&self, holds: &[Hold]) -> Result<(), Error> {
+        for hold in holds {
+            if self.doubtful.is_doubtful(&hold.key) {
+                leave_tombstone(&self.inner, &hold.key, self.ttl).await?;
+                self.doubtful.end(&hold.key);
+            }
+        }
         let sql = &self.inner.sql;
         let id = Arg::Text(self.id.as_str());
         let closed = async {
@@ -778,6 +821,8 @@ struct SqlClaim {
     name: LockName,
     /// This attempt's identity in the `owner` column.
     owner: String,
+    /// The session's doubtful attempts (see [`SqlSession`]).
+    doubtful: Doubtful,
     why: Option<String>,
     ttl_ms: i64,
     /// Release notifications (see [`SqlSession::claim`]).
@@ -860,7 +905,19 @@ impl SqlClaim {
         self.place = Place::Head(lane);
     }
 
+    /// One take on `conn`, doubtful until answered (see [`Doubtful`]).
     async fn take(&mut self, conn: &mut Conn) -> Result<Take, sqlx::Error> {
+        let sending = self.doubtful.sending(&self.owner);
+        let taken = self.take_once(conn).await;
+        // The database's own error is an answer too: the statement ended.
+        if matches!(taken, Ok(_) | Err(sqlx::Error::Database(_))) {
+            sending.answered();
+        }
+        taken
+    }
+
+    async fn take_once(&mut self, conn: &mut Conn) -> Result<Take, sqlx::Error> {
+        let tombstone = tombstone_of(&self.owner);
         let sql = &self.inner.sql;
         let args = [
             Arg::Text(self.name.as_str()),
@@ -870,6 +927,7 @@ impl SqlClaim {
             Arg::Int(self.ttl_ms),
             self.key.arg(sql.dialect),
             Arg::Int(grace_ms(self.ttl_ms)),
+            Arg::Text(&tombstone),
         ];
         match sql.dialect {
             // `fetch_all`: the statement's commit is confirmed before the
@@ -1055,7 +1113,19 @@ impl Claim for SqlClaim {
         if !self.sent {
             return Ok(());
         }
+        let doubtful = self.doubtful.is_doubtful(&self.owner);
+        if doubtful {
+            leave_tombstone(
+                &self.inner,
+                &self.owner,
+                Duration::from_millis(self.ttl_ms as u64),
+            )
+            .await?;
+        }
         self.abandon_once().await?;
+        if doubtful {
+            self.doubtful.end(&self.owner);
+        }
         if self.in_flight.is_empty() {
             return Ok(());
         }

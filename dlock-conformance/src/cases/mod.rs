@@ -91,6 +91,7 @@ macro_rules! __with_cases {
             replies_late_but_in_time: shared, "S4 (validity from the send)", "wire: replies late, in time";
             renewal_on_dead_connection: shared, "L3, S4", "wire: connections silently dead";
             acquire_reply_lost: shared, "S1, S5", "wire: take's reply lost, then dark";
+            cut_take_delivered_late: shared, "S5, L1 (a take cut off in flight and delivered after its attempt ended grants nothing)", "wire: connections stalled, bytes delivered late";
             release_reply_lost: shared, "S3", "wire: release's reply lost";
             holder_partitioned_past_ttl: shared, "S4, L1, fencing", "wire: holder blackholed";
             queued_holder_partitioned_past_ttl: shared, "S4, L1, L4", "wire: holder granted through the queue blackholed";

@@ -364,6 +364,72 @@ pub async fn acquire_reply_lost(h: &dyn Harness) -> Outcome {
     passed()
 }
 
+/// S5, L1: a take cut off in flight and delivered late grants nothing. A's
+/// connections stall with their bytes kept ([`Fault::HoldExisting`]): A's
+/// take waits on the wire, the core cuts it off at the request timeout and
+/// retries it on a new connection, which is granted. A releases; B (another
+/// attempt) takes the lock and releases it; only then does the held take
+/// reach the store. It must be refused (the attempt it belongs to has ended),
+/// or it grants a hold no one tracks: the lock looks free to everyone's
+/// API and stays taken for a TTL (per-hold stores) or as long as A's session
+/// lives (session leases). A store's memory of the *last* attempt to hold a
+/// lock is not enough: B's cycle overwrote it.
+pub async fn cut_take_delivered_late(h: &dyn Harness) -> Outcome {
+    let ctx = Ctx::new(h, "cut_take_delivered_late");
+    let (a, link) = or_skip!(linked(&ctx, None).await?);
+    let (b, admin) = (ctx.client().await?, ctx.admin().await?);
+    let t = ctx.caps.ttl;
+    let name = ctx.name("x");
+    // A's connections are open (and warm) before they stall.
+    a.lock(&name)?.acquire().await?.release().await?;
+    link.set_all(Fault::HoldExisting);
+    let started = Instant::now();
+    let ga = a
+        .lock(&name)?
+        .acquire_timeout(t * 4)
+        .await
+        .map_err(|e| Failure(format!("A's acquire with its connections stalled: {e}")))?;
+    let cut = started.elapsed() >= raw::request_timeout(&a);
+    ga.release().await?;
+    b.lock(&name)?.acquire_timeout(t).await?.release().await?;
+    link.heal();
+    let healed = Instant::now();
+    // The held bytes are delivered at once; the store answers them within
+    // a few round trips.
+    sleep(t / 4).await;
+    if let Some(g) = b.lock(&name)?.try_acquire().await? {
+        g.release().await?;
+        if !cut {
+            println!(
+                "NOTE {}: {name}: A's acquire took {:?}, under the request timeout: no take of it was held",
+                ctx.harness.store(),
+                started.elapsed()
+            );
+        }
+        return passed();
+    }
+    let info = admin.inspect(&name).await?;
+    let what = format!(
+        "after A's release and B's cycle, A's take held on the wire and delivered late \
+         granted a hold no one tracks: {info:?} (A's session {})",
+        a.id()
+    );
+    ensure!(!ctx.caps.refuses_late_takes, "{what}");
+    // Undeclared: such a hold must at least expire on its own (per-hold
+    // expiry), not live with A's session.
+    let limit = t * 3 + ctx.caps.recovery_bound;
+    let gb = recovered(&ctx, &b, &name, healed, limit, &what)
+        .await
+        .map_err(|Failure(e)| Failure(format!("{what}; and then: {e}")))?;
+    println!(
+        "NOTE {}: {what}; it expired {:?} after the heal (refuses_late_takes not declared)",
+        ctx.harness.store(),
+        healed.elapsed()
+    );
+    gb.release().await?;
+    passed()
+}
+
 /// S3: A's release takes effect but its reply is lost; B gets the lock; A's
 /// retry must not free B's hold, and A's `release()` reports success.
 pub async fn release_reply_lost(h: &dyn Harness) -> Outcome {

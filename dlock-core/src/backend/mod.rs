@@ -42,6 +42,7 @@
 //!
 //! `dlock-conformance` checks all of these against a real server.
 
+mod doubtful;
 pub(crate) mod primitives;
 
 use std::fmt::Debug;
@@ -51,6 +52,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use tokio::time::timeout;
 
+pub use doubtful::{Doubtful, Sending};
 pub use primitives::{Busy, Claim, ExpiryModel, Hold, RawSession, RenewalReport, Renewed, Take};
 
 use crate::capabilities::Capabilities;

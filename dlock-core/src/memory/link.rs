@@ -48,6 +48,12 @@ pub enum Fault {
     /// Connections open now go silently dead (nothing passes either way, and
     /// they are reset when the fault changes); new connections work.
     StallExisting,
+    /// Connections open now stall with nothing lost (their packets wait on a
+    /// path that stopped carrying them, while new connections route around
+    /// it); when the fault changes they carry on under the new one, so what
+    /// they sent arrives then, late: after the client gave up on it and
+    /// retried elsewhere.
+    HoldExisting,
     /// Every connection is reset and new ones are refused.
     Cut,
 }
@@ -83,14 +89,16 @@ impl Fault {
                 to_client,
             } => Some((to_server, to_client)),
             Fault::StallExisting if conn_epoch < set_in => Some((Flow::Hold, Flow::Hold)),
-            Fault::StallExisting => Some((Flow::Pass, Flow::Pass)),
+            Fault::HoldExisting if conn_epoch < set_in => Some((Flow::Hold, Flow::Hold)),
+            Fault::StallExisting | Fault::HoldExisting => Some((Flow::Pass, Flow::Pass)),
             Fault::Cut => None,
         }
     }
 }
 
 /// A fault and the epoch it was set in: connections (or calls) that started
-/// before that epoch are "existing" for [`Fault::StallExisting`].
+/// before that epoch are "existing" for [`Fault::StallExisting`] and
+/// [`Fault::HoldExisting`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LinkState {
     /// The fault in effect.

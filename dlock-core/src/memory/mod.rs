@@ -39,6 +39,7 @@ use async_trait::async_trait;
 use tokio::sync::Notify;
 use tokio::time::{Instant, sleep_until};
 
+use crate::backend::Doubtful;
 use crate::backend::primitives::{Claim, ExpiryModel, Hold, RawSession, Take};
 use crate::url::StoreUrl;
 use crate::{
@@ -267,6 +268,8 @@ impl Backend for MemoryBackend {
             // A killed server forgets its holds.
             restart_loses_locks: true,
             sharded: false,
+            // A doubtful attempt's end leaves a tombstone (`Server::release`).
+            refuses_late_takes: true,
             wakeup_bound: Duration::from_millis(50),
             recovery_bound: Duration::from_millis(300),
         }
@@ -288,7 +291,7 @@ impl Backend for MemoryBackend {
             ttl,
             fair: self.fair,
             leases: self.leases,
-            doubtful: Arc::default(),
+            doubtful: Doubtful::default(),
         }))
     }
 
@@ -322,12 +325,10 @@ struct MemorySession {
     ttl: Duration,
     fair: bool,
     leases: Leases,
-    /// Tickets of this session's claims with a take that was sent and not
-    /// answered (a lost reply, a dropped future): such a take may still
-    /// reach the server, so ending the claim or its hold must also refuse
-    /// it there (a tombstone). Only those: a tombstone per claim would
-    /// grow without bound.
-    doubtful: Arc<std::sync::Mutex<std::collections::HashSet<u64>>>,
+    /// This session's claims (by ticket) with a take that was sent and not
+    /// answered: ending the claim or its hold must also refuse that take in
+    /// the server (a tombstone).
+    doubtful: Doubtful,
 }
 
 /// Hold keys are `session#ticket`; the ticket identifies the attempt.
@@ -359,7 +360,6 @@ impl RawSession for MemorySession {
             notify: Arc::new(Notify::new()),
             fair: self.fair,
             leases: self.leases,
-            unanswered: 0,
             doubtful: self.doubtful.clone(),
         }))
     }
@@ -378,11 +378,18 @@ impl RawSession for MemorySession {
             name: hold.name.to_string(),
         })?;
         let (id, hold) = (self.id.clone(), hold.clone());
-        let doubtful = self.doubtful.lock().unwrap().remove(&ticket);
-        request(&self.link, &self.server, move |s| {
+        // Forgotten once the server answered: a retry after a lost reply
+        // leaves the tombstone again.
+        let key = ticket.to_string();
+        let doubtful = self.doubtful.is_doubtful(&key);
+        let answer = request(&self.link, &self.server, move |s| {
             s.release(&id, &hold, ticket, doubtful)
         })
-        .await?
+        .await;
+        if answer.is_ok() {
+            self.doubtful.end(&key);
+        }
+        answer?
     }
 
     async fn close(&self, _holds: &[Hold]) -> Result<(), Error> {
@@ -402,22 +409,8 @@ struct MemoryClaim {
     notify: Arc<Notify>,
     fair: bool,
     leases: Leases,
-    /// Takes sent whose reply has not come back.
-    unanswered: u32,
     /// The session's doubtful tickets (see [`MemorySession::doubtful`]).
-    doubtful: Arc<std::sync::Mutex<std::collections::HashSet<u64>>>,
-}
-
-impl MemoryClaim {
-    /// Records whether a take of this claim may still be on its way.
-    fn mark(&self) {
-        let mut doubtful = self.doubtful.lock().unwrap();
-        if self.unanswered > 0 {
-            doubtful.insert(self.ticket);
-        } else {
-            doubtful.remove(&self.ticket);
-        }
-    }
+    doubtful: Doubtful,
 }
 
 #[async_trait]
@@ -432,8 +425,7 @@ impl Claim for MemoryClaim {
         let (ticket, fair, leases) = (self.ticket, self.fair, self.leases);
         // Doubtful until answered: if this future is dropped or the reply
         // is lost, the take may still arrive.
-        self.unanswered += 1;
-        self.mark();
+        let sending = self.doubtful.sending(&ticket.to_string());
         let answer = request(&self.link, &self.server, move |s| {
             s.try_take(TakeArgs {
                 name: &name,
@@ -447,8 +439,7 @@ impl Claim for MemoryClaim {
         })
         .await;
         if answer.is_ok() {
-            self.unanswered -= 1;
-            self.mark();
+            sending.answered();
         }
         answer?
     }
@@ -473,11 +464,16 @@ impl Claim for MemoryClaim {
 
     async fn abandon(&mut self) -> Result<(), Error> {
         let (name, session, ticket) = (self.name.clone(), self.session.clone(), self.ticket);
-        let doubtful = self.doubtful.lock().unwrap().remove(&ticket);
-        request(&self.link, &self.server, move |s| {
+        let key = ticket.to_string();
+        let doubtful = self.doubtful.is_doubtful(&key);
+        let answer = request(&self.link, &self.server, move |s| {
             s.abandon(&name, &session, ticket, doubtful)
         })
-        .await
+        .await;
+        if answer.is_ok() {
+            self.doubtful.end(&key);
+        }
+        answer
     }
 }
 

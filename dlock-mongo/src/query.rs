@@ -366,6 +366,17 @@ mod tests {
     }
 
     #[test]
+    fn tombstone_update_exact() {
+        assert_eq!(
+            tombstone_update("o#1"),
+            vec![doc! { "$set": { "ended": { "$slice": [
+                { "$concatArrays": [{ "$ifNull": ["$ended", []] }, [{ "$literal": "o#1" }]] },
+                -32_i64,
+            ] } } }]
+        );
+    }
+
+    #[test]
     fn take_update_exact() {
         let ts = ObjectId::parse_str("0123456789abcdef01234567").unwrap();
         let spec = TakeSpec {
@@ -378,7 +389,13 @@ mod tests {
         let expected = vec![doc! {
             "$replaceWith": {
                 "$cond": {
-                    "if": { "$lte": [{ "$ifNull": ["$expiresAt", DateTime::from_millis(0)] }, "$$NOW"] },
+                    "if": { "$and": [
+                        { "$lte": [{ "$ifNull": ["$expiresAt", DateTime::from_millis(0)] }, "$$NOW"] },
+                        { "$not": [{ "$in": [
+                            { "$literal": "h:1:2:3#00000000000000ff" },
+                            { "$ifNull": ["$ended", []] },
+                        ] }] },
+                    ] },
                     "then": { "$mergeObjects": ["$$ROOT", {
                         "state": 2,
                         "session": { "$literal": "h:1:2:3" },

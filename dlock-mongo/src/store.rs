@@ -300,6 +300,25 @@ pub(crate) struct MongoSession {
     doubtful: Doubtful,
 }
 
+/// The end of `owner`'s attempt on `name`: its tombstone first if it is
+/// doubtful (see [`leave_tombstone`]).
+async fn tombstone_first(
+    doubtful: &Doubtful,
+    inner: &Inner,
+    name: &LockName,
+    owner: &str,
+    stall: Duration,
+) -> Result<(), Error> {
+    doubtful
+        .end_with(owner, |doubtful| async move {
+            match doubtful {
+                true => leave_tombstone(inner, name, owner, stall).await,
+                false => Ok(()),
+            }
+        })
+        .await
+}
+
 /// Leaves attempt `owner`'s tombstone in `name`'s document (see
 /// [`query::tombstone_update`]), creating the document if need be.
 async fn leave_tombstone(
@@ -333,6 +352,11 @@ async fn leave_tombstone(
 }
 
 impl MongoSession {
+    /// See the free [`tombstone_first`].
+    async fn tombstone_first(&self, name: &LockName, owner: &str) -> Result<(), Error> {
+        tombstone_first(&self.doubtful, &self.inner, name, owner, self.stall).await
+    }
+
     /// Creates the store side: the session's `sessions` document.
     pub(crate) async fn open(
         inner: Arc<Inner>,
@@ -496,10 +520,7 @@ impl RawSession for MongoSession {
     }
 
     async fn release(&self, hold: &Hold) -> Result<(), Error> {
-        let doubtful = self.doubtful.is_doubtful(&hold.key);
-        if doubtful {
-            leave_tombstone(&self.inner, &hold.name, &hold.key, self.stall).await?;
-        }
+        self.tombstone_first(&hold.name, &hold.key).await?;
         let op = self.inner.clients.op(Some(self.stall));
         let r = op
             .conn
@@ -510,9 +531,6 @@ impl RawSession for MongoSession {
             )
             .await;
         let done = op.done(r).map_err(map_err)?;
-        if doubtful {
-            self.doubtful.end(&hold.key);
-        }
         if done.matched_count == 0 {
             return Err(Error::NotHeld {
                 name: hold.name.to_string(),
@@ -524,10 +542,7 @@ impl RawSession for MongoSession {
 
     async fn close(&self, holds: &[Hold]) -> Result<(), Error> {
         for hold in holds {
-            if self.doubtful.is_doubtful(&hold.key) {
-                leave_tombstone(&self.inner, &hold.name, &hold.key, self.stall).await?;
-                self.doubtful.end(&hold.key);
-            }
+            self.tombstone_first(&hold.name, &hold.key).await?;
         }
         let op = self.inner.clients.op(Some(self.stall));
         let r = op
@@ -697,10 +712,8 @@ impl Claim for MongoClaim {
         if !self.sent {
             return Ok(());
         }
-        let doubtful = self.doubtful.is_doubtful(&self.owner);
-        if doubtful {
-            leave_tombstone(&self.inner, &self.name, &self.owner, self.stall).await?;
-        }
+        let (inner, name, owner) = (&self.inner, &self.name, &self.owner);
+        tombstone_first(&self.doubtful, inner, name, owner, self.stall).await?;
         let op = self.inner.clients.op(Some(self.stall));
         let r = op
             .conn
@@ -711,9 +724,6 @@ impl Claim for MongoClaim {
             )
             .await;
         let done = op.done(r).map_err(map_err)?;
-        if doubtful {
-            self.doubtful.end(&self.owner);
-        }
         if done.matched_count > 0 {
             self.inner.hub.wake_first(self.name.as_str());
         }

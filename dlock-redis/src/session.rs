@@ -38,27 +38,27 @@ impl RedisSession {
         }
     }
 
-    /// Releases `hold` everywhere; the end of its attempt, so a doubtful
-    /// one leaves its tombstone (forgotten once a node answered: a retry
-    /// after lost replies leaves it again).
+    /// Releases `hold` everywhere: the end of its attempt, so a doubtful
+    /// one leaves its tombstone (see [`Doubtful::end_with`]).
     async fn end_hold(&self, hold: &Hold) -> Result<usize, Error> {
         let keys = Keys::new(
             &self.inner.options.prefix,
             &hold.name,
             self.inner.options.cluster,
         );
-        let end = self.doubtful.is_doubtful(&hold.key).then_some(self.ttl);
-        let released = release_everywhere(
-            &self.inner,
-            &keys,
-            &hold.key,
-            Some(hold.token),
-            end,
-            self.limit,
-        )
-        .await?;
-        self.doubtful.end(&hold.key);
-        Ok(released)
+        self.doubtful
+            .end_with(&hold.key, |doubtful| {
+                let end = doubtful.then_some(self.ttl);
+                release_everywhere(
+                    &self.inner,
+                    &keys,
+                    &hold.key,
+                    Some(hold.token),
+                    end,
+                    self.limit,
+                )
+            })
+            .await
     }
 
     /// Whether `hold` was issued to this session (S3: another session's
@@ -356,9 +356,13 @@ impl Claim for RedisClaim {
         // attempt while it retries the clean-up).
         self.subscriptions = None;
         if self.sent {
-            let end = self.doubtful.is_doubtful(&self.owner).then_some(self.ttl);
-            release_everywhere(&self.inner, &self.keys, &self.owner, None, end, self.limit).await?;
-            self.doubtful.end(&self.owner);
+            let (inner, keys, owner) = (&self.inner, &self.keys, &self.owner);
+            self.doubtful
+                .end_with(owner, |doubtful| {
+                    let end = doubtful.then_some(self.ttl);
+                    release_everywhere(inner, keys, owner, None, end, self.limit)
+                })
+                .await?;
         }
         Ok(())
     }

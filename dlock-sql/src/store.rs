@@ -548,6 +548,19 @@ impl SqlSession {
         self.inner.sql.dialect.scheme()
     }
 
+    /// The end of `owner`'s attempt: its tombstone first if it is doubtful
+    /// (see [`leave_tombstone`]).
+    async fn tombstone_first(&self, owner: &str) -> Result<(), Error> {
+        self.doubtful
+            .end_with(owner, |doubtful| async move {
+                match doubtful {
+                    true => leave_tombstone(&self.inner, owner, self.ttl).await,
+                    false => Ok(()),
+                }
+            })
+            .await
+    }
+
     fn ttl_ms(&self) -> i64 {
         self.ttl.as_millis() as i64
     }
@@ -727,10 +740,7 @@ impl RawSession for SqlSession {
     }
 
     async fn release(&self, hold: &Hold) -> Result<(), Error> {
-        let doubtful = self.doubtful.is_doubtful(&hold.key);
-        if doubtful {
-            leave_tombstone(&self.inner, &hold.key, self.ttl).await?;
-        }
+        self.tombstone_first(&hold.key).await?;
         let freed = match self.lanes.take(&hold.name, &hold.key) {
             Some(lane) => self.release_on_lane(lane, hold).await,
             None => {
@@ -743,9 +753,6 @@ impl RawSession for SqlSession {
             }
         }
         .map_err(|e| map_err(self.scheme(), e))?;
-        if doubtful {
-            self.doubtful.end(&hold.key);
-        }
         if freed == 0 {
             return Err(Error::NotHeld {
                 name: hold.name.to_string(),
@@ -763,10 +770,7 @@ impl RawSession for SqlSession {
     /// session holds.
     async fn close(&self, holds: &[Hold]) -> Result<(), Error> {
         for hold in holds {
-            if self.doubtful.is_doubtful(&hold.key) {
-                leave_tombstone(&self.inner, &hold.key, self.ttl).await?;
-                self.doubtful.end(&hold.key);
-            }
+            self.tombstone_first(&hold.key).await?;
         }
         let sql = &self.inner.sql;
         let id = Arg::Text(self.id.as_str());
@@ -1113,19 +1117,17 @@ impl Claim for SqlClaim {
         if !self.sent {
             return Ok(());
         }
-        let doubtful = self.doubtful.is_doubtful(&self.owner);
-        if doubtful {
-            leave_tombstone(
-                &self.inner,
-                &self.owner,
-                Duration::from_millis(self.ttl_ms as u64),
-            )
+        let ttl = Duration::from_millis(self.ttl_ms as u64);
+        let (inner, owner) = (&self.inner, &self.owner);
+        self.doubtful
+            .end_with(owner, |doubtful| async move {
+                match doubtful {
+                    true => leave_tombstone(inner, owner, ttl).await,
+                    false => Ok(()),
+                }
+            })
             .await?;
-        }
         self.abandon_once().await?;
-        if doubtful {
-            self.doubtful.end(&self.owner);
-        }
         if self.in_flight.is_empty() {
             return Ok(());
         }

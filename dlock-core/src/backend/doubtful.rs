@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 use std::fmt;
+use std::future::Future;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -20,9 +21,8 @@ use std::time::Duration;
 ///
 /// A claim wraps each take in [`Doubtful::sending`] and calls
 /// [`Sending::answered`] when the reply came; the session's release and
-/// the claim's abandon ask [`Doubtful::is_doubtful`] whether to leave a
-/// tombstone, and call [`Doubtful::end`] once the store answered (a retry
-/// after a lost reply leaves it again).
+/// close and the claim's abandon end the attempt through
+/// [`Doubtful::end_with`], which says whether to leave a tombstone.
 ///
 /// ```
 /// use dlock_core::backend::Doubtful;
@@ -98,6 +98,37 @@ impl Doubtful {
         self.lock()
             .get(key)
             .is_some_and(|a| a.doubtful || a.unanswered > 0)
+    }
+
+    /// Ends attempt `key` with `end`, told whether the attempt is doubtful
+    /// (so `end` must leave its tombstone before it frees anything); the
+    /// attempt is forgotten once `end` succeeded, and stays doubtful if it
+    /// failed, so that a retry leaves the tombstone again (its first try
+    /// may not have reached the store).
+    ///
+    /// ```
+    /// # async fn demo() -> Result<(), dlock_core::Error> {
+    /// use dlock_core::backend::Doubtful;
+    /// let doubtful = Doubtful::default();
+    /// drop(doubtful.sending("a#1")); // cut off
+    /// let left = doubtful
+    ///     .end_with("a#1", |tombstone| async move {
+    ///         // the store's release, leaving a tombstone first if asked
+    ///         Ok::<_, dlock_core::Error>(tombstone)
+    ///     })
+    ///     .await?;
+    /// assert!(left && !doubtful.is_doubtful("a#1"));
+    /// # Ok(()) }
+    /// ```
+    pub async fn end_with<T, E, F>(&self, key: &str, end: impl FnOnce(bool) -> F) -> Result<T, E>
+    where
+        F: Future<Output = Result<T, E>>,
+    {
+        let ended = end(self.is_doubtful(key)).await;
+        if ended.is_ok() {
+            self.end(key);
+        }
+        ended
     }
 
     /// Attempt `key` ends (its hold released, its claim abandoned): whether

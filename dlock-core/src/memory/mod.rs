@@ -378,18 +378,14 @@ impl RawSession for MemorySession {
             name: hold.name.to_string(),
         })?;
         let (id, hold) = (self.id.clone(), hold.clone());
-        // Forgotten once the server answered: a retry after a lost reply
-        // leaves the tombstone again.
-        let key = ticket.to_string();
-        let doubtful = self.doubtful.is_doubtful(&key);
-        let answer = request(&self.link, &self.server, move |s| {
-            s.release(&id, &hold, ticket, doubtful)
-        })
-        .await;
-        if answer.is_ok() {
-            self.doubtful.end(&key);
-        }
-        answer?
+        let (link, server) = (&self.link, &self.server);
+        self.doubtful
+            .end_with(&ticket.to_string(), |doubtful| {
+                request(link, server, move |s| {
+                    s.release(&id, &hold, ticket, doubtful)
+                })
+            })
+            .await?
     }
 
     async fn close(&self, _holds: &[Hold]) -> Result<(), Error> {
@@ -464,16 +460,14 @@ impl Claim for MemoryClaim {
 
     async fn abandon(&mut self) -> Result<(), Error> {
         let (name, session, ticket) = (self.name.clone(), self.session.clone(), self.ticket);
-        let key = ticket.to_string();
-        let doubtful = self.doubtful.is_doubtful(&key);
-        let answer = request(&self.link, &self.server, move |s| {
-            s.abandon(&name, &session, ticket, doubtful)
-        })
-        .await;
-        if answer.is_ok() {
-            self.doubtful.end(&key);
-        }
-        answer
+        let (link, server) = (&self.link, &self.server);
+        self.doubtful
+            .end_with(&ticket.to_string(), |doubtful| {
+                request(link, server, move |s| {
+                    s.abandon(&name, &session, ticket, doubtful)
+                })
+            })
+            .await
     }
 }
 

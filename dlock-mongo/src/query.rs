@@ -127,7 +127,9 @@ pub(crate) fn take_update(spec: &TakeSpec<'_>) -> Vec<Document> {
                 "then": { "$mergeObjects": ["$$ROOT", holder] },
                 "else": {
                     "$cond": {
-                        "if": { "$eq": ["$who", literal(spec.owner)] },
+                        // Not an ended attempt's expired hold (its release
+                        // matched nothing, so `who` stayed).
+                        "if": { "$and": [{ "$eq": ["$who", literal(spec.owner)] }, unended(spec.owner)] },
                         "then": { "$mergeObjects": ["$$ROOT", { "expiresAt": extended(spec.ttl) }] },
                         "else": "$$ROOT",
                     }
@@ -153,7 +155,13 @@ fn unended(owner: &str) -> Document {
 /// grants nothing ([`take_update`]), whoever took and freed the lock in
 /// between. Written before the update that frees the attempt's hold.
 pub(crate) fn tombstone_update(owner: &str) -> Vec<Document> {
-    let ended = doc! { "$concatArrays": [{ "$ifNull": ["$ended", []] }, [literal(owner)]] };
+    let list = doc! { "$ifNull": ["$ended", []] };
+    // Once: a retried end does not push older tombstones out.
+    let ended = doc! { "$cond": {
+        "if": { "$in": [literal(owner), list.clone()] },
+        "then": list.clone(),
+        "else": { "$concatArrays": [list, [literal(owner)]] },
+    } };
     vec![doc! { "$set": { "ended": { "$slice": [ended, -ENDED_KEPT] } } }]
 }
 
@@ -370,7 +378,11 @@ mod tests {
         assert_eq!(
             tombstone_update("o#1"),
             vec![doc! { "$set": { "ended": { "$slice": [
-                { "$concatArrays": [{ "$ifNull": ["$ended", []] }, [{ "$literal": "o#1" }]] },
+                { "$cond": {
+                    "if": { "$in": [{ "$literal": "o#1" }, { "$ifNull": ["$ended", []] }] },
+                    "then": { "$ifNull": ["$ended", []] },
+                    "else": { "$concatArrays": [{ "$ifNull": ["$ended", []] }, [{ "$literal": "o#1" }]] },
+                } },
                 -32_i64,
             ] } } }]
         );
@@ -416,7 +428,13 @@ mod tests {
                     }] },
                     "else": {
                         "$cond": {
-                            "if": { "$eq": ["$who", { "$literal": "h:1:2:3#00000000000000ff" }] },
+                            "if": { "$and": [
+                                { "$eq": ["$who", { "$literal": "h:1:2:3#00000000000000ff" }] },
+                                { "$not": [{ "$in": [
+                                    { "$literal": "h:1:2:3#00000000000000ff" },
+                                    { "$ifNull": ["$ended", []] },
+                                ] }] },
+                            ] },
                             "then": { "$mergeObjects": ["$$ROOT", {
                                 "expiresAt": { "$max": ["$expiresAt", { "$add": ["$$NOW", 1500_i64] }] },
                             }] },

@@ -454,9 +454,11 @@ impl ZkAdapter {
         // and a server restart (sessions are in the snapshot and log).
         // Session expiry is checked every tick; ephemeral nodes go with it.
         // A session has one connection at a time: when the client
-        // reconnects, the server closes the old one (another server refuses
-        // its requests as a moved session's), so a request cut off on it
-        // never lands after the retry that replaced it.
+        // reconnects, the server closes the session's old connection
+        // (`ZooKeeperServer::processConnectRequest`: `closeSession(..,
+        // CLIENT_RECONNECT)`; another server refuses its requests as a moved
+        // session's), so a request cut off on it never lands after the
+        // retry that replaced it.
         Capabilities::watched_queue(Duration::from_millis(1000))
     }
 }

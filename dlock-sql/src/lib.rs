@@ -21,7 +21,15 @@
 //!   (MySQL). A take that finds the lock busy asks for the holder's expiry
 //!   in a second statement on SQLite only.
 //!   The same statement is the idempotent retry after a lost reply (rule 4):
-//!   the attempt's own live grant keeps its token and is extended.
+//!   the attempt's own live grant keeps its token and is extended. Its
+//!   values come from a `SELECT … WHERE NOT EXISTS` the attempt's
+//!   *tombstone*: a row with no holder, named `%x/` and the attempt, left
+//!   (for two minutes, or a TTL if longer) before the release, abandon or
+//!   close of an attempt a take of which was cut off in flight, so that
+//!   this take, should it reach the database later, inserts and updates
+//!   nothing (`Capabilities::refuses_late_takes`, case
+//!   `cut_take_delivered_late`). Tombstones are swept when the next one is
+//!   written; `list`, `inspect` and the rest never see them (no holder).
 //! * **Release / renewal** are owner-checked (`WHERE name AND owner AND
 //!   token`, S3). A renewal extends exactly the holds the core passes it,
 //!   listed by name, owner and token (one statement for up to 16,384 holds,

@@ -34,8 +34,13 @@
 //!   ¾ of it per node, so that one silent node fails alone while the
 //!   majority's answers still count).
 //! * **Keys** carry the name in a hash tag (`dlock:{name}`), so one lock's keys
-//!   (hold, last token, release receipt) and its channel share a Cluster
-//!   slot. A Cluster node given as `redis://` is refused with
+//!   (hold, last token, release receipt, tombstones) and its channel share a
+//!   Cluster slot.
+//! * **Tombstones**: an attempt a take of which was cut off in flight (it
+//!   may still reach the node, after the attempt's release and other
+//!   clients' grants) leaves `dlock:{name}:x:<attempt>` in its release or
+//!   abandon script, for two minutes (or a TTL if longer); the take script
+//!   grants nothing while it exists (`refuses_late_takes`). A Cluster node given as `redis://` is refused with
 //!   [`Error::Config`] naming `redis+cluster://` (seen by `INFO` at connect,
 //!   or by a `MOVED`, `ASK`, `CLUSTERDOWN`, `CROSSSLOT` or `TRYAGAIN` reply),
 //!   never retried; so is a standalone server given as `redis+cluster://`.

@@ -354,14 +354,18 @@ impl Drop for Conn {
         let drained = self.drained.take();
         let conns = self.conns.clone();
         runtime.spawn(async move {
-            // Told only when the drain, and the unlock after it, are done.
-            let _drained = drained;
+            // Told only when the drain, and the unlock after it, are done:
+            // `()` if the statement was answered (drained), nothing (the
+            // sender dropped) if the connection was closed unanswered.
             let mut slot = slot;
             match timeout(DRAIN_TIMEOUT, slot.open.conn.ping()).await {
                 // The late reply is drained: as an answered statement's.
                 Ok(Ok(())) => {
                     if let Some(unlock) = hand_back(slot, &conns, locked, reuse) {
                         unlock.await;
+                    }
+                    if let Some(drained) = drained {
+                        let _ = drained.send(());
                     }
                 }
                 // Broken or silent: close it and free its slot at once.
@@ -709,6 +713,7 @@ impl RawSession for SqlSession {
             doubtful: self.doubtful.clone(),
             sent: false,
             in_flight: Vec::new(),
+            unclean: false,
             backoff: PollBackoff::default(),
         }))
     }
@@ -843,8 +848,16 @@ struct SqlClaim {
     /// Takes cut off in flight (the core's request timeout, the caller's
     /// deadline, a dropped acquire) whose connections are still draining:
     /// such a take may still land, after an abandon sent on another
-    /// connection, so abandon waits for them and cleans up again.
+    /// connection, so abandon waits for them and cleans up again. Each
+    /// answers `()` once drained (its statement answered), or closes if its
+    /// connection was closed unanswered.
     in_flight: Vec<oneshot::Receiver<()>>,
+    /// A take of this attempt may land at any time: cut off on a connection
+    /// closed unanswered, or failed without the database's answer. Until
+    /// then, a claim whose cut-off takes all drained is no longer doubtful
+    /// (its abandon then leaves no tombstone: the semaphore's dropped tries
+    /// would write one each).
+    unclean: bool,
     backoff: PollBackoff,
 }
 
@@ -916,6 +929,8 @@ impl SqlClaim {
         // The database's own error is an answer too: the statement ended.
         if matches!(taken, Ok(_) | Err(sqlx::Error::Database(_))) {
             sending.answered();
+        } else {
+            self.unclean = true;
         }
         taken
     }
@@ -1014,8 +1029,16 @@ impl Claim for SqlClaim {
     /// connection, which the queue lets through only if no one waits in it
     /// (or the row has been free for the grace period).
     async fn try_take(&mut self) -> Result<Take, Error> {
-        self.in_flight
-            .retain_mut(|rx| matches!(rx.try_recv(), Err(TryRecvError::Empty)));
+        let mut unclean = false;
+        self.in_flight.retain_mut(|rx| match rx.try_recv() {
+            Err(TryRecvError::Empty) => true,
+            Ok(()) => false,
+            Err(TryRecvError::Closed) => {
+                unclean = true;
+                false
+            }
+        });
+        self.unclean |= unclean;
         if let Place::Queued(queued) = &mut self.place {
             match queued.try_first() {
                 Some(Ok(lane)) => self.head(lane),
@@ -1097,9 +1120,10 @@ impl Claim for SqlClaim {
     /// Leaves the queue; frees this attempt's grant, if it has one; then,
     /// if takes of it were cut off in flight, waits until their connections
     /// are drained or closed (one may land only now, e.g. after the
-    /// holder's release) and frees again. A connection that never drains
-    /// keeps the clean-up retrying until the core gives up at one TTL, when
-    /// whatever such a take could have granted has expired.
+    /// holder's release) and frees again; if one was closed unanswered (or
+    /// the attempt is doubtful for another reason: [`Doubtful`]), the
+    /// attempt's tombstone goes first, since that take may land at any
+    /// time.
     async fn abandon(&mut self) -> Result<(), Error> {
         // No longer waiting: a notification must go to whoever waits now.
         self.waiter = None;
@@ -1117,25 +1141,33 @@ impl Claim for SqlClaim {
         if !self.sent {
             return Ok(());
         }
+        self.abandon_once().await?;
+        // A cut-off take that drained has landed (the second pass frees
+        // what it granted); one whose connection closed unanswered may land
+        // at any time, so the attempt's tombstone goes first.
+        let waited = !self.in_flight.is_empty();
+        while let Some(rx) = self.in_flight.last_mut() {
+            self.unclean |= rx.await.is_err();
+            self.in_flight.pop();
+        }
+        if !self.unclean {
+            self.doubtful.settled(&self.owner);
+        }
         let ttl = Duration::from_millis(self.ttl_ms as u64);
         let (inner, owner) = (&self.inner, &self.owner);
-        self.doubtful
+        let tombstoned = self
+            .doubtful
             .end_with(owner, |doubtful| async move {
                 match doubtful {
-                    true => leave_tombstone(inner, owner, ttl).await,
-                    false => Ok(()),
+                    true => leave_tombstone(inner, owner, ttl).await.map(|()| true),
+                    false => Ok(false),
                 }
             })
             .await?;
-        self.abandon_once().await?;
-        if self.in_flight.is_empty() {
-            return Ok(());
+        if waited || tombstoned {
+            self.abandon_once().await?;
         }
-        while let Some(rx) = self.in_flight.last_mut() {
-            let _ = rx.await;
-            self.in_flight.pop();
-        }
-        self.abandon_once().await
+        Ok(())
     }
 }
 

@@ -93,6 +93,20 @@ impl Doubtful {
         self.lock().entry(key.to_owned()).or_default().doubtful = true;
     }
 
+    /// Every take of attempt `key` given up so far is known to have been
+    /// answered since (an adapter that drains a connection whose request was
+    /// cut off sees its answer): no longer doubtful, unless a take is in
+    /// flight now.
+    pub fn settled(&self, key: &str) {
+        let mut map = self.lock();
+        if let Some(a) = map.get_mut(key) {
+            a.doubtful = false;
+            if a.unanswered == 0 {
+                map.remove(key);
+            }
+        }
+    }
+
     /// Whether attempt `key` may have a take on the wire, without ending it.
     pub fn is_doubtful(&self, key: &str) -> bool {
         self.lock()
@@ -207,6 +221,19 @@ mod tests {
         d.sending("k").answered();
         assert!(d.end("k"));
         assert!(!d.end("k"));
+    }
+
+    #[test]
+    fn settled_attempts_are_not_doubtful_unless_a_take_is_in_flight() {
+        let d = Doubtful::default();
+        drop(d.sending("k"));
+        let now = d.sending("k");
+        d.settled("k");
+        assert!(d.is_doubtful("k"), "a take is in flight");
+        drop(now);
+        d.settled("k");
+        assert!(!d.is_doubtful("k"));
+        assert!(d.0.lock().unwrap().is_empty());
     }
 
     #[test]

@@ -130,8 +130,9 @@ pub(crate) struct Conn {
     /// may come from a server turned read-only by a failover, or leave
     /// the connection in a state no ping reveals).
     failed: bool,
-    /// Told (by being dropped) once the connection is drained or closed
-    /// after an abandoned statement, or at once if none was abandoned.
+    /// Told once the connection is drained after an abandoned statement
+    /// (`()`: that statement was answered), or, by being dropped, once it is
+    /// closed unanswered (or at once if none was abandoned).
     drained: Option<oneshot::Sender<()>>,
     /// What the connection may hold that its next user must not inherit.
     locked: Locked,
@@ -259,11 +260,11 @@ impl Conn {
         self.drained = None;
     }
 
-    /// `drained` is dropped once no statement of this connection can reach
-    /// the server any more: when the connection goes back normally, or
-    /// after the drain (or close) that follows an abandoned statement. A
-    /// statement cut off before its bytes left sqlx's buffer is sent by
-    /// that drain: late, which is what the receiver waits for.
+    /// `drained` is told `()` once an abandoned statement of this
+    /// connection was answered (the drain's ping answered after it), and is
+    /// dropped when the connection goes back normally or is closed without
+    /// that answer. A statement cut off before its bytes left sqlx's buffer
+    /// is sent by that drain: late, which is what the receiver waits for.
     pub(crate) fn drained(mut self, drained: oneshot::Sender<()>) -> Self {
         self.drained = Some(drained);
         self
@@ -1029,16 +1030,7 @@ impl Claim for SqlClaim {
     /// connection, which the queue lets through only if no one waits in it
     /// (or the row has been free for the grace period).
     async fn try_take(&mut self) -> Result<Take, Error> {
-        let mut unclean = false;
-        self.in_flight.retain_mut(|rx| match rx.try_recv() {
-            Err(TryRecvError::Empty) => true,
-            Ok(()) => false,
-            Err(TryRecvError::Closed) => {
-                unclean = true;
-                false
-            }
-        });
-        self.unclean |= unclean;
+        self.note_drained();
         if let Place::Queued(queued) = &mut self.place {
             match queued.try_first() {
                 Some(Ok(lane)) => self.head(lane),
@@ -1120,10 +1112,11 @@ impl Claim for SqlClaim {
     /// Leaves the queue; frees this attempt's grant, if it has one; then,
     /// if takes of it were cut off in flight, waits until their connections
     /// are drained or closed (one may land only now, e.g. after the
-    /// holder's release) and frees again; if one was closed unanswered (or
-    /// the attempt is doubtful for another reason: [`Doubtful`]), the
-    /// attempt's tombstone goes first, since that take may land at any
-    /// time.
+    /// holder's release: its grant lives until this second pass) and frees
+    /// again. If a take of it may land at any time (closed unanswered, or
+    /// failed without the database's answer), the attempt's tombstone goes
+    /// first: at once if that is known on entry, else once the drains tell
+    /// (see [`Doubtful`]).
     async fn abandon(&mut self) -> Result<(), Error> {
         // No longer waiting: a notification must go to whoever waits now.
         self.waiter = None;
@@ -1141,10 +1134,15 @@ impl Claim for SqlClaim {
         if !self.sent {
             return Ok(());
         }
+        // Known already to have a take that may land at any time: its
+        // tombstone before anything else (the drains below may take a
+        // while, and the core may cut this abandon off meanwhile).
+        self.note_drained();
+        let mut tombstoned = self.unclean && self.tombstone_if_doubtful().await?;
         self.abandon_once().await?;
         // A cut-off take that drained has landed (the second pass frees
         // what it granted); one whose connection closed unanswered may land
-        // at any time, so the attempt's tombstone goes first.
+        // at any time, so it gets the tombstone too.
         let waited = !self.in_flight.is_empty();
         while let Some(rx) = self.in_flight.last_mut() {
             self.unclean |= rx.await.is_err();
@@ -1153,17 +1151,7 @@ impl Claim for SqlClaim {
         if !self.unclean {
             self.doubtful.settled(&self.owner);
         }
-        let ttl = Duration::from_millis(self.ttl_ms as u64);
-        let (inner, owner) = (&self.inner, &self.owner);
-        let tombstoned = self
-            .doubtful
-            .end_with(owner, |doubtful| async move {
-                match doubtful {
-                    true => leave_tombstone(inner, owner, ttl).await.map(|()| true),
-                    false => Ok(false),
-                }
-            })
-            .await?;
+        tombstoned |= self.tombstone_if_doubtful().await?;
         if waited || tombstoned {
             self.abandon_once().await?;
         }
@@ -1172,6 +1160,36 @@ impl Claim for SqlClaim {
 }
 
 impl SqlClaim {
+    /// Takes in flight whose connections have been drained or closed since
+    /// leave the list; a closed one makes the claim unclean.
+    fn note_drained(&mut self) {
+        let mut unclean = false;
+        self.in_flight.retain_mut(|rx| match rx.try_recv() {
+            Err(TryRecvError::Empty) => true,
+            Ok(()) => false,
+            Err(TryRecvError::Closed) => {
+                unclean = true;
+                false
+            }
+        });
+        self.unclean |= unclean;
+    }
+
+    /// Ends the attempt with its tombstone if it is doubtful (see
+    /// [`leave_tombstone`]); whether one was written.
+    async fn tombstone_if_doubtful(&mut self) -> Result<bool, Error> {
+        let ttl = Duration::from_millis(self.ttl_ms as u64);
+        let (inner, owner) = (&self.inner, &self.owner);
+        self.doubtful
+            .end_with(owner, |doubtful| async move {
+                match doubtful {
+                    true => leave_tombstone(inner, owner, ttl).await.map(|()| true),
+                    false => Ok(false),
+                }
+            })
+            .await
+    }
+
     async fn abandon_once(&mut self) -> Result<(), Error> {
         let scheme = self.scheme();
         let mut conn = Conn::get(&self.inner).await?;

@@ -300,25 +300,6 @@ pub(crate) struct MongoSession {
     doubtful: Doubtful,
 }
 
-/// The end of `owner`'s attempt on `name`: its tombstone first if it is
-/// doubtful (see [`leave_tombstone`]).
-async fn tombstone_first(
-    doubtful: &Doubtful,
-    inner: &Inner,
-    name: &LockName,
-    owner: &str,
-    stall: Duration,
-) -> Result<(), Error> {
-    doubtful
-        .end_with(owner, |doubtful| async move {
-            match doubtful {
-                true => leave_tombstone(inner, name, owner, stall).await,
-                false => Ok(()),
-            }
-        })
-        .await
-}
-
 /// Leaves attempt `owner`'s tombstone in `name`'s document (see
 /// [`query::tombstone_update`]), creating the document if need be.
 async fn leave_tombstone(
@@ -352,9 +333,12 @@ async fn leave_tombstone(
 }
 
 impl MongoSession {
-    /// See the free [`tombstone_first`].
+    /// The end of `owner`'s attempt on `name`: its tombstone first if it
+    /// is doubtful (see [`leave_tombstone`]).
     async fn tombstone_first(&self, name: &LockName, owner: &str) -> Result<(), Error> {
-        tombstone_first(&self.doubtful, &self.inner, name, owner, self.stall).await
+        let leave = || leave_tombstone(&self.inner, name, owner, self.stall);
+        self.doubtful.tombstone_if_doubtful(owner, leave).await?;
+        Ok(())
     }
 
     /// Creates the store side: the session's `sessions` document.
@@ -713,7 +697,8 @@ impl Claim for MongoClaim {
             return Ok(());
         }
         let (inner, name, owner) = (&self.inner, &self.name, &self.owner);
-        tombstone_first(&self.doubtful, inner, name, owner, self.stall).await?;
+        let leave = || leave_tombstone(inner, name, owner, self.stall);
+        self.doubtful.tombstone_if_doubtful(owner, leave).await?;
         let op = self.inner.clients.op(Some(self.stall));
         let r = op
             .conn

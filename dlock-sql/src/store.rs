@@ -556,14 +556,9 @@ impl SqlSession {
     /// The end of `owner`'s attempt: its tombstone first if it is doubtful
     /// (see [`leave_tombstone`]).
     async fn tombstone_first(&self, owner: &str) -> Result<(), Error> {
-        self.doubtful
-            .end_with(owner, |doubtful| async move {
-                match doubtful {
-                    true => leave_tombstone(&self.inner, owner, self.ttl).await,
-                    false => Ok(()),
-                }
-            })
-            .await
+        let leave = || leave_tombstone(&self.inner, owner, self.ttl);
+        self.doubtful.tombstone_if_doubtful(owner, leave).await?;
+        Ok(())
     }
 
     fn ttl_ms(&self) -> i64 {
@@ -701,6 +696,7 @@ impl RawSession for SqlSession {
         };
         let owner = self.id.claim_owner();
         Ok(Box::new(SqlClaim {
+            tombstone: tombstone_of(&owner),
             waiter,
             key: self.inner.queue_key(name),
             place: Place::Out,
@@ -833,6 +829,9 @@ struct SqlClaim {
     owner: String,
     /// The session's doubtful attempts (see [`SqlSession`]).
     doubtful: Doubtful,
+    /// This attempt's tombstone row (see [`tombstone_of`]), which its takes
+    /// check.
+    tombstone: String,
     why: Option<String>,
     ttl_ms: i64,
     /// Release notifications (see [`SqlSession::claim`]).
@@ -937,7 +936,6 @@ impl SqlClaim {
     }
 
     async fn take_once(&mut self, conn: &mut Conn) -> Result<Take, sqlx::Error> {
-        let tombstone = tombstone_of(&self.owner);
         let sql = &self.inner.sql;
         let args = [
             Arg::Text(self.name.as_str()),
@@ -947,7 +945,7 @@ impl SqlClaim {
             Arg::Int(self.ttl_ms),
             self.key.arg(sql.dialect),
             Arg::Int(grace_ms(self.ttl_ms)),
-            Arg::Text(&tombstone),
+            Arg::Text(&self.tombstone),
         ];
         match sql.dialect {
             // `fetch_all`: the statement's commit is confirmed before the
@@ -1180,14 +1178,8 @@ impl SqlClaim {
     async fn tombstone_if_doubtful(&mut self) -> Result<bool, Error> {
         let ttl = Duration::from_millis(self.ttl_ms as u64);
         let (inner, owner) = (&self.inner, &self.owner);
-        self.doubtful
-            .end_with(owner, |doubtful| async move {
-                match doubtful {
-                    true => leave_tombstone(inner, owner, ttl).await.map(|()| true),
-                    false => Ok(false),
-                }
-            })
-            .await
+        let leave = || leave_tombstone(inner, owner, ttl);
+        self.doubtful.tombstone_if_doubtful(owner, leave).await
     }
 
     async fn abandon_once(&mut self) -> Result<(), Error> {

@@ -145,6 +145,26 @@ impl Doubtful {
         ended
     }
 
+    /// For a store whose tombstone is a write of its own, before the write
+    /// that frees: ends attempt `key` with `leave` (its tombstone) if it is
+    /// doubtful, through [`Doubtful::end_with`]; whether one was left.
+    pub async fn tombstone_if_doubtful<E, F>(
+        &self,
+        key: &str,
+        leave: impl FnOnce() -> F,
+    ) -> Result<bool, E>
+    where
+        F: Future<Output = Result<(), E>>,
+    {
+        self.end_with(key, |doubtful| async move {
+            if doubtful {
+                leave().await?;
+            }
+            Ok(doubtful)
+        })
+        .await
+    }
+
     /// Attempt `key` ends (its hold released, its claim abandoned): whether
     /// a take of it may still land, so the end must leave a tombstone.
     /// Forgets the attempt: a second end of it answers `false` unless a

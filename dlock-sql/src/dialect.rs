@@ -135,21 +135,6 @@ pub(crate) const MYSQL_OFFSET: i64 = 1 << 50;
 /// `max_allowed_packet`).
 pub(crate) const RENEW_CHUNK: usize = 16_384;
 
-/// Where the tombstones' names start: `%` is in no lock name.
-const TOMBSTONE: &str = "%x/";
-/// Just past them (`0` follows `/`).
-const TOMBSTONE_END: &str = "%x0";
-
-/// The tombstone row's name of attempt `owner` (its last 200 bytes, which
-/// hold its random part, within every dialect's key length).
-pub(crate) fn tombstone_of(owner: &str) -> String {
-    let tail = owner.len().saturating_sub(200);
-    let tail = (tail..=owner.len())
-        .find(|i| owner.is_char_boundary(*i))
-        .unwrap_or(owner.len());
-    format!("{TOMBSTONE}{}", &owner[tail..])
-}
-
 /// Every statement the adapter runs, prepared for one dialect and table.
 #[derive(Debug)]
 pub(crate) struct Statements {
@@ -163,10 +148,13 @@ pub(crate) struct Statements {
     pub(crate) take: Sql,
     /// The holder's remaining ms (SQLite and MySQL after a busy take).
     pub(crate) state: Sql,
-    /// Leaves the tombstone `?1` (see [`tombstone_of`]) of an attempt that
-    /// ends while a take of it may still be on the wire, for `?2` ms: the
-    /// take refuses to insert or update anything while it lives. A row
-    /// with no holder, so no lock to anyone who lists or inspects.
+    /// Leaves the tombstone of attempt `?1` (its owner), which ends while
+    /// a take of it may still be on the wire, for `?2` ms: the take refuses
+    /// to insert or update anything while it lives. A row of the table
+    /// `<table>_ended`, not of the lock table: under REPEATABLE READ,
+    /// MySQL's `INSERT … SELECT` puts a shared next-key lock where the
+    /// check looks, which in the lock table's own index made the first
+    /// insert of a new lock name in that gap wait for every take running.
     pub(crate) tombstone: Sql,
     /// Deletes the tombstones that have run out.
     pub(crate) sweep: Sql,
@@ -223,19 +211,30 @@ impl Statements {
             // 309,722). Renewal and close find the listed holds by primary
             // key (see `renew`). A table made by an earlier version keeps
             // its index (no DDL at connect: crate docs).
-            Dialect::Postgres => vec![sql(
-                "CREATE TABLE IF NOT EXISTS {t} (name TEXT COLLATE \"C\" PRIMARY KEY, \
-                 holder TEXT, owner TEXT, token BIGINT NOT NULL, why TEXT, \
-                 acquired_at BIGINT NOT NULL, expires_at BIGINT NOT NULL) \
-                 WITH (fillfactor = 70)",
-            )],
-            Dialect::MySql => vec![sql("CREATE TABLE IF NOT EXISTS {t} (\
-                 name VARCHAR(255) CHARACTER SET ascii COLLATE ascii_bin NOT NULL PRIMARY KEY, \
-                 holder VARCHAR(255) CHARACTER SET ascii COLLATE ascii_bin NULL, \
-                 owner VARCHAR(255) CHARACTER SET ascii COLLATE ascii_bin NULL, \
-                 token BIGINT NOT NULL, why VARCHAR(512) CHARACTER SET utf8mb4 NULL, \
-                 acquired_at BIGINT NOT NULL, expires_at BIGINT NOT NULL, \
-                 KEY {t}_holder (holder)) ENGINE=InnoDB")],
+            Dialect::Postgres => vec![
+                sql(
+                    "CREATE TABLE IF NOT EXISTS {t} (name TEXT COLLATE \"C\" PRIMARY KEY, \
+                     holder TEXT, owner TEXT, token BIGINT NOT NULL, why TEXT, \
+                     acquired_at BIGINT NOT NULL, expires_at BIGINT NOT NULL) \
+                     WITH (fillfactor = 70)",
+                ),
+                sql(
+                    "CREATE TABLE IF NOT EXISTS {t}_ended (owner TEXT COLLATE \"C\" PRIMARY KEY, \
+                     expires_at BIGINT NOT NULL)",
+                ),
+            ],
+            Dialect::MySql => vec![
+                sql("CREATE TABLE IF NOT EXISTS {t} (\
+                     name VARCHAR(255) CHARACTER SET ascii COLLATE ascii_bin NOT NULL PRIMARY KEY, \
+                     holder VARCHAR(255) CHARACTER SET ascii COLLATE ascii_bin NULL, \
+                     owner VARCHAR(255) CHARACTER SET ascii COLLATE ascii_bin NULL, \
+                     token BIGINT NOT NULL, why VARCHAR(512) CHARACTER SET utf8mb4 NULL, \
+                     acquired_at BIGINT NOT NULL, expires_at BIGINT NOT NULL, \
+                     KEY {t}_holder (holder)) ENGINE=InnoDB"),
+                sql("CREATE TABLE IF NOT EXISTS {t}_ended (\
+                     owner VARCHAR(255) CHARACTER SET ascii COLLATE ascii_bin NOT NULL PRIMARY KEY, \
+                     expires_at BIGINT NOT NULL) ENGINE=InnoDB"),
+            ],
             Dialect::Sqlite => vec![
                 sql(
                     "CREATE TABLE IF NOT EXISTS {t} (name TEXT NOT NULL PRIMARY KEY, \
@@ -243,14 +242,18 @@ impl Statements {
                      acquired_at INTEGER NOT NULL, expires_at INTEGER NOT NULL)",
                 ),
                 sql("CREATE INDEX IF NOT EXISTS {t}_holder ON {t} (holder)"),
+                sql(
+                    "CREATE TABLE IF NOT EXISTS {t}_ended (owner TEXT NOT NULL PRIMARY KEY, \
+                     expires_at INTEGER NOT NULL) WITHOUT ROWID",
+                ),
             ],
         };
         let columns = "INSERT INTO {t} (name, holder, owner, token, why, acquired_at, expires_at)";
-        // No row to insert or update while the attempt's tombstone `?8`
+        // No row to insert or update while the attempt's (`?3`) tombstone
         // lives: the attempt ended, and this is a late copy of its take
         // (see `tombstone`).
-        let unended = "NOT EXISTS (SELECT 1 FROM {t} AS ended \
-             WHERE ended.name = ?8 AND ended.expires_at > {now})";
+        let unended = "NOT EXISTS (SELECT 1 FROM {t}_ended AS ended \
+             WHERE ended.owner = ?3 AND ended.expires_at > {now})";
         let values = format!("SELECT ?1, ?2, ?3, 1, ?4, {{now}}, {{now}} + ?5 WHERE {unended}");
         // Taken when free or expired (a new grant: token + 1, S2) unless
         // this very attempt released or abandoned it (a late copy of its
@@ -383,17 +386,13 @@ impl Statements {
             take,
             state: sql("SELECT expires_at - {now} FROM {t} WHERE name = ?1"),
             tombstone: sql(&format!(
-                "INSERT INTO {{t}} (name, holder, owner, token, why, acquired_at, expires_at) \
-                 VALUES (?1, NULL, NULL, 0, NULL, {{now}}, {{now}} + ?2) {}",
+                "INSERT INTO {{t}}_ended (owner, expires_at) VALUES (?1, {{now}} + ?2) {}",
                 match dialect {
                     Dialect::MySql => "ON DUPLICATE KEY UPDATE expires_at = VALUES(expires_at)",
-                    _ => "ON CONFLICT (name) DO UPDATE SET expires_at = excluded.expires_at",
+                    _ => "ON CONFLICT (owner) DO UPDATE SET expires_at = excluded.expires_at",
                 }
             )),
-            sweep: sql(&format!(
-                "DELETE FROM {{t}} WHERE name >= '{TOMBSTONE}' AND name < '{TOMBSTONE_END}' \
-                 AND expires_at <= {{now}}"
-            )),
+            sweep: sql("DELETE FROM {t}_ended WHERE expires_at <= {now}"),
             release: sql(&format!(
                 "UPDATE {{t}} SET {free} WHERE name = ?1 AND owner = ?2 AND token = ?3 \
                  AND holder = ?4 AND expires_at > {{now}}{}",

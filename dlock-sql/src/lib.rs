@@ -23,13 +23,17 @@
 //!   The same statement is the idempotent retry after a lost reply (rule 4):
 //!   the attempt's own live grant keeps its token and is extended. Its
 //!   values come from a `SELECT … WHERE NOT EXISTS` the attempt's
-//!   *tombstone*: a row with no holder, named `%x/` and the attempt, left
-//!   (for two minutes, or a TTL if longer) before the release, abandon or
-//!   close of an attempt a take of which was cut off in flight, so that
-//!   this take, should it reach the database later, inserts and updates
-//!   nothing (`Capabilities::refuses_late_takes`, case
+//!   *tombstone*: a row of the table `<table>_ended` (the attempt and its
+//!   expiry) left (for two minutes, or a TTL if longer) before the
+//!   release, abandon or close of an attempt a take of which was cut off in
+//!   flight, so that this take, should it reach the database later,
+//!   inserts and updates nothing (`Capabilities::refuses_late_takes`, case
 //!   `cut_take_delivered_late`). Tombstones are swept when the next one is
-//!   written; `list`, `inspect` and the rest never see them (no holder).
+//!   written. They live in a table of their own: the lock table holds locks
+//!   only, and MySQL's shared gap lock where the take's check looks (an
+//!   `INSERT … SELECT` under REPEATABLE READ) falls in that table, not
+//!   in the lock table's index, where it made a new lock name's first
+//!   insert wait.
 //! * **Release / renewal** are owner-checked (`WHERE name AND owner AND
 //!   token`, S3). A renewal extends exactly the holds the core passes it,
 //!   listed by name, owner and token (one statement for up to 16,384 holds,
@@ -189,7 +193,8 @@
 //! [`Backend::capabilities`] says what each promises
 //! ([`SqlOptions::capabilities`]). dlock's own options ride in the query
 //! string and are removed before the driver sees it: `dlock_table=NAME`
-//! (default `dlock_locks`, `[A-Za-z_][A-Za-z0-9_]{0,47}`), `dlock_pool=N`
+//! (default `dlock_locks`, `[A-Za-z_][A-Za-z0-9_]{0,47}`, not ending in
+//! `_ended`: the adapter keeps the table's tombstones in `NAME_ended`), `dlock_pool=N`
 //! (default 4 connections, 1–256) and `dlock_queue=N` (the wait queue's
 //! lanes, default 16, 0–1024, 0 for no queue; PostgreSQL and MySQL); any other `dlock_…` option is an
 //! [`Error::InvalidUrl`]. The drivers' own options pass through to sqlx,
@@ -351,10 +356,11 @@ impl Drop for AbortOnDrop {
 
 impl SqlBackend {
     /// Connects to `url` (see the [crate docs](crate) for the forms) and
-    /// creates the table if needed.
+    /// creates the lock table and its tombstone table (`<table>_ended`) if
+    /// needed.
     ///
     /// # Cancel safety
-    /// Cancel safe: nothing is left behind but an idempotently created table.
+    /// Cancel safe: nothing is left behind but idempotently created tables.
     pub async fn connect<U>(url: U) -> Result<Self, Error>
     where
         U: TryInto<StoreUrl, Error = Error>,
@@ -591,7 +597,8 @@ where
     first_connection(&options, &connect_options).await
 }
 
-/// Creates the lock table and its index if they do not exist.
+/// Creates the lock table, its index and its tombstone table if they do
+/// not exist.
 async fn create_table(conn: &mut AnyConnection, sql: &Statements) -> Result<(), Error> {
     for statement in &sql.create {
         if let Err(e) = statement.bind(&[]).execute(&mut *conn).await {

@@ -21,7 +21,7 @@ use tokio::time::{Instant, sleep_until, timeout};
 
 use crate::conns::{Conns, Slot};
 use crate::dialect::{
-    Arg, Close, Dialect, LaneRelease, MYSQL_BUSY, MYSQL_OFFSET, RENEW_CHUNK, Sql, tombstone_of,
+    Arg, Close, Dialect, LaneRelease, MYSQL_BUSY, MYSQL_OFFSET, RENEW_CHUNK, Sql,
 };
 use crate::queue::{QueueKey, Queued, grace_ms};
 use crate::{Inner, token_of};
@@ -460,13 +460,12 @@ pub(crate) struct SqlSession {
 async fn leave_tombstone(inner: &Inner, owner: &str, ttl: Duration) -> Result<(), Error> {
     let scheme = inner.sql.dialect.scheme();
     let life = Doubtful::tombstone_life(ttl).as_millis() as i64;
-    let name = tombstone_of(owner);
     let mut conn = Conn::get(inner).await?;
     conn.execute(
         inner
             .sql
             .tombstone
-            .bind(&[Arg::Text(&name), Arg::Int(life)]),
+            .bind(&[Arg::Text(owner), Arg::Int(life)]),
     )
     .await
     .map_err(|e| map_err(scheme, e))?;
@@ -696,7 +695,6 @@ impl RawSession for SqlSession {
         };
         let owner = self.id.claim_owner();
         Ok(Box::new(SqlClaim {
-            tombstone: tombstone_of(&owner),
             waiter,
             key: self.inner.queue_key(name),
             place: Place::Out,
@@ -829,9 +827,6 @@ struct SqlClaim {
     owner: String,
     /// The session's doubtful attempts (see [`SqlSession`]).
     doubtful: Doubtful,
-    /// This attempt's tombstone row (see [`tombstone_of`]), which its takes
-    /// check.
-    tombstone: String,
     why: Option<String>,
     ttl_ms: i64,
     /// Release notifications (see [`SqlSession::claim`]).
@@ -945,7 +940,6 @@ impl SqlClaim {
             Arg::Int(self.ttl_ms),
             self.key.arg(sql.dialect),
             Arg::Int(grace_ms(self.ttl_ms)),
-            Arg::Text(&self.tombstone),
         ];
         match sql.dialect {
             // `fetch_all`: the statement's commit is confirmed before the

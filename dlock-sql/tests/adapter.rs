@@ -1053,9 +1053,11 @@ async fn postgres_renewal_and_close_go_by_primary_key() {
         taken.unwrap().release().await.unwrap();
     }
     for table in [new, old] {
-        sqlx::query(&format!("DROP TABLE {table}"))
-            .execute(&mut c)
-            .await
-            .unwrap();
+        for drop in [
+            format!("DROP TABLE {table}"),
+            format!("DROP TABLE {table}_ended"),
+        ] {
+            sqlx::query(&drop).execute(&mut c).await.unwrap();
+        }
     }
 }

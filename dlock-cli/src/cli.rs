@@ -346,6 +346,7 @@ faults, on the current holder half of the time:
   partitions           one client cut off, connections open (to 2 TTL)
   resets               one client's connections reset and refused
   dead-connections     one client's connections silently dead
+  late-requests        one client's connections stall, then deliver late
   minority-partitions  a minority of the nodes cut off from one client
   client-pauses        one client's whole process stopped past the TTL
   server-pauses        one server stopped (SIGSTOP); needs --servers

@@ -35,7 +35,7 @@ fn every_profile_on_memory() {
     assert_eq!(out.status.code(), Some(0), "{stderr}");
     let report: Value = serde_json::from_slice(&out.stdout).expect("JSON report");
     let rows = report["rows"].as_array().expect("rows");
-    assert_eq!(rows.len(), 11, "{report:#}");
+    assert_eq!(rows.len(), 12, "{report:#}");
     for row in rows {
         let profile = row["profile"].as_str().unwrap();
         if profile == "minority-partitions" {

@@ -26,6 +26,10 @@ pub(crate) enum Profile {
     Resets,
     /// One client's connections go silently dead; new ones work.
     DeadConnections,
+    /// One client's open connections stall with their bytes kept, then
+    /// deliver them: requests it gave up on and retried elsewhere reach the
+    /// store late, after the attempt ended (S5).
+    LateRequests,
     /// A random minority of the store's nodes cut off from one client.
     MinorityPartitions,
     /// One client process stopped (SIGSTOP-like) past the TTL.
@@ -38,13 +42,14 @@ pub(crate) enum Profile {
     ClockJumps,
 }
 
-const ALL: [Profile; 11] = [
+const ALL: [Profile; 12] = [
     Profile::None,
     Profile::Delays,
     Profile::LostReplies,
     Profile::Partitions,
     Profile::Resets,
     Profile::DeadConnections,
+    Profile::LateRequests,
     Profile::MinorityPartitions,
     Profile::ClientPauses,
     Profile::ServerPauses,
@@ -62,6 +67,7 @@ impl Profile {
             Profile::Partitions => "partitions",
             Profile::Resets => "resets",
             Profile::DeadConnections => "dead-connections",
+            Profile::LateRequests => "late-requests",
             Profile::MinorityPartitions => "minority-partitions",
             Profile::ClientPauses => "client-pauses",
             Profile::ServerPauses => "server-pauses",
@@ -251,6 +257,7 @@ impl<'a> Nemesis<'a> {
                     .await
             }
             Profile::DeadConnections => self.link_fault(Fault::StallExisting, t, t * 2).await,
+            Profile::LateRequests => self.link_fault(Fault::HoldExisting, t / 2, t * 2).await,
             Profile::MinorityPartitions => {
                 let client = self.victim();
                 let nodes = client.link.nodes();

@@ -11,12 +11,14 @@ use dlock_conformance::{AdapterHarness, Harness, Verdict, cases};
 use dlock_core::memory::{MemoryAdapter, MemoryBackend};
 
 /// A supervisor that logs its arguments, serves `memory://NAME` for each
-/// NAME, and does nothing else.
-fn fake_supervisor(test: &str) -> (PathBuf, PathBuf) {
-    let dir = std::env::temp_dir().join(format!("dlock-services-{test}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let (script, log) = (dir.join("services"), dir.join("log"));
-    let _ = std::fs::remove_file(&log);
+/// NAME, and does nothing else: its script and log, in a directory removed
+/// when the returned guard drops.
+fn fake_supervisor() -> (PathBuf, PathBuf, tempfile::TempDir) {
+    let dir = tempfile::Builder::new()
+        .prefix("dlock-services-")
+        .tempdir()
+        .unwrap();
+    let (script, log) = (dir.path().join("services"), dir.path().join("log"));
     std::fs::write(
         &script,
         format!(
@@ -27,7 +29,7 @@ fn fake_supervisor(test: &str) -> (PathBuf, PathBuf) {
     )
     .unwrap();
     std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
-    (script, log)
+    (script, log, dir)
 }
 
 fn harness(url: &str, servers: ServicesCommand) -> AdapterHarness {
@@ -40,7 +42,7 @@ fn harness(url: &str, servers: ServicesCommand) -> AdapterHarness {
 
 #[tokio::test]
 async fn status_lists_the_endpoints_in_node_order() {
-    let (script, _) = fake_supervisor("status");
+    let (script, _, _dir) = fake_supervisor();
     let servers = ServicesCommand::new(&script, ["b", "a"]);
     let endpoints = servers.endpoints().await.expect("status is supported");
     assert_eq!(endpoints.unwrap(), ["b", "a"]);
@@ -52,8 +54,8 @@ async fn status_lists_the_endpoints_in_node_order() {
 
 /// `tokens_after_restart` on a store at `url` whose supervisor serves
 /// `memory://node`: its verdict, and what the supervisor was asked.
-async fn restart_case(test: &str, url: &str) -> (Verdict, String) {
-    let (script, log) = fake_supervisor(test);
+async fn restart_case(url: &str) -> (Verdict, String) {
+    let (script, log, _dir) = fake_supervisor();
     let h = harness(url, ServicesCommand::new(&script, ["node"]));
     h.connect().await.unwrap();
     let verdict = cases::tokens_after_restart(&h).await.unwrap();
@@ -62,7 +64,7 @@ async fn restart_case(test: &str, url: &str) -> (Verdict, String) {
 
 #[tokio::test]
 async fn servers_not_under_test_are_left_alone() {
-    let (verdict, log) = restart_case("mismatch", "memory://other").await;
+    let (verdict, log) = restart_case("memory://other").await;
     let Verdict::Skipped(why) = verdict else {
         panic!("ran on servers that are not under test");
     };
@@ -72,7 +74,7 @@ async fn servers_not_under_test_are_left_alone() {
 
 #[tokio::test]
 async fn servers_under_test_are_used() {
-    let (verdict, log) = restart_case("match", "memory://node").await;
+    let (verdict, log) = restart_case("memory://node").await;
     assert_eq!(verdict, Verdict::Passed);
     // Then the case puts every node back as it found it.
     assert!(

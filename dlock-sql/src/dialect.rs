@@ -151,7 +151,7 @@ pub(crate) struct Statements {
     /// Leaves the tombstone of attempt `?1` (its owner), which ends while
     /// a take of it may still be on the wire, for `?2` ms: the take refuses
     /// to insert or update anything while it lives. A row of the table
-    /// `<table>_ended`, not of the lock table: under REPEATABLE READ,
+    /// `<table>$ended`, not of the lock table: under REPEATABLE READ,
     /// MySQL's `INSERT … SELECT` puts a shared next-key lock where the
     /// check looks, which in the lock table's own index made the first
     /// insert of a new lock name in that gap wait for every take running.
@@ -219,7 +219,7 @@ impl Statements {
                      WITH (fillfactor = 70)",
                 ),
                 sql(
-                    "CREATE TABLE IF NOT EXISTS {t}_ended (owner TEXT COLLATE \"C\" PRIMARY KEY, \
+                    "CREATE TABLE IF NOT EXISTS {t}$ended (owner TEXT COLLATE \"C\" PRIMARY KEY, \
                      expires_at BIGINT NOT NULL)",
                 ),
             ],
@@ -231,7 +231,7 @@ impl Statements {
                      token BIGINT NOT NULL, why VARCHAR(512) CHARACTER SET utf8mb4 NULL, \
                      acquired_at BIGINT NOT NULL, expires_at BIGINT NOT NULL, \
                      KEY {t}_holder (holder)) ENGINE=InnoDB"),
-                sql("CREATE TABLE IF NOT EXISTS {t}_ended (\
+                sql("CREATE TABLE IF NOT EXISTS {t}$ended (\
                      owner VARCHAR(255) CHARACTER SET ascii COLLATE ascii_bin NOT NULL PRIMARY KEY, \
                      expires_at BIGINT NOT NULL) ENGINE=InnoDB"),
             ],
@@ -243,7 +243,7 @@ impl Statements {
                 ),
                 sql("CREATE INDEX IF NOT EXISTS {t}_holder ON {t} (holder)"),
                 sql(
-                    "CREATE TABLE IF NOT EXISTS {t}_ended (owner TEXT NOT NULL PRIMARY KEY, \
+                    "CREATE TABLE IF NOT EXISTS {t}$ended (owner TEXT NOT NULL PRIMARY KEY, \
                      expires_at INTEGER NOT NULL) WITHOUT ROWID",
                 ),
             ],
@@ -252,7 +252,7 @@ impl Statements {
         // No row to insert or update while the attempt's (`?3`) tombstone
         // lives: the attempt ended, and this is a late copy of its take
         // (see `tombstone`).
-        let unended = "NOT EXISTS (SELECT 1 FROM {t}_ended AS ended \
+        let unended = "NOT EXISTS (SELECT 1 FROM {t}$ended AS ended \
              WHERE ended.owner = ?3 AND ended.expires_at > {now})";
         let values = format!("SELECT ?1, ?2, ?3, 1, ?4, {{now}}, {{now}} + ?5 WHERE {unended}");
         // Taken when free or expired (a new grant: token + 1, S2) unless
@@ -386,13 +386,13 @@ impl Statements {
             take,
             state: sql("SELECT expires_at - {now} FROM {t} WHERE name = ?1"),
             tombstone: sql(&format!(
-                "INSERT INTO {{t}}_ended (owner, expires_at) VALUES (?1, {{now}} + ?2) {}",
+                "INSERT INTO {{t}}$ended (owner, expires_at) VALUES (?1, {{now}} + ?2) {}",
                 match dialect {
                     Dialect::MySql => "ON DUPLICATE KEY UPDATE expires_at = VALUES(expires_at)",
                     _ => "ON CONFLICT (owner) DO UPDATE SET expires_at = excluded.expires_at",
                 }
             )),
-            sweep: sql("DELETE FROM {t}_ended WHERE expires_at <= {now}"),
+            sweep: sql("DELETE FROM {t}$ended WHERE expires_at <= {now}"),
             release: sql(&format!(
                 "UPDATE {{t}} SET {free} WHERE name = ?1 AND owner = ?2 AND token = ?3 \
                  AND holder = ?4 AND expires_at > {{now}}{}",

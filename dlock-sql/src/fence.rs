@@ -81,8 +81,7 @@ pub struct SqlFence {
 }
 
 impl SqlFence {
-    /// The fence kept in table `table` (`[A-Za-z_][A-Za-z0-9_]{0,47}`, not
-    /// ending in `_ended` (the suffix of lock tables' tombstone tables), in
+    /// The fence kept in table `table` (`[A-Za-z_][A-Za-z0-9_]{0,47}`, in
     /// the connection's default schema or database); [`Error::Config`] for
     /// another name.
     pub fn new(table: &str) -> Result<Self, Error> {

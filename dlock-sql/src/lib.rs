@@ -23,7 +23,7 @@
 //!   The same statement is the idempotent retry after a lost reply (rule 4):
 //!   the attempt's own live grant keeps its token and is extended. Its
 //!   values come from a `SELECT … WHERE NOT EXISTS` the attempt's
-//!   *tombstone*: a row of the table `<table>_ended` (the attempt and its
+//!   *tombstone*: a row of the table `<table>$ended` (the attempt and its
 //!   expiry) left (for two minutes, or a TTL if longer) before the
 //!   release, abandon or close of an attempt a take of which was cut off in
 //!   flight, so that this take, should it reach the database later,
@@ -33,7 +33,11 @@
 //!   only, and MySQL's shared gap lock where the take's check looks (an
 //!   `INSERT … SELECT` under REPEATABLE READ) falls in that table, not
 //!   in the lock table's index, where it made a new lock name's first
-//!   insert wait.
+//!   insert wait. The adapter creates both tables at connect if they do
+//!   not exist; a database user granted single tables needs `SELECT`,
+//!   `INSERT`, `UPDATE` and `DELETE` on `<table>$ended` too, and where
+//!   several roles share the tables (the first to connect owns what it
+//!   creates, on PostgreSQL), each needs them on both.
 //! * **Release / renewal** are owner-checked (`WHERE name AND owner AND
 //!   token`, S3). A renewal extends exactly the holds the core passes it,
 //!   listed by name, owner and token (one statement for up to 16,384 holds,
@@ -193,8 +197,9 @@
 //! [`Backend::capabilities`] says what each promises
 //! ([`SqlOptions::capabilities`]). dlock's own options ride in the query
 //! string and are removed before the driver sees it: `dlock_table=NAME`
-//! (default `dlock_locks`, `[A-Za-z_][A-Za-z0-9_]{0,47}`, not ending in
-//! `_ended`: the adapter keeps the table's tombstones in `NAME_ended`), `dlock_pool=N`
+//! (default `dlock_locks`, `[A-Za-z_][A-Za-z0-9_]{0,47}`; the adapter
+//! keeps the table's tombstones in `NAME$ended`, a name no lock table can
+//! have), `dlock_pool=N`
 //! (default 4 connections, 1–256) and `dlock_queue=N` (the wait queue's
 //! lanes, default 16, 0–1024, 0 for no queue; PostgreSQL and MySQL); any other `dlock_…` option is an
 //! [`Error::InvalidUrl`]. The drivers' own options pass through to sqlx,
@@ -356,7 +361,7 @@ impl Drop for AbortOnDrop {
 
 impl SqlBackend {
     /// Connects to `url` (see the [crate docs](crate) for the forms) and
-    /// creates the lock table and its tombstone table (`<table>_ended`) if
+    /// creates the lock table and its tombstone table (`<table>$ended`) if
     /// needed.
     ///
     /// # Cancel safety

@@ -209,9 +209,9 @@ impl SqlOptions {
     ///   queue: whoever asks first after a release wins, and one release
     ///   may wake one waiter per process.
     /// * An attempt that ends while a take of it may still be on the wire
-    ///   leaves a tombstone row in `<table>_ended` for two minutes, or a
-    ///   TTL if longer: the take refuses to insert or update anything while
-    ///   it lives.
+    ///   leaves a tombstone row in the table `<table>$ended` for two
+    ///   minutes, or a TTL if longer: the take refuses to insert or update
+    ///   anything while it lives.
     pub fn capabilities(&self) -> Capabilities {
         let listens = self.dialect == Dialect::Postgres;
         let mut caps = Capabilities::default();
@@ -293,23 +293,14 @@ pub(crate) fn check_table(table: &str) -> Result<(), String> {
         .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
         && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
         && table.len() <= 48;
-    if !ok {
-        return Err(format!(
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
             "table name {table:?} must match [A-Za-z_][A-Za-z0-9_]{{0,47}}"
-        ));
+        ))
     }
-    // `<table>_ended` holds a lock table's tombstones (`Statements::tombstone`):
-    // a lock table of that name would be another's tombstone table.
-    if table.to_ascii_lowercase().ends_with(ENDED) {
-        return Err(format!(
-            "table name {table:?} must not end in {ENDED:?}: that suffix names the table              where the lock table without it keeps its tombstones"
-        ));
-    }
-    Ok(())
 }
-
-/// The suffix of the table that keeps a lock table's tombstones.
-pub(crate) const ENDED: &str = "_ended";
 
 impl fmt::Display for SqlOptions {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -380,10 +371,6 @@ mod tests {
         for (url, says) in [
             ("postgres://u:hunter2@h/db?dlock_table=1bad", "table name"),
             ("postgres://u:hunter2@h/db?dlock_table=a;drop", "table name"),
-            (
-                "postgres://u:hunter2@h/db?dlock_table=locks_Ended",
-                "_ended",
-            ),
             ("mysql://u:hunter2@h/db?dlock_pool=0", "dlock_pool"),
             ("mysql://u:hunter2@h/db?dlock_pool=many", "dlock_pool"),
             ("mysql://u:hunter2@h/db?dlock_tabel=x", "\"dlock_tabel\""),

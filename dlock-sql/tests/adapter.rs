@@ -25,7 +25,7 @@ fn url(store: &str, what: &str) -> Option<String> {
     let url =
         match store {
             "sqlite" => {
-                let file = std::env::temp_dir().join(format!(
+                let file = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!(
                     "dlock-adapter-{}-{:08x}.db",
                     std::process::id(),
                     rand::random::<u32>()
@@ -1055,7 +1055,7 @@ async fn postgres_renewal_and_close_go_by_primary_key() {
     for table in [new, old] {
         for drop in [
             format!("DROP TABLE {table}"),
-            format!("DROP TABLE {table}_ended"),
+            format!("DROP TABLE {table}$ended"),
         ] {
             sqlx::query(&drop).execute(&mut c).await.unwrap();
         }

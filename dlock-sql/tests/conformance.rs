@@ -23,8 +23,11 @@ fn sql(store: &str, url: &str) -> AdapterHarness {
         ])
 }
 
+/// The SQLite suite's database, in cargo's directory for integration tests'
+/// files (`target/tmp`), not the system's temporary directory.
 fn sqlite_file() -> String {
-    let file = std::env::temp_dir().join(format!("dlock-conformance-{}.db", std::process::id()));
+    let file = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("dlock-conformance-{}.db", std::process::id()));
     format!("sqlite://{}", file.display())
 }
 

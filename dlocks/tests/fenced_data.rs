@@ -522,7 +522,8 @@ async fn data_stores() -> Vec<Data> {
         }
         Err(_) => println!("SKIPPED fenced_data nats data: DLOCK_TEST_NATS_URL is not set"),
     }
-    let file = std::env::temp_dir().join(format!("dlock-fence-{:016x}.db", rand::random::<u64>()));
+    let file = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("dlock-fence-{:016x}.db", rand::random::<u64>()));
     let options = sqlx::sqlite::SqliteConnectOptions::new()
         .filename(&file)
         .create_if_missing(true)
@@ -556,7 +557,7 @@ fn lock_urls() -> Vec<(&'static str, String)> {
             Err(_) => println!("SKIPPED fenced_data lock on {name}: {var} is not set"),
         }
     }
-    let file = std::env::temp_dir().join(format!(
+    let file = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!(
         "dlock-fence-lock-{:016x}.db",
         rand::random::<u64>()
     ));

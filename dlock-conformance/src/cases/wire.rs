@@ -411,6 +411,17 @@ pub async fn cut_take_delivered_late(h: &dyn Harness) -> Outcome {
         match b.lock(&name)?.try_acquire().await? {
             Some(g) => {
                 g.release().await?;
+                // What refused the late take ended one attempt of A's, not
+                // A's session: A's next attempt is granted.
+                let again = a.lock(&name)?.try_acquire().await?;
+                ensure!(
+                    again.is_some(),
+                    "A's next attempt found the free lock busy after A's late take was refused: \
+                     the refusal must end one attempt, not A's session"
+                );
+                if let Some(g) = again {
+                    g.release().await?;
+                }
                 return passed();
             }
             None => info = admin.inspect(&name).await?,

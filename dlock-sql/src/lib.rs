@@ -938,6 +938,96 @@ mod tests {
         }
     }
 
+    /// S5 on each dialect's own statements (SQLite has no wire on which
+    /// `cut_take_delivered_late` could hold a take): while an attempt's
+    /// tombstone lives, its take inserts nothing on a new name and takes
+    /// nothing on a freed row that another attempt held last; another
+    /// attempt's take is granted.
+    async fn a_take_of_an_ended_attempt_grants_nothing(url: &str) {
+        let backend = SqlBackend::connect(url).await.unwrap();
+        let inner = &backend.inner;
+        let (sql, dialect, table) = (&inner.sql, inner.sql.dialect, &inner.options.table);
+        let name = LockName::new(format!("unit/ended/{:08x}", rand::random::<u32>())).unwrap();
+        let key = inner.queue_key(&name);
+        let tag = format!("{:08x}", rand::random::<u32>());
+        let (ended, other) = (format!("unit#ended-{tag}"), format!("unit#other-{tag}"));
+        let mut slot = inner.conns.get().await.unwrap();
+        let conn = &mut slot.open.conn;
+        async fn take(
+            conn: &mut AnyConnection,
+            sql: &Statements,
+            name: &str,
+            key: Arg<'_>,
+            owner: &str,
+        ) {
+            let args = [
+                Arg::Text(name),
+                Arg::Text("unit-session"),
+                Arg::Text(owner),
+                Arg::OptText(None),
+                Arg::Int(10_000),
+                key,
+                Arg::Int(250),
+            ];
+            sql.take.bind(&args).fetch_all(conn).await.unwrap();
+        }
+        // Rows of the name (of `owner` holding it, if given).
+        async fn rows(conn: &mut AnyConnection, q: &Sql, name: &str, owner: &str) -> i64 {
+            let args = [Arg::Text(name), Arg::Text(owner)];
+            let row = q.bind(&args).fetch_one(conn).await.unwrap();
+            row.try_get(0).unwrap()
+        }
+        let any = Sql::new(dialect, table, "SELECT COUNT(*) FROM {t} WHERE name = ?1");
+        let held = Sql::new(
+            dialect,
+            table,
+            "SELECT COUNT(*) FROM {t} WHERE name = ?1 AND owner = ?2 AND holder IS NOT NULL",
+        );
+        conn.execute(sql.tombstone.bind(&[Arg::Text(&ended), Arg::Int(60_000)]))
+            .await
+            .unwrap();
+        take(conn, sql, name.as_str(), key.arg(dialect), &ended).await;
+        let n = rows(conn, &any, name.as_str(), "").await;
+        assert_eq!(n, 0, "{dialect:?}: an ended attempt's take inserted a row");
+        take(conn, sql, name.as_str(), key.arg(dialect), &other).await;
+        let n = rows(conn, &held, name.as_str(), &other).await;
+        assert_eq!(n, 1, "{dialect:?}: another attempt's take was not granted");
+        conn.execute(sql.force.bind(&[Arg::Text(name.as_str())]))
+            .await
+            .unwrap();
+        take(conn, sql, name.as_str(), key.arg(dialect), &ended).await;
+        let n = rows(conn, &held, name.as_str(), &ended).await;
+        assert_eq!(
+            n, 0,
+            "{dialect:?}: an ended attempt's take took a freed row"
+        );
+    }
+
+    #[tokio::test]
+    async fn sqlite_take_of_an_ended_attempt_grants_nothing() {
+        let file = std::env::temp_dir().join(format!(
+            "dlock-unit-{}-{:08x}.db",
+            std::process::id(),
+            rand::random::<u32>()
+        ));
+        a_take_of_an_ended_attempt_grants_nothing(&format!("sqlite://{}", file.display())).await;
+        for suffix in ["", "-wal", "-shm"] {
+            let _ = std::fs::remove_file(format!("{}{suffix}", file.display()));
+        }
+    }
+
+    #[tokio::test]
+    async fn postgres_take_of_an_ended_attempt_grants_nothing() {
+        let Some(url) = url("postgres") else { return };
+        a_take_of_an_ended_attempt_grants_nothing(&url).await;
+    }
+
+    #[tokio::test]
+    async fn mysql_take_of_an_ended_attempt_grants_nothing() {
+        let Some(url) = url("mysql") else { return };
+        a_take_of_an_ended_attempt_grants_nothing(&url).await;
+    }
+
     /// Issue 12 item 18: MySQL errors are told apart by their error number
     /// (their SQLSTATE is mostly HY000): a lock wait timeout (1205) and a
     /// write in a read-only transaction (1792, SQLSTATE 25006) are

@@ -903,18 +903,39 @@ mod tests {
         ))
     }
 
+    /// A SQLite database file of one test, removed with its WAL and
+    /// shared-memory files when dropped (also after a failed assertion).
+    struct TempDb(std::path::PathBuf);
+
+    impl TempDb {
+        fn new() -> Self {
+            let name = format!(
+                "dlock-unit-{}-{:08x}.db",
+                std::process::id(),
+                rand::random::<u32>()
+            );
+            Self(std::env::temp_dir().join(name))
+        }
+
+        fn url(&self) -> String {
+            format!("sqlite://{}", self.0.display())
+        }
+    }
+
+    impl Drop for TempDb {
+        fn drop(&mut self) {
+            for suffix in ["", "-wal", "-shm"] {
+                let _ = std::fs::remove_file(format!("{}{suffix}", self.0.display()));
+            }
+        }
+    }
+
     /// Issue 12 item 11 (S2 across a power loss): every SQLite connection
     /// commits with `synchronous = FULL` (2), not `NORMAL` (1).
     #[tokio::test]
     async fn sqlite_commits_are_durable() {
-        let file = std::env::temp_dir().join(format!(
-            "dlock-unit-{}-{:08x}.db",
-            std::process::id(),
-            rand::random::<u32>()
-        ));
-        let backend = SqlBackend::connect(&format!("sqlite://{}", file.display()))
-            .await
-            .unwrap();
+        let db = TempDb::new();
+        let backend = SqlBackend::connect(&db.url()).await.unwrap();
         // More than one pooled connection: each has its own setting.
         let mut conns = Vec::new();
         for _ in 0..2 {
@@ -930,11 +951,6 @@ mod tests {
             );
             let row = conn.fetch_one("PRAGMA journal_mode").await.unwrap();
             assert_eq!(row.try_get::<String, _>(0).unwrap(), "wal");
-        }
-        drop(conns);
-        drop(backend);
-        for suffix in ["", "-wal", "-shm"] {
-            let _ = std::fs::remove_file(format!("{}{suffix}", file.display()));
         }
     }
 
@@ -1005,15 +1021,7 @@ mod tests {
 
     #[tokio::test]
     async fn sqlite_take_of_an_ended_attempt_grants_nothing() {
-        let file = std::env::temp_dir().join(format!(
-            "dlock-unit-{}-{:08x}.db",
-            std::process::id(),
-            rand::random::<u32>()
-        ));
-        a_take_of_an_ended_attempt_grants_nothing(&format!("sqlite://{}", file.display())).await;
-        for suffix in ["", "-wal", "-shm"] {
-            let _ = std::fs::remove_file(format!("{}{suffix}", file.display()));
-        }
+        a_take_of_an_ended_attempt_grants_nothing(&TempDb::new().url()).await;
     }
 
     #[tokio::test]

@@ -41,3 +41,35 @@ async fn dlocks_connects_the_new_scheme_and_tenants_do_not_share_locks() {
     a.close().await.unwrap();
     g.close().await.unwrap();
 }
+
+/// This crate's `dlocks` has no built-in backend (`default-features = false`),
+/// as an application that brings its own adapter may build it: every built-in
+/// scheme is then a typed error naming the feature that compiles it in, and an
+/// unknown scheme an invalid URL, neither showing the password. (CI's only
+/// run of the facade with no backend compiled in: `scripts/test` says why.)
+#[tokio::test]
+async fn built_in_schemes_left_out_are_typed_errors_naming_their_feature() {
+    for &(schemes, feature, compiled) in dlocks::KNOWN_SCHEMES {
+        assert!(
+            !compiled,
+            "`{feature}` is compiled in: dlocks has default features here"
+        );
+        for scheme in schemes {
+            let url = format!("{scheme}://user:secret@127.0.0.1:1/x");
+            let e = dlocks::connect(&url).await.unwrap_err();
+            assert!(
+                matches!(&e, dlocks::Error::FeatureDisabled { feature: f, .. } if *f == feature),
+                "{scheme}: {e:?}"
+            );
+            let message = e.to_string();
+            assert!(
+                message.contains(&format!("enable the `{feature}` feature")),
+                "{message}"
+            );
+            assert!(!message.contains("secret"), "{message}");
+        }
+    }
+    let e = dlocks::connect("gopher://user:secret@h").await.unwrap_err();
+    assert!(matches!(e, dlocks::Error::InvalidUrl { .. }), "{e:?}");
+    assert!(!e.to_string().contains("secret"), "{e}");
+}

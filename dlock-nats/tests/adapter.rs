@@ -589,6 +589,71 @@ async fn a_try_right_after_a_release_finds_the_lock_free() {
     delete_bucket(&raw, bucket).await;
 }
 
+/// S5: a take cut off on the wire while another client holds the lock,
+/// delivered after that client's release, grants nothing. The abandoned
+/// attempt's tombstone is written into the other client's hold (whose
+/// renewals and release carry it on), so the release leaves a free value,
+/// not an empty key, and the late take (written only on a key with no
+/// message) is refused. The conformance case `cut_take_delivered_late`
+/// covers a tombstone left by the attempt's own release. Red before (with
+/// `refuses_late_takes` not declared): the late take held the lock for
+/// `max_age` on no one's behalf.
+#[tokio::test]
+async fn a_take_cut_off_behind_another_hold_lands_on_its_tombstone() {
+    use dlock_conformance::wire::Fault;
+
+    let bucket = "dlock_late_behind_hold";
+    let (direct, proxied, raw, proxy) = behind_a_proxy(bucket).await;
+    let options = || SessionOptions::new().ttl(Duration::from_secs(1));
+    let backend = NatsBackend::connect(direct.as_str()).await.unwrap();
+    let b = backend.session(options()).await.unwrap();
+    let a = NatsBackend::connect(proxied.as_str())
+        .await
+        .unwrap()
+        .session(options())
+        .await
+        .unwrap();
+    let kv = async_nats::jetstream::new(raw.clone())
+        .get_key_value(bucket)
+        .await
+        .unwrap();
+    let held = b.lock("x").unwrap().acquire().await.unwrap();
+    // A's connection is open before its bytes are held.
+    assert!(a.lock("y").unwrap().try_acquire().await.unwrap().is_some());
+    proxy.set(Fault::HoldExisting);
+    let cut = a.lock("x").unwrap().try_acquire().await;
+    assert!(cut.is_err(), "A's take with its bytes held: {cut:?}");
+    // A's attempt ends (its clean-up, on a new connection, within
+    // milliseconds): its tombstone joins B's hold, which B renews every
+    // third of a second meanwhile.
+    let before = kv.entry("l.78").await.unwrap().unwrap().revision;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let entry = kv.entry("l.78").await.unwrap().unwrap();
+    held.release().await.unwrap();
+    proxy.set(Fault::Pass);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        backend
+            .inspect(&dlock_core::LockName::new("x").unwrap())
+            .await
+            .unwrap(),
+        None,
+        "A's late take granted a hold no one tracks"
+    );
+    assert!(entry.revision > before, "B's hold was renewed meanwhile");
+    assert!(
+        String::from_utf8_lossy(&entry.value).contains("\nended "),
+        "B's renewals kept A's tombstone in B's hold: {:?}",
+        entry.value
+    );
+    let again = b.lock("x").unwrap().try_acquire().await.unwrap();
+    assert!(again.is_some(), "the lock is free after the late take");
+    again.unwrap().release().await.unwrap();
+    a.close().await.unwrap();
+    b.close().await.unwrap();
+    delete_bucket(&raw, bucket).await;
+}
+
 /// L3, S4: a session whose holds take longer to renew than its request
 /// timeout keeps them all. NATS renews with a write per hold; each write
 /// the server confirmed before the round was cut off moves its hold's

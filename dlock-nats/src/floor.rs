@@ -5,6 +5,7 @@
 //! on a connection of its own. NATS has no lock of its own (KV is the one).
 
 use async_trait::async_trait;
+use bytes::Bytes;
 use dlock_core::floor::{FencedWrite, Floor};
 use dlock_core::url::StoreUrl;
 use dlock_core::{Error, FencingToken, LockName};
@@ -13,7 +14,7 @@ use std::time::Duration;
 
 use crate::conn::open_bucket;
 use crate::store::Free;
-use crate::value::{Value, key_prefix};
+use crate::value::key_prefix;
 use crate::{NatsBackend, NatsFence, RACES, SCHEME};
 
 /// [`Floor`] of `nats://` URLs: a backend of its own, in whose bucket it
@@ -59,18 +60,12 @@ impl Floor for NatsFloor {
     async fn cycle(&self, key: &LockName) -> Result<(), Error> {
         let inner = &self.backend.inner;
         let key = key_for('f', key);
-        let value = Value {
-            owner: "floor".to_owned(),
-            token: None,
-            session: "floor".to_owned(),
-            why: String::new(),
-            ended: Vec::new(),
-        };
+        let value = Bytes::from_static(b"floor");
         // As a lock's take (the last cycle's marker may not be purged yet).
         let mut written = None;
         for _ in 0..RACES {
-            match inner.write_if_free(&key, &value).await? {
-                Free::Written(revision, _) => {
+            match inner.write_if_free(&key, value.clone(), None).await? {
+                Free::Written(revision) => {
                     written = Some(revision);
                     break;
                 }

@@ -9,8 +9,8 @@
 //! | token | the stream sequence of that write (the key's revision), increasing over every key of the bucket, kept across restarts with the stream's file storage |
 //! | expiry | the bucket's `max_age`: the server drops a value `max_age` after its last write, by its own clock |
 //! | renew | `update` on the key's last revision with the same owner and token (resets its age) |
-//! | release | (no tombstone in the value) a purge marker written only if the key's last message is at the sequence this session last wrote it at (exact and scoped to the key: a sequence the server gave again after losing writes, to another key or to a newer hold of this one, is never removed), else after reading owner and token; the marker is then purged in the background (only while connected), so the next take is one write, and waiters are told |
-//! | late takes (S5) | an attempt with a take cut off in flight leaves, when it ends, a tombstone in the lock key's own value (below) |
+//! | release | a purge marker written only if the key's last message is at the sequence this session last wrote it at (exact and scoped to the key: a sequence the server gave again after losing writes, to another key or to a newer hold of this one, is never removed), else after reading owner and token; the marker is then purged in the background (only while connected), so the next take is one write, and waiters are told |
+//! | late takes (S5) | every take write carries a message id of its own; an attempt that ends with writes unanswered first publishes a message with each such id, so that the stream drops those writes as duplicates if they arrive later (`cut` module) |
 //! | wake-up | a release is announced on a plain NATS subject that waiters subscribe to; an expiry sends nothing, so waiters also re-check at the holder's expiry |
 //!
 //! **`max_age` is the bucket's, not the session's.** NATS 2.9 has no TTL per
@@ -36,9 +36,13 @@
 //!
 //! **Limits, found in review:**
 //! - A take given up while its write was still on the way (a lost or slow
-//!   reply, then `abandon`) and landing after its key expired (below) keeps
-//!   the lock for `max_age`, not the session's TTL; the declared recovery
-//!   bound covers it.
+//!   reply, then `abandon`) is dropped as a duplicate if it lands within the
+//!   bucket's duplicate window (`min(max_age, 2 min)` on a bucket dlock
+//!   creates; a bucket without one declares no `refuses_late_takes`); one
+//!   landing later keeps the lock for `max_age`, not the session's TTL,
+//!   which the declared recovery bound covers. The server keeps the id of
+//!   every take write for that window (a few dozen bytes each: some
+//!   megabytes at thousands of takes a second).
 //! - **A killed server loses its last acknowledged writes**: JetStream
 //!   acknowledges a write before its file store has written it, and syncs
 //!   every two minutes. A lost take or renewal frees a held lock before its
@@ -68,31 +72,7 @@
 //!
 //! Value of a held key: `owner\ntoken\nsession\nwhy` (`token` empty until the
 //! first renewal: the take's own sequence is the token, and the take cannot
-//! know it before the server answers), then one line `ended <until_ms>
-//! <owner>` per tombstone.
-//!
-//! **Late takes.** A take is a write the server accepts only on a key with
-//! no message, or on the purge marker's sequence the take read. One that
-//! the client cut off (its request timeout, a dropped acquire) may reach
-//! the server after its attempt ended and after other clients took and
-//! released the lock, when the key is empty again: it would hold the lock
-//! on no one's behalf. KV has no conditional write across keys, so the
-//! tombstone of such an attempt (`dlock_core::backend::Doubtful`) lives in
-//! the lock's key itself: its end writes, on the sequence it read, the
-//! key's value with one more `ended` line (freeing the attempt's own hold
-//! in the same write, or keeping another client's hold with its holder and
-//! token). Renewals and takes carry the lines on, and a release that
-//! finds one not yet due writes a free value (owner and session empty) that
-//! keeps them, instead of the purge marker: the key is never emptied while
-//! a tombstone lives, and the late take's condition can no longer hold.
-//! A tombstone lives two minutes, or the session's TTL if longer, by the
-//! writer's clock, and a key keeps its last 32. Limits: a key expires
-//! `max_age` after its last write, tombstones with it (a holder that
-//! crashed, or a free value no one took since), and a late take landing
-//! then holds the lock for `max_age`. Takes on a free value are a refused
-//! write, a read and a write, as on a marker. An earlier version of this
-//! adapter reads a free value as a hold of no session, and waits for it
-//! to expire.
+//! know it before the server answers).
 
 use std::fmt;
 use std::sync::Arc;
@@ -106,6 +86,7 @@ use dlock_core::{
 };
 
 mod conn;
+mod cut;
 mod fence;
 mod floor;
 mod session;
@@ -164,6 +145,9 @@ struct Inner {
     highest: Arc<std::sync::atomic::AtomicU64>,
     bucket: String,
     max_age: Duration,
+    /// The bucket's duplicate window: how long a late take is refused
+    /// (see the `cut` module).
+    window: Duration,
     shown: String,
 }
 
@@ -304,6 +288,7 @@ impl NatsBackend {
                 advancing: Default::default(),
                 bucket,
                 max_age,
+                window: config.duplicate_window,
                 shown,
             }),
         })
@@ -343,10 +328,10 @@ impl Backend for NatsBackend {
         caps.restart_loses_locks = true;
         // A release is announced on a plain subject the waiters subscribe to.
         caps.notify_wakeup = true;
-        // The end of a doubtful attempt leaves its tombstone in the lock's
-        // key (`Inner::leave_tombstone`), for as long as the key keeps a
-        // message: at most `max_age` after its last write.
-        caps.refuses_late_takes = true;
+        // A late take's write is dropped as a duplicate (the `cut` module),
+        // for the bucket's duplicate window: min(max_age, 2 min) on a bucket
+        // dlock creates.
+        caps.refuses_late_takes = !self.inner.window.is_zero();
         caps.wakeup_bound = Duration::from_millis(250);
         // A crashed holder's key lives max_age from its last write, which
         // is at most one renewal period before the crash; a session's TTL
@@ -368,7 +353,7 @@ impl Backend for NatsBackend {
             ttl: options.ttl_value(),
             request_timeout: options.request_timeout_or_default(),
             revisions: Revisions::default(),
-            doubtful: Default::default(),
+            cut: Default::default(),
         }))
     }
 

@@ -7,16 +7,15 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use dlock_core::backend::{
-    Busy, Claim, Doubtful, ExpiryModel, Hold, RawSession, RenewalReport, Take,
-};
+use dlock_core::backend::{Busy, Claim, ExpiryModel, Hold, RawSession, RenewalReport, Take};
 use dlock_core::{Error, FencingToken, LockName, SessionId};
 use futures::StreamExt;
 use tokio::time::Instant;
 
 use crate::SCHEME;
+use crate::cut::CutTakes;
 use crate::store::Free;
-use crate::value::{Value, key_of, now_ms};
+use crate::value::{Value, key_of};
 use crate::{Inner, RENEWALS_IN_FLIGHT};
 
 /// A session: nothing in the store (each hold expires on its own).
@@ -28,15 +27,9 @@ pub(crate) struct NatsSession {
     /// its round (see `write_on_revision`).
     pub(crate) request_timeout: Duration,
     pub(crate) revisions: Revisions,
-    /// The session's attempts with a take that may still land (S5): their
-    /// ends leave a tombstone (see [`Inner::leave_tombstone`]).
-    pub(crate) doubtful: Doubtful,
-}
-
-/// When a tombstone left now for a session of `ttl` may go (ms since the
-/// epoch; see [`Doubtful::tombstone_life`]).
-fn tombstone_until(ttl: Duration) -> u64 {
-    now_ms().saturating_add(Doubtful::tombstone_life(ttl).as_millis() as u64)
+    /// The take writes of its attempts left unanswered (S5): an attempt's
+    /// end first makes them duplicates (see the `cut` module).
+    pub(crate) cut: CutTakes,
 }
 
 /// The revision each of a session's holds was last written at, by owner
@@ -101,10 +94,9 @@ impl NatsSession {
         }
         let key = key_of(&hold.name);
         if let Some(written) = self.known(hold, &key)
-            && let Ok(value) = Value::decode(&written.value)
             && self
                 .inner
-                .free_or_remove(&key, &value, written.revision)
+                .remove_exact(&key, written.revision, true)
                 .await?
         {
             return Ok(());
@@ -211,13 +203,11 @@ impl RawSession for NatsSession {
                 token: None,
                 session: self.id.to_string(),
                 why: why.unwrap_or_default().replace('\n', " "),
-                ended: Vec::new(),
             },
             sent: false,
             watch: None,
             revisions: self.revisions.clone(),
-            doubtful: self.doubtful.clone(),
-            ttl: self.ttl,
+            cut: self.cut.clone(),
             first_before: None,
             key_seen: 0,
         }))
@@ -253,30 +243,12 @@ impl RawSession for NatsSession {
     }
 
     async fn release(&self, hold: &Hold) -> Result<(), Error> {
-        let result = self
-            .doubtful
-            .end_with(&hold.key, |doubtful| async move {
-                if !doubtful {
-                    return match self.release_once(hold).await {
-                        Ok(()) => Ok(true),
-                        Err(Error::NotHeld { .. }) => Ok(false),
-                        Err(e) => Err(e),
-                    };
-                }
-                if !self.id.issued(&hold.key) {
-                    return Ok(false);
-                }
-                let until = tombstone_until(self.ttl);
-                (self.inner)
-                    .leave_tombstone(&key_of(&hold.name), &hold.key, Some(hold.token), until)
-                    .await
-            })
-            .await
-            .and_then(|freed| {
-                freed.then_some(()).ok_or_else(|| Error::NotHeld {
-                    name: hold.name.to_string(),
-                })
-            });
+        // (the check of `release_once` first: another session's hold is not
+        // this session's to end)
+        if self.id.issued(&hold.key) {
+            self.inner.refuse_late(&self.cut, &hold.key).await?;
+        }
+        let result = self.release_once(hold).await;
         if !result.as_ref().is_err_and(Error::is_retryable) {
             // (kept for a retry: its first delete may have gone unanswered)
             self.revisions.lock().unwrap().remove(&hold.key);
@@ -307,10 +279,8 @@ pub(crate) struct NatsClaim {
     /// The subscription to the key's release announcements.
     pub(crate) watch: Option<async_nats::Subscriber>,
     pub(crate) revisions: Revisions,
-    /// The session's doubtful attempts (see [`NatsSession::doubtful`]).
-    pub(crate) doubtful: Doubtful,
-    /// The session's TTL (a tombstone's life follows it).
-    pub(crate) ttl: Duration,
+    /// The session's unanswered take writes (see [`NatsSession::cut`]).
+    pub(crate) cut: CutTakes,
     /// The highest sequence this process had seen when this claim first
     /// sent a take: a message of this claim (its owner value is its own)
     /// at or below it was given a sequence again.
@@ -331,19 +301,21 @@ impl fmt::Debug for NatsClaim {
 }
 
 impl NatsClaim {
-    /// The grant of this claim's write of `value` at `revision` (the
-    /// take's token): what a renewal writes again.
-    pub(crate) fn granted(&self, revision: u64, value: Value) -> (FencingToken, u64, Bytes) {
+    /// The grant of this claim's write at `revision` (the take's token).
+    pub(crate) fn granted(&self, revision: u64) -> (FencingToken, u64, Bytes) {
         let token = FencingToken::new(revision);
         let value = Value {
             token: Some(token),
-            ..value
+            ..self.value.clone()
         };
         (token, revision, value.encode())
     }
+}
 
-    /// One take (see [`Claim::try_take`]).
-    async fn take(&mut self) -> Result<Take, Error> {
+#[async_trait]
+impl Claim for NatsClaim {
+    async fn try_take(&mut self) -> Result<Take, Error> {
+        self.sent = true;
         // Writes judged by the server (`write_if_free`): one write if the key
         // has no message (free, expired, or released with its purge marker
         // cleared), else a read and a write on the marker (a release not yet
@@ -352,17 +324,17 @@ impl NatsClaim {
         // whose first reply is lost could not take effect.
         let before = self.inner.highest();
         let first_before = *self.first_before.get_or_insert(before);
-        // Doubtful until answered: a write of it cut off here may land after
-        // this attempt ended (its end then leaves a tombstone). The writes
-        // that follow are conditional on this attempt's own message, which
-        // its end removes.
-        let sending = self.doubtful.sending(&self.value.owner);
-        let free = self.inner.write_if_free(&self.key, &self.value).await?;
-        sending.answered();
-        let granted = match free {
-            Free::Written(revision, value) => {
-                let revision = self.inner.fresh(&self.key, revision, before).await?;
-                Some(self.granted(revision, value))
+        let granted = match self
+            .inner
+            .write_if_free(
+                &self.key,
+                self.value.encode(),
+                Some((&self.cut, &self.value.owner)),
+            )
+            .await?
+        {
+            Free::Written(revision) => {
+                Some(self.granted(self.inner.fresh(&self.key, revision, before).await?))
             }
             Free::Raced => None,
             // Ours already (an earlier try's reply lost or late)? Then
@@ -401,14 +373,6 @@ impl NatsClaim {
         let retry_after = held.map(|held| self.inner.left(held.created));
         Ok(Take::Busy(Busy { retry_after }))
     }
-}
-
-#[async_trait]
-impl Claim for NatsClaim {
-    async fn try_take(&mut self) -> Result<Take, Error> {
-        self.sent = true;
-        self.take().await
-    }
 
     async fn wait(&mut self, until: Instant) -> Result<(), Error> {
         let Some(watch) = self.watch.as_mut() else {
@@ -437,17 +401,9 @@ impl Claim for NatsClaim {
         self.watch = None;
         self.revisions.lock().unwrap().remove(&self.value.owner);
         if self.sent {
-            let (inner, key, owner) = (&self.inner, &self.key, &self.value.owner);
-            let until = tombstone_until(self.ttl);
-            self.doubtful
-                .end_with(owner, |doubtful| async move {
-                    if doubtful {
-                        inner.leave_tombstone(key, owner, None, until).await
-                    } else {
-                        inner.delete_if(key, Some(owner), None).await
-                    }
-                })
-                .await?;
+            let owner = &self.value.owner;
+            self.inner.refuse_late(&self.cut, owner).await?;
+            self.inner.delete_if(&self.key, Some(owner), None).await?;
         }
         Ok(())
     }

@@ -11,31 +11,18 @@ use futures::StreamExt;
 use tokio::time::Instant;
 
 use crate::conn::{Conn, InFlight, open_bucket};
-use crate::value::{Ended, Value, key_prefix, now_ms};
+use crate::cut::CutTakes;
+use crate::value::{Value, key_prefix};
 use crate::{Inner, MAX_SEQUENCE_GAP, RACES, RECHECK_FLOOR, REQUEST_TIMEOUT, SCHEME, unavailable};
 
 /// What [`Inner::write_if_free`] did.
 pub(crate) enum Free {
-    /// Wrote at this revision, this value (the one asked for, with the
-    /// key's tombstones).
-    Written(u64, Value),
+    /// Wrote at this revision.
+    Written(u64),
     /// The key holds a value (someone's hold, perhaps this client's own).
     Held,
     /// The key was free, but another write came first.
     Raced,
-}
-
-/// What a lock's key holds.
-pub(crate) enum State {
-    /// No message: a take writes on nothing.
-    Empty,
-    /// A purge marker at this revision: a release whose marker is not
-    /// purged yet, or another tool's delete.
-    Marker(u64),
-    /// A free value at this revision, keeping tombstones.
-    Free(u64, Value),
-    /// A hold.
-    Held(Held),
 }
 
 /// A live lock entry: its value, revision, token and server timestamp.
@@ -257,13 +244,13 @@ impl Inner {
         Ok(keys)
     }
 
-    /// What the key holds now.
-    pub(crate) async fn read(self: &Arc<Self>, key: &str) -> Result<State, Error> {
+    /// The key's live entry, if held.
+    pub(crate) async fn held(self: &Arc<Self>, key: &str) -> Result<Option<Held>, Error> {
         let Some(entry) = self.bounded(self.conn().kv.entry(key)).await? else {
-            return Ok(State::Empty);
+            return Ok(None);
         };
         if entry.operation != Operation::Put {
-            return Ok(State::Marker(self.saw(entry.revision)));
+            return Ok(None);
         }
         // A value this adapter did not write (another tool's) holds the
         // lock for no session: renewals and releases report it not theirs,
@@ -273,26 +260,14 @@ impl Inner {
             token: None,
             session: "(not a dlock value)".to_owned(),
             why: String::new(),
-            ended: Vec::new(),
         });
-        if value.is_free() {
-            return Ok(State::Free(self.saw(entry.revision), value));
-        }
         let token = value.token.unwrap_or(FencingToken::new(entry.revision));
-        Ok(State::Held(Held {
+        Ok(Some(Held {
             value,
             revision: self.saw(entry.revision),
             token,
             created: entry.created.into(),
         }))
-    }
-
-    /// The key's live entry, if held.
-    pub(crate) async fn held(self: &Arc<Self>, key: &str) -> Result<Option<Held>, Error> {
-        Ok(match self.read(key).await? {
-            State::Held(held) => Some(held),
-            _ => None,
-        })
     }
 
     /// When to check again a key written at `created` (server time): at its
@@ -327,7 +302,6 @@ impl Inner {
             }
             let value = Value {
                 token: Some(held.token),
-                ended: held.value.live_ended(now_ms()),
                 ..held.value
             }
             .encode();
@@ -343,43 +317,112 @@ impl Inner {
     /// is not purged yet, or another tool's delete), a write on it, or on
     /// nothing again if the key was emptied between the two (a marker
     /// purged: the wake-up it sent may have come before this client
-    /// listened); on a free value that keeps tombstones, a write on it that
-    /// keeps them. A take and the bench floor both take this way.
+    /// listened). A take and the bench floor both take this way. A take
+    /// gives `cut` (its session's unanswered writes, by attempt) and its
+    /// owner: each write carries a message id of its own, kept there until
+    /// answered (see the `cut` module).
     pub(crate) async fn write_if_free(
         self: &Arc<Self>,
         key: &str,
-        value: &Value,
+        value: Bytes,
+        cut: Option<(&CutTakes, &str)>,
     ) -> Result<Free, Error> {
-        let bytes = value.encode();
-        if let Some(revision) = self.update_at(key, bytes.clone(), 0).await? {
-            return Ok(Free::Written(revision, value.clone()));
+        if let Some(revision) = self.take_on(key, value.clone(), 0, cut).await? {
+            return Ok(Free::Written(revision));
         }
-        let on = match self.read(key).await? {
-            State::Empty => 0,
-            State::Marker(revision) => revision,
-            State::Free(revision, free) => {
-                let kept = Value {
-                    ended: free.live_ended(now_ms()),
-                    ..value.clone()
-                };
-                return Ok(match self.update_at(key, kept.encode(), revision).await? {
-                    Some(revision) => Free::Written(revision, kept),
-                    None => Free::Raced,
-                });
-            }
-            State::Held(_) => return Ok(Free::Held),
+        let on = match self.bounded(self.conn().kv.entry(key)).await? {
+            None => 0,
+            Some(entry) if entry.operation != Operation::Put => entry.revision,
+            Some(_) => return Ok(Free::Held),
         };
-        Ok(match self.update_at(key, bytes.clone(), on).await? {
-            Some(revision) => Free::Written(revision, value.clone()),
+        Ok(match self.take_on(key, value.clone(), on, cut).await? {
+            Some(revision) => Free::Written(revision),
             // The marker was purged between the read and this write (the
             // releaser clears it in the background right after its
             // release): the key may have no message again.
-            None if on != 0 => match self.update_at(key, bytes, 0).await? {
-                Some(revision) => Free::Written(revision, value.clone()),
+            None if on != 0 => match self.take_on(key, value, 0, cut).await? {
+                Some(revision) => Free::Written(revision),
                 None => Free::Raced,
             },
             None => Free::Raced,
         })
+    }
+
+    /// One write of a take (see [`update_at`](Self::update_at)), with a
+    /// message id of its own when `cut` is given (see the `cut` module).
+    async fn take_on(
+        self: &Arc<Self>,
+        key: &str,
+        value: Bytes,
+        revision: u64,
+        cut: Option<(&CutTakes, &str)>,
+    ) -> Result<Option<u64>, Error> {
+        use async_nats::header::{NATS_EXPECTED_LAST_SUBJECT_SEQUENCE, NATS_MESSAGE_ID};
+        use async_nats::jetstream::context::PublishErrorKind;
+        let Some((cut, owner)) = cut else {
+            return self.update_at(key, value, revision).await;
+        };
+        let sending = cut.sending(owner);
+        let js = self.conn().js.clone();
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert(
+            NATS_EXPECTED_LAST_SUBJECT_SEQUENCE,
+            async_nats::HeaderValue::from(revision),
+        );
+        headers.insert(NATS_MESSAGE_ID, sending.id());
+        let subject = self.subject(key);
+        let sent = async move {
+            js.publish_with_headers(subject, headers, value)
+                .await?
+                .await
+        };
+        let answer = self.call(sent).await?;
+        // (answered, also when refused: a write the server refused cannot
+        // land later)
+        let written = match answer {
+            Ok(ack) if ack.duplicate => {
+                return Err(Error::protocol(
+                    SCHEME,
+                    "a take's message id was taken already (its attempt ended)",
+                ));
+            }
+            Ok(ack) => Some(self.saw(ack.sequence)),
+            Err(e) if e.kind() == PublishErrorKind::WrongLastSequence => None,
+            Err(e) => return Err(unavailable(e)),
+        };
+        sending.answered();
+        Ok(written)
+    }
+
+    /// Makes the unanswered take writes of an ending attempt `owner`
+    /// duplicates before its end frees anything (see the `cut` module): one
+    /// message per write's id, each on a key of its own (`_dlock.e.<id>`,
+    /// so that a restarted server, which rebuilds its duplicate ids from
+    /// the messages of the window, still has them all). An id is forgotten
+    /// once its message is acknowledged, so an end cut off or failed is
+    /// tried again with the rest.
+    pub(crate) async fn refuse_late(
+        self: &Arc<Self>,
+        cut: &CutTakes,
+        owner: &str,
+    ) -> Result<(), Error> {
+        use async_nats::header::NATS_MESSAGE_ID;
+        for id in cut.pending(owner) {
+            let js = self.conn().js.clone();
+            let mut headers = async_nats::HeaderMap::new();
+            headers.insert(NATS_MESSAGE_ID, id.as_str());
+            let subject = self.subject(&format!("_dlock.e.{id}"));
+            let sent = async move {
+                js.publish_with_headers(subject, headers, Bytes::new())
+                    .await?
+                    .await
+            };
+            // (a duplicate: the write landed first, as the attempt's hold,
+            // which the end removes)
+            self.call(sent).await?.map_err(unavailable)?;
+            cut.settled(owner, &id);
+        }
+        Ok(())
     }
 
     /// Writes `value` to `key` only if the key's last message is at
@@ -402,9 +445,7 @@ impl Inner {
     }
 
     /// Deletes a held key if `owner` (and `token`, if given) hold it, by
-    /// its revision (read again if it moved meanwhile, as in `extend`). A
-    /// hold that carries live tombstones is replaced by a free value that
-    /// keeps them (see [`free_at`](Self::free_at)), not removed.
+    /// its revision (read again if it moved meanwhile, as in `extend`).
     pub(crate) async fn delete_if(
         self: &Arc<Self>,
         key: &str,
@@ -420,113 +461,8 @@ impl Inner {
             {
                 return Ok(false);
             }
-            if self.free_or_remove(key, &held.value, held.revision).await? {
+            if self.remove_exact(key, held.revision, true).await? {
                 return Ok(true);
-            }
-        }
-        Err(Error::unavailable(SCHEME, "the lock's key kept changing"))
-    }
-
-    /// Frees `key`, whose hold `value` is at `revision`: removes it (see
-    /// [`remove_exact`](Self::remove_exact)), or, while it carries live
-    /// tombstones, writes a free value that keeps them on that revision
-    /// (see [`free_at`](Self::free_at)). `false` if the key moved.
-    pub(crate) async fn free_or_remove(
-        self: &Arc<Self>,
-        key: &str,
-        value: &Value,
-        revision: u64,
-    ) -> Result<bool, Error> {
-        let ended = value.live_ended(now_ms());
-        if ended.is_empty() {
-            self.remove_exact(key, revision, true).await
-        } else {
-            self.free_at(key, revision, ended).await
-        }
-    }
-
-    /// Writes a free value keeping `ended` on `revision` (the hold's), then
-    /// wakes the key's waiters: `false` if the key moved. Such a key is never emptied by a release while a
-    /// tombstone lives, so a late take (written on no message, or on a
-    /// revision since replaced) finds neither; it expires `max_age` after
-    /// its last write, like a hold.
-    pub(crate) async fn free_at(
-        self: &Arc<Self>,
-        key: &str,
-        revision: u64,
-        ended: Vec<Ended>,
-    ) -> Result<bool, Error> {
-        let freed = self
-            .update_at(key, Value::free(ended).encode(), revision)
-            .await?
-            .is_some();
-        if freed {
-            self.released(key).await;
-        }
-        Ok(freed)
-    }
-
-    /// Ends attempt `owner` on `key` while a take of it may still be on the
-    /// wire (DESIGN.md S5): adds its tombstone, until `until_ms`, to what
-    /// the key holds, by a write on the revision read, so that the late take
-    /// (written on no message, or on a revision this write replaces) is
-    /// refused. The attempt's own hold is freed by the same write: `true`
-    /// if it had `token` (if given). Another client's hold keeps its
-    /// holder and token and carries the tombstone on (its renewals and
-    /// release keep it, see [`free_or_remove`](Self::free_or_remove)).
-    pub(crate) async fn leave_tombstone(
-        self: &Arc<Self>,
-        key: &str,
-        owner: &str,
-        token: Option<FencingToken>,
-        until_ms: u64,
-    ) -> Result<bool, Error> {
-        let tombstone = Ended {
-            owner: owner.to_owned(),
-            until_ms,
-        };
-        let with = |value: &Value| {
-            let mut ended = value.live_ended(now_ms());
-            ended.retain(|e| e.owner != owner);
-            ended.insert(0, tombstone.clone());
-            ended.truncate(crate::value::MAX_ENDED);
-            ended
-        };
-        for _ in 0..RACES {
-            // (the revision to write on, whether a hold of this attempt is
-            // freed and whether it had `token`, the value)
-            let (revision, freed, ours, value) = match self.read(key).await? {
-                State::Empty => (0, false, false, Value::free(with(&Value::free(Vec::new())))),
-                State::Marker(revision) => {
-                    let value = Value::free(with(&Value::free(Vec::new())));
-                    (revision, false, false, value)
-                }
-                State::Free(revision, free) => (revision, false, false, Value::free(with(&free))),
-                // (any hold of this attempt goes: one with another token is a
-                // late take of it that landed after its hold was lost)
-                State::Held(held) if held.value.owner == owner => {
-                    let ours = token.is_none_or(|t| t == held.token);
-                    (held.revision, true, ours, Value::free(with(&held.value)))
-                }
-                State::Held(held) => {
-                    let ended = with(&held.value);
-                    let value = Value {
-                        token: Some(held.token),
-                        ended,
-                        ..held.value
-                    };
-                    (held.revision, false, false, value)
-                }
-            };
-            if self
-                .update_at(key, value.encode(), revision)
-                .await?
-                .is_some()
-            {
-                if freed {
-                    self.released(key).await;
-                }
-                return Ok(ours);
             }
         }
         Err(Error::unavailable(SCHEME, "the lock's key kept changing"))

@@ -41,8 +41,10 @@
 //!   creates; a bucket without one declares no `refuses_late_takes`); one
 //!   landing later keeps the lock for `max_age`, not the session's TTL,
 //!   which the declared recovery bound covers. The server keeps the id of
-//!   every take write for that window (a few dozen bytes each: some
-//!   megabytes at thousands of takes a second).
+//!   every take write it stored for that window (about 100-150 bytes each:
+//!   tens of megabytes at thousands of takes a second for two minutes), and
+//!   the messages that take ids (on `_dlock.e.<id>`, one per write cut off)
+//!   for `max_age`.
 //! - **A killed server loses its last acknowledged writes**: JetStream
 //!   acknowledges a write before its file store has written it, and syncs
 //!   every two minutes. A lost take or renewal frees a held lock before its
@@ -330,8 +332,9 @@ impl Backend for NatsBackend {
         caps.notify_wakeup = true;
         // A late take's write is dropped as a duplicate (the `cut` module),
         // for the bucket's duplicate window: min(max_age, 2 min) on a bucket
-        // dlock creates.
-        caps.refuses_late_takes = !self.inner.window.is_zero();
+        // dlock creates (a shorter one, made by another tool, covers less).
+        caps.refuses_late_takes =
+            self.inner.window >= self.inner.max_age.min(Duration::from_secs(120));
         caps.wakeup_bound = Duration::from_millis(250);
         // A crashed holder's key lives max_age from its last write, which
         // is at most one renewal period before the crash; a session's TTL

@@ -263,6 +263,15 @@ impl RawSession for NatsSession {
                 Err(e) => return Err(e),
             }
         }
+        // (also the attempts whose clean-up did not get through before the
+        // session ended: their late writes too are made duplicates)
+        let owners = self.cut.owners();
+        for r in
+            futures::future::join_all(owners.iter().map(|o| self.inner.refuse_late(&self.cut, o)))
+                .await
+        {
+            r?;
+        }
         Ok(())
     }
 }

@@ -362,7 +362,7 @@ impl Inner {
         let Some((cut, owner)) = cut else {
             return self.update_at(key, value, revision).await;
         };
-        let sending = cut.sending(owner);
+        let sending = cut.sending(owner, key);
         let js = self.conn().js.clone();
         let mut headers = async_nats::HeaderMap::new();
         headers.insert(
@@ -396,33 +396,57 @@ impl Inner {
 
     /// Makes the unanswered take writes of an ending attempt `owner`
     /// duplicates before its end frees anything (see the `cut` module): one
-    /// message per write's id, each on a key of its own (`_dlock.e.<id>`,
-    /// so that a restarted server, which rebuilds its duplicate ids from
-    /// the messages of the window, still has them all). An id is forgotten
-    /// once its message is acknowledged, so an end cut off or failed is
-    /// tried again with the rest.
+    /// message per write's id, all sent at once, each on a key of its own
+    /// (`_dlock.e.<id>`, so that a restarted server, which rebuilds its
+    /// duplicate ids from the messages of the window, can find them all). A
+    /// message answered as a duplicate names a write of the attempt that
+    /// landed first (or an earlier end's message): that write is removed
+    /// from the lock's key if it is still the key's last message. An id is
+    /// forgotten only once done, so an end cut off or failed is tried again
+    /// with the rest.
     pub(crate) async fn refuse_late(
         self: &Arc<Self>,
         cut: &CutTakes,
         owner: &str,
     ) -> Result<(), Error> {
         use async_nats::header::NATS_MESSAGE_ID;
-        for id in cut.pending(owner) {
-            let js = self.conn().js.clone();
+        let Some(pending) = cut.pending(owner) else {
+            return Ok(());
+        };
+        let js = self.conn().js.clone();
+        let sent = pending.ids.iter().map(|id| {
+            let js = js.clone();
             let mut headers = async_nats::HeaderMap::new();
             headers.insert(NATS_MESSAGE_ID, id.as_str());
             let subject = self.subject(&format!("_dlock.e.{id}"));
-            let sent = async move {
+            let publish = async move {
                 js.publish_with_headers(subject, headers, Bytes::new())
                     .await?
                     .await
             };
-            // (a duplicate: the write landed first, as the attempt's hold,
-            // which the end removes)
-            self.call(sent).await?.map_err(unavailable)?;
-            cut.settled(owner, &id);
+            async move { self.call(publish).await?.map_err(unavailable) }
+        });
+        let answers = futures::future::join_all(sent).await;
+        let mut first_error = None;
+        for (id, answer) in pending.ids.iter().zip(answers) {
+            let done = match answer {
+                // (a write of this attempt's on the lock's key, or a message
+                // on another key: the removal is exact and scoped to the key)
+                Ok(ack) if ack.duplicate => self
+                    .remove_exact(&pending.key, ack.sequence, true)
+                    .await
+                    .map(drop),
+                Ok(_) => Ok(()),
+                Err(e) => Err(e),
+            };
+            match done {
+                Ok(()) => cut.settled(owner, id),
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
         }
-        Ok(())
+        first_error.map_or(Ok(()), Err)
     }
 
     /// Writes `value` to `key` only if the key's last message is at

@@ -640,8 +640,21 @@ async fn a_take_cut_off_behind_another_hold_is_dropped_when_delivered() {
     })
     .await;
     assert!(emptied.is_ok(), "B's release left the key with a message");
+    // (a plain subscriber sees the late write arrive, stored or not)
+    let mut arrivals = raw.subscribe(format!("$KV.{bucket}.l.78")).await.unwrap();
+    raw.flush().await.unwrap();
     proxy.set(Fault::Pass);
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    let delivered = tokio::time::timeout(Duration::from_secs(5), async {
+        use futures::StreamExt;
+        while let Some(message) = arrivals.next().await {
+            if message.payload.starts_with(a.id().as_str().as_bytes()) {
+                return;
+            }
+        }
+    })
+    .await;
+    assert!(delivered.is_ok(), "A's held take was never delivered");
+    tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(
         backend
             .inspect(&dlock_core::LockName::new("x").unwrap())

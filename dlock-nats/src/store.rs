@@ -4,7 +4,9 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
+use async_nats::jetstream::context::PublishError;
 use async_nats::jetstream::kv::{self, Operation};
+use async_nats::jetstream::publish::PublishAck;
 use bytes::Bytes;
 use dlock_core::{Error, FencingToken, LockInfo, LockName};
 use futures::StreamExt;
@@ -86,6 +88,24 @@ impl Inner {
             }
             Err(_) => Err(Error::unavailable(SCHEME, "request timed out")),
         }
+    }
+
+    /// Publishes `payload` on `subject` with `headers` and waits for the
+    /// stream's acknowledgement, bounded as one request (see
+    /// [`call`](Self::call)): the server's answer, accepted or refused.
+    pub(crate) async fn publish(
+        self: &Arc<Self>,
+        subject: String,
+        headers: async_nats::HeaderMap,
+        payload: Bytes,
+    ) -> Result<Result<PublishAck, PublishError>, Error> {
+        let js = self.conn().js.clone();
+        self.call(async move {
+            js.publish_with_headers(subject, headers, payload)
+                .await?
+                .await
+        })
+        .await
     }
 
     /// The connection for the next request.
@@ -363,20 +383,13 @@ impl Inner {
             return self.update_at(key, value, revision).await;
         };
         let sending = cut.sending(owner, key);
-        let js = self.conn().js.clone();
         let mut headers = async_nats::HeaderMap::new();
         headers.insert(
             NATS_EXPECTED_LAST_SUBJECT_SEQUENCE,
             async_nats::HeaderValue::from(revision),
         );
         headers.insert(NATS_MESSAGE_ID, sending.id());
-        let subject = self.subject(key);
-        let sent = async move {
-            js.publish_with_headers(subject, headers, value)
-                .await?
-                .await
-        };
-        let answer = self.call(sent).await?;
+        let answer = self.publish(self.subject(key), headers, value).await?;
         // (answered, also when refused: a write the server refused cannot
         // land later)
         let written = match answer {
@@ -413,18 +426,13 @@ impl Inner {
         let Some(pending) = cut.pending(owner) else {
             return Ok(());
         };
-        let js = self.conn().js.clone();
         let sent = pending.ids.iter().map(|id| {
-            let js = js.clone();
             let mut headers = async_nats::HeaderMap::new();
             headers.insert(NATS_MESSAGE_ID, id.as_str());
             let subject = self.subject(&format!("_dlock.e.{id}"));
-            let publish = async move {
-                js.publish_with_headers(subject, headers, Bytes::new())
-                    .await?
-                    .await
-            };
-            async move { self.call(publish).await?.map_err(unavailable) }
+            async move {
+                (self.publish(subject, headers, Bytes::new()).await?).map_err(unavailable)
+            }
         });
         let answers = futures::future::join_all(sent).await;
         let mut first_error = None;
@@ -515,7 +523,6 @@ impl Inner {
         announce: bool,
     ) -> Result<bool, Error> {
         use async_nats::jetstream::context::PublishErrorKind;
-        let js = self.conn().js.clone();
         let mut headers = async_nats::HeaderMap::new();
         headers.insert("KV-Operation", "PURGE");
         headers.insert("Nats-Rollup", "sub");
@@ -523,13 +530,10 @@ impl Inner {
             async_nats::header::NATS_EXPECTED_LAST_SUBJECT_SEQUENCE,
             async_nats::HeaderValue::from(revision),
         );
-        let subject = self.subject(key);
-        let sent = async move {
-            js.publish_with_headers(subject, headers, Bytes::new())
-                .await?
-                .await
-        };
-        match self.call(sent).await? {
+        match self
+            .publish(self.subject(key), headers, Bytes::new())
+            .await?
+        {
             Ok(ack) => {
                 let marker = self.saw(ack.sequence);
                 self.clear_marker(key, marker, announce);

@@ -177,7 +177,11 @@
 //! cancelled connect leaves it) and refuses a server that rejects it, or
 //! runs it differently from MongoDB, with [`Error::Config`] naming the
 //! missing feature and the server's code — so a server that cannot lock
-//! fails at connect, never at the first acquire. A server whose `hello`
+//! fails at connect, never at the first acquire. It then leaves an
+//! attempt's tombstone (the update an attempt's end writes when a take of
+//! it may still be on the wire: a `$filter` by `$$NOW` inside `$let`) on a
+//! second scratch document and checks that the attempt's take is refused
+//! (S5 reads the tombstones as `$ended.o`). A server whose `hello`
 //! reports a wire version below 9 (MongoDB 4.2 or older) is refused the same
 //! way before the probe.
 //!
@@ -240,6 +244,8 @@ mod options;
 mod probe;
 mod query;
 mod store;
+#[cfg(test)]
+mod test_server;
 
 use std::fmt;
 use std::sync::Arc;

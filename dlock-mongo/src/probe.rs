@@ -17,10 +17,14 @@
 //! [`Error::Config`] naming the missing feature, rather than letting the
 //! first acquire fail.
 //!
-//! The scratch document (`_id: "dlock-probe:<ObjectId>"`) is deleted at
-//! once; should the delete not happen (a cancelled connect, a lost reply) it
-//! also carries `ping`, so the session collection's TTL index sweeps it
-//! after [`SESSION_SWEEP`](crate::SESSION_SWEEP).
+//! It then checks, on a second scratch document, that the take of an
+//! attempt whose end left its tombstone grants nothing (S5).
+//!
+//! The scratch documents (`_id: "dlock-probe:<ObjectId>"`, and the same
+//! with `:ended`) are deleted at once; should the delete not happen (a
+//! cancelled connect, a lost reply) they also carry `ping`, so the session
+//! collection's TTL index sweeps them after
+//! [`SESSION_SWEEP`](crate::SESSION_SWEEP).
 
 use std::time::Duration;
 
@@ -87,12 +91,60 @@ pub(crate) async fn check_with(
         .projection(probe_projection())
         .await;
     let reply = op.done(r).map_err(refusal)?;
+    let ended = format!("{id}:ended");
+    let refused = match judge(reply.as_ref(), &owner, ts) {
+        Ok(()) => refuses_ended(clients, &ended).await,
+        Err(e) => Err(e),
+    };
     let op = clients.op(None);
-    let r = op.conn.sessions.delete_one(doc! { "_id": &id }).await;
+    let r = op
+        .conn
+        .sessions
+        .delete_many(doc! { "_id": { "$in": [&id, &ended] } })
+        .await;
     if let Err(e) = op.done(r) {
-        tracing::debug!(error = %e, id, "probe document not deleted (its TTL index sweeps it)");
+        tracing::debug!(error = %e, id, "probe documents not deleted (their TTL index sweeps them)");
     }
-    judge(reply.as_ref(), &owner, ts)
+    refused
+}
+
+/// On scratch document `id`: an attempt's tombstone, then that attempt's
+/// take, which must not grant (S5 rests on the server's running the
+/// tombstone's update, a `$filter` by `$$NOW` inside `$let`, and reading
+/// `$ended.o` as the list of the entries' `o`).
+async fn refuses_ended(clients: &Clients, id: &str) -> Result<(), Error> {
+    let owner = format!("{id}#probe");
+    let mut tombstone = query::tombstone_update(&owner, Duration::from_secs(60));
+    tombstone.extend(query::ping_update());
+    let op = clients.op(None);
+    let r = op
+        .conn
+        .sessions
+        .update_one(doc! { "_id": id }, tombstone)
+        .upsert(true)
+        .await;
+    op.done(r).map_err(refusal)?;
+    let spec = TakeSpec {
+        session: PROBE_SESSION,
+        owner: &owner,
+        why: None,
+        ts: ObjectId::new(),
+        ttl: Duration::from_secs(60),
+    };
+    let op = clients.op(None);
+    let r = op
+        .conn
+        .sessions
+        .find_one_and_update(doc! { "_id": id }, query::take_update(&spec))
+        .return_document(ReturnDocument::After)
+        .projection(query::take_projection())
+        .await;
+    match op.done(r).map_err(refusal)? {
+        Some(doc) if doc.get_str("who").ok() != Some(owner.as_str()) => Ok(()),
+        reply => Err(unsupported(&format!(
+            "the take of an attempt that ended was not refused (reply: {reply:?})"
+        ))),
+    }
 }
 
 /// The take's projection plus the fields the probe checks.
@@ -214,36 +266,13 @@ mod tests {
         assert!(matches!(refusal(io), Error::Unavailable { .. }));
     }
 
-    /// A client of the test server (`DLOCK_TEST_MONGO_URL`, default
-    /// `scripts/services`' mongo), on the test database.
-    async fn test_clients() -> Clients {
-        let url = std::env::var("DLOCK_TEST_MONGO_URL").unwrap_or_else(|_| {
-            "mongodb://dlock:dlock@127.0.0.1:17017/?directConnection=true\
-             &authMechanism=SCRAM-SHA-256"
-                .to_owned()
-        });
-        let options = crate::MongoOptions::from_url(&url).unwrap();
-        let mut client_options = mongodb::options::ClientOptions::parse(options.driver_url())
-            .await
-            .unwrap();
-        client_options.server_selection_timeout = Some(Duration::from_secs(5));
-        Clients::new(crate::client::Spec {
-            options: client_options,
-            database: "dlock_test".to_owned(),
-            locks: crate::DEFAULT_LOCKS.to_owned(),
-            sessions: crate::DEFAULT_SESSIONS.to_owned(),
-            collection_options: crate::collection_options(),
-        })
-        .unwrap()
-    }
-
     /// On the real server: the take's pipeline passes; a pipeline it
     /// refuses, and one it runs but that does not grant, are `Config`
     /// errors naming the feature (the paths a server without `$$NOW` in
     /// write commands takes).
     #[tokio::test]
     async fn probe_on_the_test_server() {
-        let clients = test_clients().await;
+        let clients = crate::test_server::clients().await;
         check(&clients).await.unwrap();
         let refused = check_with(
             &clients,

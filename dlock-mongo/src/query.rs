@@ -139,28 +139,59 @@ pub(crate) fn take_update(spec: &TakeSpec<'_>) -> Vec<Document> {
     }]
 }
 
-/// How many ended attempts a lock's document remembers (see
-/// [`tombstone_update`]).
-pub(crate) const ENDED_KEPT: i64 = 32;
+/// How many ended attempts a lock's document remembers at most (see
+/// [`tombstone_update`]): each is kept for its tombstone's life, and this
+/// bounds the document's size (an entry is about 30 bytes plus the attempt
+/// id: ~190 KB at most) when one lock sees more doubtful ends than that
+/// within a life.
+pub(crate) const ENDED_KEPT: i64 = 1024;
+
+/// How many of the last ended attempts are kept whatever their age (as
+/// every entry was before entries had a life): a take delayed past its
+/// tombstone's life is still refused while fewer ends followed it.
+pub(crate) const ENDED_KEPT_ANY_AGE: i64 = 32;
 
 /// Expression: attempt `owner` has not ended with a take of it on the wire
 /// (its tombstone is not in the document's `ended` list).
 fn unended(owner: &str) -> Document {
-    doc! { "$not": [{ "$in": [literal(owner), { "$ifNull": ["$ended", []] }] }] }
+    doc! { "$not": [{ "$in": [literal(owner), { "$ifNull": ["$ended.o", []] }] }] }
 }
 
 /// Adds attempt `owner`, which ends while a take of it may still be on the
-/// wire, to the document's `ended` list (the last [`ENDED_KEPT`] such
-/// attempts of the lock, whatever their age): that take, landing later,
-/// grants nothing ([`take_update`]), whoever took and freed the lock in
-/// between. Written before the update that frees the attempt's hold.
-pub(crate) fn tombstone_update(owner: &str) -> Vec<Document> {
+/// wire, to the document's `ended` list as `{o: owner, u: $$NOW + life}`:
+/// that take, landing later, grants nothing ([`take_update`]), whoever
+/// took and freed the lock in between. Written before the update that
+/// frees the attempt's hold. The same update drops the entries whose life
+/// is over by the server's clock, except the last [`ENDED_KEPT_ANY_AGE`]
+/// (an entry of the older format, a bare attempt id, has no life and is
+/// left to the count bound), then keeps the last [`ENDED_KEPT`].
+pub(crate) fn tombstone_update(owner: &str, life: Duration) -> Vec<Document> {
     let list = doc! { "$ifNull": ["$ended", []] };
+    let older = doc! { "$slice": [
+        list.clone(),
+        { "$max": [0_i64, { "$subtract": [{ "$size": list.clone() }, ENDED_KEPT_ANY_AGE] }] },
+    ] };
+    let alive = doc! { "$concatArrays": [
+        { "$filter": {
+            "input": older,
+            "as": "e",
+            "cond": { "$or": [
+                { "$ne": [{ "$type": "$$e" }, "object"] },
+                { "$gt": ["$$e.u", "$$NOW"] },
+            ] },
+        } },
+        { "$slice": [list, -ENDED_KEPT_ANY_AGE] },
+    ] };
     // Once: a retried end does not push older tombstones out.
-    let ended = doc! { "$cond": {
-        "if": { "$in": [literal(owner), list.clone()] },
-        "then": list.clone(),
-        "else": { "$concatArrays": [list, [literal(owner)]] },
+    let ended = doc! { "$let": {
+        "vars": { "alive": alive },
+        "in": { "$cond": {
+            "if": { "$in": [literal(owner), { "$ifNull": ["$$alive.o", []] }] },
+            "then": "$$alive",
+            "else": { "$concatArrays": ["$$alive", [
+                { "o": literal(owner), "u": { "$add": ["$$NOW", ms(life)] } },
+            ]] },
+        } },
     } };
     vec![doc! { "$set": { "ended": { "$slice": [ended, -ENDED_KEPT] } } }]
 }
@@ -375,17 +406,140 @@ mod tests {
 
     #[test]
     fn tombstone_update_exact() {
+        let list = doc! { "$ifNull": ["$ended", []] };
+        let alive = doc! { "$concatArrays": [
+            { "$filter": {
+                "input": { "$slice": [
+                    list.clone(),
+                    { "$max": [0_i64, { "$subtract": [{ "$size": list.clone() }, 32_i64] }] },
+                ] },
+                "as": "e",
+                "cond": { "$or": [
+                    { "$ne": [{ "$type": "$$e" }, "object"] },
+                    { "$gt": ["$$e.u", "$$NOW"] },
+                ] },
+            } },
+            { "$slice": [list, -32_i64] },
+        ] };
         assert_eq!(
-            tombstone_update("o#1"),
+            tombstone_update("o#1", Duration::from_secs(120)),
             vec![doc! { "$set": { "ended": { "$slice": [
-                { "$cond": {
-                    "if": { "$in": [{ "$literal": "o#1" }, { "$ifNull": ["$ended", []] }] },
-                    "then": { "$ifNull": ["$ended", []] },
-                    "else": { "$concatArrays": [{ "$ifNull": ["$ended", []] }, [{ "$literal": "o#1" }]] },
+                { "$let": {
+                    "vars": { "alive": alive },
+                    "in": { "$cond": {
+                        "if": { "$in": [{ "$literal": "o#1" }, { "$ifNull": ["$$alive.o", []] }] },
+                        "then": "$$alive",
+                        "else": { "$concatArrays": ["$$alive", [
+                            { "o": { "$literal": "o#1" }, "u": { "$add": ["$$NOW", 120_000_i64] } },
+                        ]] },
+                    } },
                 } },
-                -32_i64,
+                -1024_i64,
             ] } } }]
         );
+    }
+
+    /// S5 on the server: every attempt that ended within its tombstone's
+    /// life refuses its late take, however many ended after it; a retried
+    /// end is kept once; a tombstone whose life is over still refuses while
+    /// among the last 32 ends and is dropped after; an entry of the older
+    /// format (a bare id) is kept.
+    /// Red before (the list kept the last 32 ends, whatever their age):
+    /// the first of 40 ended attempts was granted.
+    #[tokio::test]
+    async fn ended_attempts_refuse_their_late_takes_for_their_life() {
+        let clients = crate::test_server::clients().await;
+        let locks = clients.op(None).conn.locks.clone();
+        let lock = name(&format!("ended-{}", ObjectId::new()));
+        let at = || take_filter(&lock);
+        locks
+            .insert_one(doc! { "_id": lock.as_str(), "ended": ["older"] })
+            .await
+            .unwrap();
+        let life = Duration::from_secs(120);
+        for i in 0..40 {
+            locks
+                .update_one(at(), tombstone_update(&format!("o#{i}"), life))
+                .await
+                .unwrap();
+        }
+        locks
+            .update_one(at(), tombstone_update("o#3", life))
+            .await
+            .unwrap();
+        let take = |owner: &'static str| TakeSpec {
+            session: "s",
+            owner,
+            why: None,
+            ts: ObjectId::new(),
+            ttl: Duration::from_secs(5),
+        };
+        let holder = |doc: Document| doc.get_str("who").ok().map(str::to_owned);
+        locks
+            .update_one(at(), take_update(&take("o#0")))
+            .await
+            .unwrap();
+        let doc = locks.find_one(at()).await.unwrap().unwrap();
+        assert_eq!(
+            holder(doc.clone()),
+            None,
+            "the first ended attempt's late take"
+        );
+        let ended = doc.get_array("ended").unwrap();
+        assert_eq!(ended.len(), 41, "{ended:?}");
+        assert_eq!(ended[0].as_str(), Some("older"));
+        locks
+            .update_one(at(), take_update(&take("p#1")))
+            .await
+            .unwrap();
+        let doc = locks.find_one(at()).await.unwrap().unwrap();
+        assert_eq!(
+            holder(doc),
+            Some("p#1".to_owned()),
+            "an attempt that did not end"
+        );
+        // A life over by the server's clock: still refused while among
+        // the last 32 ends, gone once older ends follow.
+        let short = Duration::from_millis(1);
+        locks
+            .update_one(at(), tombstone_update("short", short))
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        locks
+            .update_one(at(), tombstone_update("n#0", life))
+            .await
+            .unwrap();
+        locks.update_one(at(), free_update()).await.unwrap();
+        locks
+            .update_one(at(), take_update(&take("short")))
+            .await
+            .unwrap();
+        let doc = locks.find_one(at()).await.unwrap().unwrap();
+        assert_eq!(holder(doc), None, "a late take past its life, 2 ends later");
+        locks
+            .update_one(at(), take_update(&take("p#2")))
+            .await
+            .unwrap();
+        let doc = locks.find_one(at()).await.unwrap().unwrap();
+        assert_eq!(holder(doc), Some("p#2".to_owned()), "the lock was free");
+        for i in 1..33 {
+            locks
+                .update_one(at(), tombstone_update(&format!("n#{i}"), life))
+                .await
+                .unwrap();
+        }
+        let doc = locks.find_one(at()).await.unwrap().unwrap();
+        let owners: Vec<_> = doc
+            .get_array("ended")
+            .unwrap()
+            .iter()
+            .map(|e| e.as_document().map_or("older", |e| e.get_str("o").unwrap()))
+            .collect();
+        assert_eq!(owners.len(), 1 + 40 + 33, "{owners:?}");
+        assert!(!owners.contains(&"short"), "{owners:?}");
+        assert_eq!((owners[0], owners[1], owners[73]), ("older", "o#0", "n#32"));
+        locks.delete_one(at()).await.unwrap();
     }
 
     #[test]
@@ -405,7 +559,7 @@ mod tests {
                         { "$lte": [{ "$ifNull": ["$expiresAt", DateTime::from_millis(0)] }, "$$NOW"] },
                         { "$not": [{ "$in": [
                             { "$literal": "h:1:2:3#00000000000000ff" },
-                            { "$ifNull": ["$ended", []] },
+                            { "$ifNull": ["$ended.o", []] },
                         ] }] },
                     ] },
                     "then": { "$mergeObjects": ["$$ROOT", {
@@ -432,7 +586,7 @@ mod tests {
                                 { "$eq": ["$who", { "$literal": "h:1:2:3#00000000000000ff" }] },
                                 { "$not": [{ "$in": [
                                     { "$literal": "h:1:2:3#00000000000000ff" },
-                                    { "$ifNull": ["$ended", []] },
+                                    { "$ifNull": ["$ended.o", []] },
                                 ] }] },
                             ] },
                             "then": { "$mergeObjects": ["$$ROOT", {

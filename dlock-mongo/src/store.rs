@@ -300,12 +300,13 @@ pub(crate) struct MongoSession {
     doubtful: Doubtful,
 }
 
-/// Leaves attempt `owner`'s tombstone in `name`'s document (see
+/// Leaves attempt `owner`'s tombstone in `name`'s document for `life` (see
 /// [`query::tombstone_update`]), creating the document if need be.
 async fn leave_tombstone(
     inner: &Inner,
     name: &LockName,
     owner: &str,
+    life: Duration,
     stall: Duration,
 ) -> Result<(), Error> {
     for _ in 0..2 {
@@ -313,7 +314,10 @@ async fn leave_tombstone(
         let r = op
             .conn
             .locks
-            .update_one(query::take_filter(name), query::tombstone_update(owner))
+            .update_one(
+                query::take_filter(name),
+                query::tombstone_update(owner, life),
+            )
             .await;
         if op.done(r).map_err(map_err)?.matched_count > 0 {
             return Ok(());
@@ -336,7 +340,8 @@ impl MongoSession {
     /// The end of `owner`'s attempt on `name`: its tombstone first if it
     /// is doubtful (see [`leave_tombstone`]).
     async fn tombstone_first(&self, name: &LockName, owner: &str) -> Result<(), Error> {
-        let leave = || leave_tombstone(&self.inner, name, owner, self.stall);
+        let life = Doubtful::tombstone_life(self.ttl);
+        let leave = || leave_tombstone(&self.inner, name, owner, life, self.stall);
         self.doubtful.tombstone_if_doubtful(owner, leave).await?;
         Ok(())
     }
@@ -697,7 +702,8 @@ impl Claim for MongoClaim {
             return Ok(());
         }
         let (inner, name, owner) = (&self.inner, &self.name, &self.owner);
-        let leave = || leave_tombstone(inner, name, owner, self.stall);
+        let life = Doubtful::tombstone_life(self.ttl);
+        let leave = || leave_tombstone(inner, name, owner, life, self.stall);
         self.doubtful.tombstone_if_doubtful(owner, leave).await?;
         let op = self.inner.clients.op(Some(self.stall));
         let r = op

@@ -452,82 +452,66 @@ mod tests {
         let locks = clients.op(None).conn.locks.clone();
         let lock = name(&format!("ended-{}", ObjectId::new()));
         let at = || take_filter(&lock);
+        // Runs `owner`'s take on the lock's document; its holder after.
+        let take = async |owner: &str| {
+            let spec = TakeSpec {
+                session: "s",
+                owner,
+                why: None,
+                ts: ObjectId::new(),
+                ttl: Duration::from_secs(5),
+            };
+            locks.update_one(at(), take_update(&spec)).await.unwrap();
+            let doc = locks.find_one(at()).await.unwrap().unwrap();
+            doc.get_str("who").ok().map(str::to_owned)
+        };
+        let end = async |owner: &str, life: Duration| {
+            locks
+                .update_one(at(), tombstone_update(owner, life))
+                .await
+                .unwrap();
+        };
         locks
             .insert_one(doc! { "_id": lock.as_str(), "ended": ["older"] })
             .await
             .unwrap();
         let life = Duration::from_secs(120);
         for i in 0..40 {
-            locks
-                .update_one(at(), tombstone_update(&format!("o#{i}"), life))
-                .await
-                .unwrap();
+            end(&format!("o#{i}"), life).await;
         }
-        locks
-            .update_one(at(), tombstone_update("o#3", life))
-            .await
-            .unwrap();
-        let take = |owner: &'static str| TakeSpec {
-            session: "s",
-            owner,
-            why: None,
-            ts: ObjectId::new(),
-            ttl: Duration::from_secs(5),
-        };
-        let holder = |doc: Document| doc.get_str("who").ok().map(str::to_owned);
-        locks
-            .update_one(at(), take_update(&take("o#0")))
-            .await
-            .unwrap();
-        let doc = locks.find_one(at()).await.unwrap().unwrap();
+        end("o#3", life).await;
         assert_eq!(
-            holder(doc.clone()),
+            take("o#0").await,
             None,
             "the first ended attempt's late take"
         );
+        let doc = locks.find_one(at()).await.unwrap().unwrap();
         let ended = doc.get_array("ended").unwrap();
         assert_eq!(ended.len(), 41, "{ended:?}");
         assert_eq!(ended[0].as_str(), Some("older"));
-        locks
-            .update_one(at(), take_update(&take("p#1")))
-            .await
-            .unwrap();
-        let doc = locks.find_one(at()).await.unwrap().unwrap();
         assert_eq!(
-            holder(doc),
+            take("p#1").await,
             Some("p#1".to_owned()),
             "an attempt that did not end"
         );
         // A life over by the server's clock: still refused while among
         // the last 32 ends, gone once older ends follow.
-        let short = Duration::from_millis(1);
-        locks
-            .update_one(at(), tombstone_update("short", short))
-            .await
-            .unwrap();
+        end("short", Duration::from_millis(1)).await;
         tokio::time::sleep(Duration::from_millis(50)).await;
-        locks
-            .update_one(at(), tombstone_update("n#0", life))
-            .await
-            .unwrap();
+        end("n#0", life).await;
         locks.update_one(at(), free_update()).await.unwrap();
-        locks
-            .update_one(at(), take_update(&take("short")))
-            .await
-            .unwrap();
-        let doc = locks.find_one(at()).await.unwrap().unwrap();
-        assert_eq!(holder(doc), None, "a late take past its life, 2 ends later");
-        locks
-            .update_one(at(), take_update(&take("p#2")))
-            .await
-            .unwrap();
-        let doc = locks.find_one(at()).await.unwrap().unwrap();
-        assert_eq!(holder(doc), Some("p#2".to_owned()), "the lock was free");
+        assert_eq!(
+            take("short").await,
+            None,
+            "a late take past its life, 2 ends later"
+        );
+        assert_eq!(
+            take("p#2").await,
+            Some("p#2".to_owned()),
+            "the lock was free"
+        );
         for i in 1..33 {
-            locks
-                .update_one(at(), tombstone_update(&format!("n#{i}"), life))
-                .await
-                .unwrap();
+            end(&format!("n#{i}"), life).await;
         }
         let doc = locks.find_one(at()).await.unwrap().unwrap();
         let owners: Vec<_> = doc

@@ -300,15 +300,17 @@ pub(crate) struct MongoSession {
     doubtful: Doubtful,
 }
 
-/// Leaves attempt `owner`'s tombstone in `name`'s document for `life` (see
-/// [`query::tombstone_update`]), creating the document if need be.
+/// Leaves attempt `owner`'s tombstone in `name`'s document, for the life
+/// of a tombstone of holds of `ttl` (see [`query::tombstone_update`]),
+/// creating the document if need be.
 async fn leave_tombstone(
     inner: &Inner,
     name: &LockName,
     owner: &str,
-    life: Duration,
+    ttl: Duration,
     stall: Duration,
 ) -> Result<(), Error> {
+    let life = Doubtful::tombstone_life(ttl);
     for _ in 0..2 {
         let op = inner.clients.op(Some(stall));
         let r = op
@@ -340,8 +342,7 @@ impl MongoSession {
     /// The end of `owner`'s attempt on `name`: its tombstone first if it
     /// is doubtful (see [`leave_tombstone`]).
     async fn tombstone_first(&self, name: &LockName, owner: &str) -> Result<(), Error> {
-        let life = Doubtful::tombstone_life(self.ttl);
-        let leave = || leave_tombstone(&self.inner, name, owner, life, self.stall);
+        let leave = || leave_tombstone(&self.inner, name, owner, self.ttl, self.stall);
         self.doubtful.tombstone_if_doubtful(owner, leave).await?;
         Ok(())
     }
@@ -702,8 +703,7 @@ impl Claim for MongoClaim {
             return Ok(());
         }
         let (inner, name, owner) = (&self.inner, &self.name, &self.owner);
-        let life = Doubtful::tombstone_life(self.ttl);
-        let leave = || leave_tombstone(inner, name, owner, life, self.stall);
+        let leave = || leave_tombstone(inner, name, owner, self.ttl, self.stall);
         self.doubtful.tombstone_if_doubtful(owner, leave).await?;
         let op = self.inner.clients.op(Some(self.stall));
         let r = op
